@@ -1,0 +1,278 @@
+package idem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+	"time"
+)
+
+// Defaults for Config fields left at their zero value.
+const (
+	DefaultHeaderName     = "Idempotency-Key"
+	DefaultLease          = 30 * time.Second
+	DefaultTTL            = 24 * time.Hour
+	DefaultMaxRequestBody = 1 << 20
+	DefaultMaxStoredBody  = 1 << 20
+)
+
+// DefaultMethods are the methods that carry a key unless Config.Methods says
+// otherwise.
+var DefaultMethods = []string{http.MethodPost, http.MethodPatch}
+
+// DefaultStoredHeaders are the response headers kept for replay unless
+// Config.StoredHeaders says otherwise.
+var DefaultStoredHeaders = []string{
+	"Content-Type", "Content-Language", "Content-Encoding", "Content-Location",
+	"Location", "ETag", "Last-Modified", "Link",
+}
+
+// Flow chooses how a claimed request is carried out (DESIGN.md §2).
+type Flow uint8
+
+const (
+	// FlowClaimComplete commits the claim on its own as "in flight" with a lease,
+	// runs the handler (renewing the lease), then commits the completion — inside the
+	// handler's transaction when the store is a TxStore. It works with every store
+	// and suits handlers that call outside services.
+	FlowClaimComplete Flow = iota
+	// FlowSingleTx runs claim, handler and completion in one database transaction,
+	// with a transaction-scoped lock as the in-flight signal. It needs a
+	// SingleTxStore, and suits handlers whose side effects all live in that database.
+	FlowSingleTx
+)
+
+// ReplayFunc rebuilds the answer to a retry from a complete record whose body was
+// not stored: from rec.Response.Ref (a resource reference the handler recorded with
+// SetRef) or from the request itself (marker mode). It writes the answer to w; the
+// middleware has already set Idempotent-Replayed: true. An error makes the answer
+// a 500 problem (idempotency_replay_failed).
+type ReplayFunc func(w http.ResponseWriter, r *http.Request, rec *Record) error
+
+// Config configures the middleware. A nil *Config means all defaults. New copies
+// and validates it; the caller's struct is never modified.
+type Config struct {
+	// HeaderName is the request header that carries the key.
+	// Defaults to "Idempotency-Key".
+	HeaderName string
+
+	// Methods are the request methods that are keyed; others pass straight through.
+	// Defaults to POST and PATCH.
+	Methods []string
+
+	// KeyOptional lets keyed requests without a key through, unprotected. When
+	// false, a keyed request without the header is answered 400
+	// (idempotency_key_missing). Defaults to false: the key is required.
+	KeyOptional bool
+
+	// MaxKeyLength is the longest key accepted, in bytes; longer keys get 400.
+	// Defaults to 255.
+	MaxKeyLength int
+
+	// ScopeFunc returns the tenant or principal a request belongs to. Records are
+	// identified by (scope, key), so tenants never share keys. Defaults to
+	// ScopeFromContext, which reads what an authentication middleware stored with
+	// WithScope.
+	ScopeFunc func(r *http.Request) string
+
+	// FingerprintFunc computes the request fingerprint compared on every retry.
+	// Defaults to FingerprintV1 (method, path and body, SHA-256).
+	FingerprintFunc FingerprintFunc
+
+	// Lease is how long a claim stays in flight without renewal. The middleware
+	// renews it every Lease/3 while the handler runs; a holder that crashes is taken
+	// over once it lapses. Defaults to 30 seconds.
+	Lease time.Duration
+
+	// TTL is how long a record counts after it was claimed and after it completed;
+	// it must outlive the longest retry window of any client. Defaults to 24 hours.
+	TTL time.Duration
+
+	// MaxRequestBody is the largest request body read for fingerprinting; larger
+	// bodies get 413 (idempotency_body_too_large). Defaults to 1 MiB.
+	MaxRequestBody int64
+
+	// MaxStoredBody is the largest response body kept for replay. A larger response
+	// is never replayed truncated: with a TxStore the transaction rolls back and the
+	// client gets 500 (idempotency_response_too_large); otherwise the first caller
+	// gets the full response and retries get that problem. Defaults to 1 MiB.
+	MaxStoredBody int
+
+	// StoredHeaders are the response headers kept and replayed. Set-Cookie is refused.
+	// Defaults to DefaultStoredHeaders.
+	StoredHeaders []string
+
+	// KeepFunc decides whether an outcome with the given status is stored. An
+	// outcome that is not stored releases the key (and rolls back the handler's
+	// transaction with a TxStore), so a retry runs afresh. Defaults to keeping every
+	// outcome, 4xx and 5xx included.
+	KeepFunc func(status int) bool
+
+	// ReplayFunc, when set, answers retries from a record whose body is not stored:
+	// the resource reference the handler recorded with SetRef, or only the marker and
+	// fingerprint. With it, response bodies are not stored (status, stored headers
+	// and the reference are). Defaults to nil: full responses are stored and
+	// replayed byte for byte.
+	ReplayFunc ReplayFunc
+
+	// Flow chooses claim-then-complete or the single-transaction flow.
+	// Defaults to FlowClaimComplete.
+	Flow Flow
+
+	// NowFunc is the clock. Defaults to time.Now.
+	NowFunc func() time.Time
+
+	// Observer is told about every decision the middleware makes. Defaults to nil.
+	Observer Observer
+
+	// CleanupTimeout bounds the store calls made after the handler returned
+	// (complete, release, commit), which do not stop when the client disconnects.
+	// Defaults to 10 seconds.
+	CleanupTimeout time.Duration
+}
+
+// EventKind names a decision of the middleware.
+type EventKind uint8
+
+// The events an Observer sees.
+const (
+	EventExecuted   EventKind = iota + 1 // the handler ran and its outcome was stored
+	EventReplayed                        // a stored outcome was replayed
+	EventInFlight                        // 409: the key is held by another request
+	EventMismatch                        // 422: the key was reused with another request
+	EventRejected                        // 400 or 413 before the store was touched
+	EventStoreError                      // the store failed; Err says how
+	EventLeaseLost                       // the lease was lost while the handler ran
+	EventReleased                        // the key was released (panic, not kept, failed commit)
+	EventTakenOver                       // a lapsed lease was taken over
+)
+
+var eventNames = [...]string{"", "executed", "replayed", "in_flight", "mismatch", "rejected", "store_error", "lease_lost", "released", "taken_over"}
+
+// String returns the event's snake_case name.
+func (k EventKind) String() string {
+	if int(k) < len(eventNames) {
+		return eventNames[k]
+	}
+	return "unknown"
+}
+
+// Event describes one decision of the middleware.
+type Event struct {
+	Kind   EventKind
+	Scope  string
+	Key    string
+	Status int           // the status sent, when one was
+	Err    error         // the error behind the event, if any
+	Took   time.Duration // time since the request reached the middleware
+}
+
+// Observer receives events. Observe is called synchronously on the request's
+// goroutine and must not block.
+type Observer interface {
+	Observe(ctx context.Context, e Event)
+}
+
+// ObserverFunc adapts a function to Observer.
+type ObserverFunc func(ctx context.Context, e Event)
+
+// Observe calls f.
+func (f ObserverFunc) Observe(ctx context.Context, e Event) { f(ctx, e) }
+
+// settings is a validated Config with defaults applied.
+type settings struct {
+	Config
+	keyed      map[string]bool
+	storedHdrs []string // canonical
+}
+
+func (c *Config) settings(store Store) (*settings, error) {
+	s := &settings{}
+	if c != nil {
+		s.Config = *c
+	}
+	cfg := &s.Config
+	if cfg.HeaderName == "" {
+		cfg.HeaderName = DefaultHeaderName
+	}
+	cfg.HeaderName = http.CanonicalHeaderKey(cfg.HeaderName)
+	if len(cfg.Methods) == 0 {
+		cfg.Methods = DefaultMethods
+	}
+	s.keyed = make(map[string]bool, len(cfg.Methods))
+	for _, m := range cfg.Methods {
+		s.keyed[strings.ToUpper(m)] = true
+	}
+	var errs []error
+	if cfg.MaxKeyLength == 0 {
+		cfg.MaxKeyLength = DefaultMaxKeyLength
+	} else if cfg.MaxKeyLength < 0 {
+		errs = append(errs, fmt.Errorf("MaxKeyLength is %d; use a positive number or 0 for the default %d", cfg.MaxKeyLength, DefaultMaxKeyLength))
+	}
+	if cfg.ScopeFunc == nil {
+		cfg.ScopeFunc = ScopeFromContext
+	}
+	if cfg.FingerprintFunc == nil {
+		cfg.FingerprintFunc = FingerprintV1
+	}
+	if cfg.Lease == 0 {
+		cfg.Lease = DefaultLease
+	} else if cfg.Lease < 10*time.Millisecond {
+		errs = append(errs, fmt.Errorf("Lease is %v; use at least 10ms, or 0 for the default %v", cfg.Lease, DefaultLease))
+	}
+	if cfg.TTL == 0 {
+		cfg.TTL = DefaultTTL
+	} else if cfg.TTL < cfg.Lease {
+		errs = append(errs, fmt.Errorf("TTL (%v) is shorter than Lease (%v); a record must outlive its lease", cfg.TTL, cfg.Lease))
+	}
+	if cfg.MaxRequestBody == 0 {
+		cfg.MaxRequestBody = DefaultMaxRequestBody
+	} else if cfg.MaxRequestBody < 0 {
+		errs = append(errs, fmt.Errorf("MaxRequestBody is %d; use a positive size or 0 for the default", cfg.MaxRequestBody))
+	}
+	if cfg.MaxStoredBody == 0 {
+		cfg.MaxStoredBody = DefaultMaxStoredBody
+	} else if cfg.MaxStoredBody < 0 {
+		errs = append(errs, fmt.Errorf("MaxStoredBody is %d; use a positive size or 0 for the default", cfg.MaxStoredBody))
+	}
+	if cfg.StoredHeaders == nil {
+		cfg.StoredHeaders = DefaultStoredHeaders
+	}
+	for _, h := range cfg.StoredHeaders {
+		ch := http.CanonicalHeaderKey(h)
+		if ch == "Set-Cookie" {
+			errs = append(errs, errors.New("StoredHeaders lists Set-Cookie; a replay must never hand one client's cookie to another attempt, remove it"))
+			continue
+		}
+		s.storedHdrs = append(s.storedHdrs, ch)
+	}
+	if cfg.KeepFunc == nil {
+		cfg.KeepFunc = keepEverything
+	}
+	if cfg.NowFunc == nil {
+		cfg.NowFunc = time.Now
+	}
+	if cfg.CleanupTimeout == 0 {
+		cfg.CleanupTimeout = 10 * time.Second
+	}
+	switch cfg.Flow {
+	case FlowClaimComplete:
+	case FlowSingleTx:
+		if _, ok := store.(SingleTxStore); !ok {
+			errs = append(errs, fmt.Errorf("Flow is FlowSingleTx but the store (%T) does not implement idem.SingleTxStore; use a SQL store such as pgstore, or FlowClaimComplete", store))
+		}
+	default:
+		errs = append(errs, fmt.Errorf("Flow %d is unknown; use FlowClaimComplete or FlowSingleTx", cfg.Flow))
+	}
+	if store == nil {
+		errs = append(errs, errors.New("store is nil; pass one, for example memstore.New() or a SQL store"))
+	}
+	if len(errs) > 0 {
+		return nil, fmt.Errorf("idem: invalid config: %w", errors.Join(errs...))
+	}
+	return s, nil
+}
+
+func keepEverything(int) bool { return true }

@@ -1,0 +1,196 @@
+package idem
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"time"
+)
+
+// State is the state of a stored record. An absent record has no State: stores
+// report it with ErrNotFound.
+type State uint8
+
+const (
+	// StateInFlight means a request holds the key and its handler may be running.
+	StateInFlight State = 1
+	// StateComplete means the handler finished and its outcome is stored.
+	StateComplete State = 2
+)
+
+// String returns "in_flight", "complete" or "unknown".
+func (s State) String() string {
+	switch s {
+	case StateInFlight:
+		return "in_flight"
+	case StateComplete:
+		return "complete"
+	}
+	return "unknown"
+}
+
+// Sentinel errors shared by the middleware and every store. Check them with errors.Is.
+var (
+	// ErrNotFound is returned by Store.Get when no record exists for (scope, key),
+	// or when the record has expired.
+	ErrNotFound = errors.New("idem: record not found")
+	// ErrLockLost is returned by Complete, Release and Extend when the record's lock
+	// token no longer matches the caller's: its lease lapsed and another request
+	// took the key over, or the record expired and was reclaimed or deleted.
+	ErrLockLost = errors.New("idem: lock lost (the lease lapsed and the key was taken over)")
+	// ErrInFlight is returned by SingleTxStore.BeginLocked when another transaction
+	// holds the key right now.
+	ErrInFlight = errors.New("idem: key is in flight in another request")
+)
+
+// Response is the outcome of one execution, as kept in a complete record.
+type Response struct {
+	// Status is the HTTP status code the handler wrote.
+	Status int
+	// Header holds the allow-listed response headers (Config.StoredHeaders).
+	Header http.Header
+	// Body is the response body, byte for byte. It is nil when the body was not
+	// kept (BodyOmitted).
+	Body []byte
+	// BodyOmitted reports that Body was deliberately not stored: the outcome is
+	// kept as a resource reference or a marker, and Config.ReplayFunc rebuilds the
+	// answer, or the body was larger than Config.MaxStoredBody.
+	BodyOmitted bool
+	// Ref is the resource reference the handler recorded with SetRef, for example
+	// the ID of the order it created. Empty when none was recorded.
+	Ref string
+}
+
+// Record is one idempotency record, identified by (Scope, Key).
+type Record struct {
+	// Scope is the tenant or principal that owns the key.
+	Scope string
+	// Key is the idempotency key, as parsed from the request header.
+	Key string
+	// State is StateInFlight or StateComplete.
+	State State
+	// Fingerprint identifies the request that claimed the key, prefixed with its
+	// algorithm version ("v1:…").
+	Fingerprint string
+	// Token is the random lock token of the claim that currently holds or last
+	// held the key. Complete, Release and Extend compare it.
+	Token string
+	// CreatedAt is when the record was first claimed.
+	CreatedAt time.Time
+	// LeaseUntil is when the in-flight claim lapses unless extended.
+	LeaseUntil time.Time
+	// ExpiresAt is when the record stops counting: from then on it is treated as
+	// absent and the janitor may delete it.
+	ExpiresAt time.Time
+	// Response is the stored outcome; nil while the record is in flight.
+	Response *Response
+}
+
+// ClaimRequest is what the middleware asks of Store.Claim.
+type ClaimRequest struct {
+	Scope       string
+	Key         string
+	Fingerprint string
+	// Token is the fresh random lock token of this claim.
+	Token string
+	// Now is the middleware's clock reading; stores compare leases and expiry
+	// against it, so tests can drive time.
+	Now time.Time
+	// LeaseUntil is the lease deadline of the new claim.
+	LeaseUntil time.Time
+	// ExpiresAt is the record's expiry (Now + Config.TTL).
+	ExpiresAt time.Time
+}
+
+// Store keeps idempotency records. Every method is one atomic step on one record;
+// the state machine that combines them lives in the middleware. Applications do not
+// call a Store directly: they pass it to New.
+//
+// Times passed in are the middleware's clock readings; a store compares against
+// them and never reads a clock of its own (a store that uses server-side expiry, like
+// Redis, derives durations from them).
+type Store interface {
+	// Claim atomically claims (scope, key) for req.Token. The claim succeeds, and
+	// claimed is true, when
+	//   - no record exists, or the existing one has ExpiresAt <= req.Now (expired
+	//     records count as absent and are replaced whole), or
+	//   - the existing record is in flight, its LeaseUntil <= req.Now (the holder
+	//     crashed or stalled) and its Fingerprint equals req.Fingerprint: it is taken
+	//     over, keeping CreatedAt, with the new token, lease and expiry.
+	// A successful claim stores an in-flight record and returns it.
+	// Otherwise claimed is false, nothing is written, and rec is the existing record
+	// as it was at the moment of the decision (in flight or complete, never expired).
+	// Exactly one of any number of concurrent claims of one absent key succeeds.
+	Claim(ctx context.Context, req ClaimRequest) (rec *Record, claimed bool, err error)
+
+	// Complete stores resp and marks the record complete, with the given expiry, if
+	// and only if the record is in flight under token. Otherwise it returns
+	// ErrLockLost and changes nothing.
+	Complete(ctx context.Context, scope, key, token string, resp *Response, expiresAt time.Time) error
+
+	// Release deletes the in-flight record held under token, so that the next request
+	// with the key runs afresh. It returns ErrLockLost, changing nothing, when the
+	// record is not in flight under token.
+	Release(ctx context.Context, scope, key, token string) error
+
+	// Extend moves the lease deadline of the in-flight record held under token to
+	// leaseUntil. It returns ErrLockLost when the record is not in flight under token.
+	Extend(ctx context.Context, scope, key, token string, leaseUntil time.Time) error
+
+	// Get returns the record for (scope, key). It returns ErrNotFound when there is
+	// none or when it expired (ExpiresAt <= now).
+	Get(ctx context.Context, scope, key string, now time.Time) (*Record, error)
+
+	// DeleteExpired deletes at most limit records whose ExpiresAt <= now and reports
+	// how many it deleted. Callers repeat it until it returns fewer than limit.
+	// Stores whose records expire by themselves return 0, nil.
+	DeleteExpired(ctx context.Context, now time.Time, limit int) (int, error)
+}
+
+// TxStore is implemented by stores that can commit the completion in the same
+// database transaction as the handler's business writes (DESIGN.md §2). When the
+// store passed to New implements it, the middleware runs every claimed request in
+// a transaction: BeginTx before the handler, the fenced completion inside the
+// transaction, Commit, and only then the response.
+type TxStore interface {
+	Store
+	// BeginTx starts a transaction and returns a context that carries it, from which
+	// the store's package exposes it to handlers (for example sqlitestore.Tx(ctx)).
+	BeginTx(ctx context.Context) (context.Context, Tx, error)
+}
+
+// Tx is a business transaction opened by a TxStore.
+type Tx interface {
+	// Complete is Store.Complete inside the transaction: it returns ErrLockLost when
+	// the record is no longer in flight under token, and the caller rolls back.
+	Complete(ctx context.Context, scope, key, token string, resp *Response, expiresAt time.Time) error
+	// Commit commits the transaction.
+	Commit(ctx context.Context) error
+	// Rollback aborts the transaction. It is safe to call after Commit, as a no-op.
+	Rollback(ctx context.Context) error
+}
+
+// SingleTxStore is implemented by stores that support the single-transaction flow
+// (Config.Flow = FlowSingleTx): the in-flight signal is a lock that lives only as
+// long as the business transaction, and the key record is written once, already
+// complete, just before the one COMMIT.
+type SingleTxStore interface {
+	Store
+	// BeginLocked starts a transaction, takes a transaction-scoped lock on (scope,
+	// key) without waiting, and reads the record. It returns ErrInFlight when the
+	// lock is held by another transaction. rec is nil when no live record exists
+	// (absent or expired at now). The returned context carries the transaction as
+	// BeginTx's does.
+	BeginLocked(ctx context.Context, scope, key string, now time.Time) (context.Context, LockedTx, *Record, error)
+}
+
+// LockedTx is a transaction opened by SingleTxStore.BeginLocked.
+type LockedTx interface {
+	// Insert writes rec, already complete, replacing an expired record with the same
+	// (scope, key) if one exists.
+	Insert(ctx context.Context, rec *Record) error
+	// Commit commits the transaction and frees the lock.
+	Commit(ctx context.Context) error
+	// Rollback aborts the transaction and frees the lock. Safe after Commit.
+	Rollback(ctx context.Context) error
+}
