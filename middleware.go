@@ -49,14 +49,25 @@ type handler struct {
 	next http.Handler
 }
 
-// request is what the middleware knows about one keyed request.
+// request is what the middleware knows about one keyed request. Everything the
+// request needs lives in this one struct — the recorder, the replacement body, the
+// handler's and the cleanup contexts, the lease renewal — so that a request costs
+// one allocation of the middleware's own rather than one per part.
 type request struct {
+	h     *handler
 	r     *http.Request
 	scope string
 	key   string
 	body  []byte
 	fp    string
 	start time.Time
+
+	bodyReader bodyReader
+	rw         recorder
+	hctx       handlerContext
+	cctx       cleanupContext
+	cctxUsed   bool
+	renewal
 }
 
 func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -64,7 +75,7 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h.next.ServeHTTP(w, r)
 		return
 	}
-	req := request{r: r, start: h.NowFunc()}
+	req := &request{h: h, r: r, start: h.NowFunc()}
 	values := r.Header.Values(h.HeaderName)
 	switch len(values) {
 	case 0:
@@ -72,35 +83,35 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			h.next.ServeHTTP(w, r)
 			return
 		}
-		h.reject(w, &req, CodeKeyMissing, fmt.Sprintf("this endpoint requires an %s header; send one key, made once per operation (a UUID), with every retry of it", h.HeaderName))
+		h.reject(w, req, CodeKeyMissing, fmt.Sprintf("this endpoint requires an %s header; send one key, made once per operation (a UUID), with every retry of it", h.HeaderName))
 		return
 	case 1:
 	default:
-		h.reject(w, &req, CodeKeyInvalid, fmt.Sprintf("%d %s header lines were sent; send exactly one", len(values), h.HeaderName))
+		h.reject(w, req, CodeKeyInvalid, fmt.Sprintf("%d %s header lines were sent; send exactly one", len(values), h.HeaderName))
 		return
 	}
 	key, err := ParseKey(values[0], h.MaxKeyLength)
 	if err != nil {
-		h.reject(w, &req, CodeKeyInvalid, err.Error())
+		h.reject(w, req, CodeKeyInvalid, err.Error())
 		return
 	}
 	req.key = key
-	req.body, err = h.readBody(r)
+	req.body, err = req.readBody()
 	if err != nil {
 		if errors.Is(err, errBodyTooLarge) {
-			h.reject(w, &req, CodeBodyTooLarge, fmt.Sprintf("the request body is larger than %d bytes, the most this endpoint fingerprints", h.MaxRequestBody))
+			h.reject(w, req, CodeBodyTooLarge, fmt.Sprintf("the request body is larger than %d bytes, the most this endpoint fingerprints", h.MaxRequestBody))
 		} else {
-			h.reject(w, &req, CodeBodyUnreadable, "the request body could not be read: "+err.Error())
+			h.reject(w, req, CodeBodyUnreadable, "the request body could not be read: "+err.Error())
 		}
 		return
 	}
 	req.scope = h.ScopeFunc(r)
 	req.fp = h.FingerprintFunc(r, req.body)
 	if h.Flow == FlowSingleTx {
-		h.serveSingleTx(w, &req)
+		h.serveSingleTx(w, req)
 		return
 	}
-	h.serveClaim(w, &req)
+	h.serveClaim(w, req)
 }
 
 var errBodyTooLarge = errors.New("body too large")
@@ -110,32 +121,40 @@ type bodyReader struct{ bytes.Reader }
 
 func (*bodyReader) Close() error { return nil }
 
-func (h *handler) readBody(r *http.Request) ([]byte, error) {
+// readBody reads the request body for fingerprinting, at most MaxRequestBody
+// bytes, and puts a reader over the same bytes in its place for the handler.
+func (req *request) readBody() ([]byte, error) {
+	r := req.r
 	if r.Body == nil || r.Body == http.NoBody {
 		return nil, nil
 	}
-	max := h.MaxRequestBody
+	max := req.h.MaxRequestBody
 	if r.ContentLength > max {
 		return nil, errBodyTooLarge
 	}
 	var body []byte
+	var err error
 	if r.ContentLength >= 0 {
-		// Read one byte more than announced to notice a body that lies about its length.
-		body = make([]byte, 0, r.ContentLength+1)
+		body = make([]byte, r.ContentLength)
+		if _, err = io.ReadFull(r.Body, body); err == nil {
+			// The server enforces ContentLength; a body that goes on is not ours to read.
+			var one [1]byte
+			if n, _ := r.Body.Read(one[:]); n > 0 {
+				err = errors.New("the body is longer than its Content-Length")
+			}
+		}
+	} else {
+		body, err = io.ReadAll(io.LimitReader(r.Body, max+1))
+		if err == nil && int64(len(body)) > max {
+			err = errBodyTooLarge
+		}
 	}
-	buf := bytes.NewBuffer(body)
-	n, err := buf.ReadFrom(io.LimitReader(r.Body, max+1))
 	_ = r.Body.Close()
 	if err != nil {
 		return nil, err
 	}
-	if n > max {
-		return nil, errBodyTooLarge
-	}
-	body = buf.Bytes()
-	br := &bodyReader{}
-	br.Reset(body)
-	r.Body = br
+	req.bodyReader.Reset(body)
+	r.Body = &req.bodyReader
 	return body, nil
 }
 
@@ -196,9 +215,11 @@ func (h *handler) serveClaim(w http.ResponseWriter, req *request) {
 // execute runs the handler of a claimed request and settles its outcome.
 func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 	r := req.r
-	rw := &recorder{w: w, scope: req.scope, key: req.key}
-	ctx, cancel := context.WithCancelCause(context.WithValue(r.Context(), recorderKey{}, rw))
+	rw := req.recorder(w)
+	cancelCtx, cancel := context.WithCancelCause(r.Context())
 	defer cancel(nil)
+	req.hctx = handlerContext{Context: cancelCtx, rw: rw}
+	var ctx context.Context = &req.hctx
 	var tx Tx
 	if h.txStore != nil {
 		var err error
@@ -209,27 +230,26 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 			return
 		}
 	}
-	rn := h.startRenewal(req, token, cancel)
+	req.startRenewal(token, cancel)
 	settled := false
 	defer func() {
 		if settled {
 			return
 		}
 		// The handler panicked: leave nothing behind, then let the panic go on.
-		rn.stop()
-		cctx, ccancel := h.cleanupContext(r)
-		defer ccancel()
+		req.stopRenewal()
 		if tx != nil {
-			_ = tx.Rollback(cctx)
+			_ = tx.Rollback(req.cleanupContext())
 		}
 		h.release(req, token)
+		req.cctx.stop()
 	}()
 	h.next.ServeHTTP(rw, r.WithContext(ctx))
 	settled = true
-	rn.stop()
+	req.stopRenewal()
 
-	cctx, ccancel := h.cleanupContext(r)
-	defer ccancel()
+	cctx := req.cleanupContext()
+	defer req.cctx.stop()
 	status := rw.statusOrOK()
 	if !h.KeepFunc(status) {
 		if tx != nil {
@@ -293,8 +313,9 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 	r := req.r
 	now := h.NowFunc()
-	rw := &recorder{w: w, scope: req.scope, key: req.key}
-	ctx, tx, rec, err := h.singleTx.BeginLocked(context.WithValue(r.Context(), recorderKey{}, rw), req.scope, req.key, now)
+	rw := req.recorder(w)
+	req.hctx = handlerContext{Context: r.Context(), rw: rw}
+	ctx, tx, rec, err := h.singleTx.BeginLocked(&req.hctx, req.scope, req.key, now)
 	if errors.Is(err, ErrInFlight) {
 		h.inFlight(w, req, 0)
 		return
@@ -303,10 +324,9 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 		h.storeFailed(w, req, "begin locked transaction", err)
 		return
 	}
+	defer req.cctx.stop()
 	if rec != nil {
-		cctx, ccancel := h.cleanupContext(r)
-		_ = tx.Rollback(cctx)
-		ccancel()
+		_ = tx.Rollback(req.cleanupContext())
 		if match, _ := sameRequest(req.fp, rec.Fingerprint, r, req.body); !match {
 			h.mismatch(w, req, rec)
 		} else if rec.State == StateComplete {
@@ -319,16 +339,13 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 	settled := false
 	defer func() {
 		if !settled {
-			cctx, ccancel := h.cleanupContext(r)
-			defer ccancel()
-			_ = tx.Rollback(cctx)
+			_ = tx.Rollback(req.cleanupContext())
 		}
 	}()
 	h.next.ServeHTTP(rw, r.WithContext(ctx))
 	settled = true
 
-	cctx, ccancel := h.cleanupContext(r)
-	defer ccancel()
+	cctx := req.cleanupContext()
 	status := rw.statusOrOK()
 	if !h.KeepFunc(status) {
 		_ = tx.Rollback(cctx)
@@ -379,7 +396,7 @@ func (h *handler) storedHeader(src http.Header) http.Header {
 			if out == nil {
 				out = make(http.Header, len(h.storedHdrs))
 			}
-			out[name] = append([]string(nil), v...)
+			out[name] = v // the handler is done with its header map; the values are not changed after this
 		}
 	}
 	return out
@@ -398,7 +415,7 @@ func (h *handler) replay(w http.ResponseWriter, req *request, rec *Record) {
 			h.problem(w, req, EventReplayed, nil, CodeResponseTooLarge, fmt.Sprintf("the operation already completed with status %d, but its response was not kept (larger than MaxStoredBody, or stored as a reference without a ReplayFunc); it cannot be replayed", resp.Status), 0)
 			return
 		}
-		rw := &recorder{w: w, scope: req.scope, key: req.key}
+		rw := req.recorder(w)
 		if err := h.ReplayFunc(rw, req.r, rec); err != nil {
 			rw.discardHeaders()
 			h.problem(w, req, EventReplayed, err, CodeReplayFailed, "the operation already completed, but its answer could not be rebuilt: "+err.Error(), 0)
@@ -413,7 +430,7 @@ func (h *handler) replay(w http.ResponseWriter, req *request, rec *Record) {
 		hdr[k] = v
 	}
 	hdr.Set(ReplayedHeader, "true")
-	hdr.Set("Content-Length", strconv.Itoa(len(resp.Body)))
+	setContentLength(hdr, len(resp.Body))
 	w.WriteHeader(resp.Status)
 	_, _ = w.Write(resp.Body)
 	h.observe(req, Event{Kind: EventReplayed, Status: resp.Status})
@@ -454,17 +471,26 @@ func (h *handler) observe(req *request, e Event) {
 	h.Observer.Observe(req.r.Context(), e)
 }
 
-// cleanupContext returns a context for store calls after the handler: it carries
-// the request's values but does not end when the client goes away.
-func (h *handler) cleanupContext(r *http.Request) (context.Context, context.CancelFunc) {
-	return context.WithTimeout(context.WithoutCancel(r.Context()), h.CleanupTimeout)
+// recorder returns the request's recorder, writing to w.
+func (req *request) recorder(w http.ResponseWriter) *recorder {
+	req.rw = recorder{w: w, scope: req.scope, key: req.key}
+	return &req.rw
+}
+
+// cleanupContext returns the context for store calls after the handler: it
+// carries the request's values but does not end when the client goes away, only
+// CleanupTimeout after its first use.
+func (req *request) cleanupContext() context.Context {
+	if !req.cctxUsed {
+		req.cctxUsed = true
+		req.cctx.init(req.r.Context(), req.h.NowFunc().Add(req.h.CleanupTimeout))
+	}
+	return &req.cctx
 }
 
 // release gives the key up so that the next request runs afresh.
 func (h *handler) release(req *request, token string) {
-	ctx, cancel := h.cleanupContext(req.r)
-	defer cancel()
-	err := h.store.Release(ctx, req.scope, req.key, token)
+	err := h.store.Release(req.cleanupContext(), req.scope, req.key, token)
 	if errors.Is(err, ErrLockLost) {
 		err = nil // someone took over, or the commit went through after all: nothing to undo
 	}
@@ -474,10 +500,8 @@ func (h *handler) release(req *request, token string) {
 // renewal extends a claim's lease every Lease/3 while its handler runs, and
 // cancels the handler's context when the lease turns out to be lost. Transient
 // store errors are not a lost lease: renewal keeps trying, and the fenced
-// completion has the last word.
+// completion has the last word. It is embedded in request.
 type renewal struct {
-	h      *handler
-	req    *request
 	token  string
 	cancel context.CancelCauseFunc
 	mu     sync.Mutex
@@ -485,40 +509,49 @@ type renewal struct {
 	timer  *time.Timer
 }
 
-func (h *handler) startRenewal(req *request, token string, cancel context.CancelCauseFunc) *renewal {
-	rn := &renewal{h: h, req: req, token: token, cancel: cancel}
-	rn.timer = time.AfterFunc(h.Lease/3, rn.renew)
-	return rn
+func (req *request) startRenewal(token string, cancel context.CancelCauseFunc) {
+	req.mu.Lock() // renew reads req.timer
+	defer req.mu.Unlock()
+	req.token, req.cancel = token, cancel
+	req.timer = time.AfterFunc(req.h.Lease/3, req.renew)
 }
 
-func (rn *renewal) renew() {
-	rn.mu.Lock()
-	if rn.done {
-		rn.mu.Unlock()
+func (req *request) renew() {
+	req.mu.Lock()
+	if req.done {
+		req.mu.Unlock()
 		return
 	}
-	rn.mu.Unlock()
-	h := rn.h
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(rn.req.r.Context()), h.Lease/3)
-	err := h.store.Extend(ctx, rn.req.scope, rn.req.key, rn.token, h.NowFunc().Add(h.Lease))
+	req.mu.Unlock()
+	h := req.h
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(req.r.Context()), h.Lease/3)
+	err := h.store.Extend(ctx, req.scope, req.key, req.token, h.NowFunc().Add(h.Lease))
 	cancel()
-	rn.mu.Lock()
-	defer rn.mu.Unlock()
-	if rn.done {
+	req.mu.Lock()
+	defer req.mu.Unlock()
+	if req.done {
 		return
 	}
 	if errors.Is(err, ErrLockLost) {
-		rn.done = true
-		rn.cancel(ErrLockLost)
-		h.observe(rn.req, Event{Kind: EventLeaseLost, Err: err})
+		req.done = true
+		req.cancel(ErrLockLost)
+		h.observe(req, Event{Kind: EventLeaseLost, Err: err})
 		return
 	}
-	rn.timer.Reset(h.Lease / 3)
+	req.timer.Reset(h.Lease / 3)
 }
 
-func (rn *renewal) stop() {
-	rn.mu.Lock()
-	rn.done = true
-	rn.mu.Unlock()
-	rn.timer.Stop()
+func (req *request) stopRenewal() {
+	req.mu.Lock()
+	req.done = true
+	req.mu.Unlock()
+	req.timer.Stop()
+}
+
+// setContentLength sets Content-Length for bodies net/http would otherwise send
+// chunked; for smaller ones net/http sets it itself, at no cost to us.
+func setContentLength(h http.Header, n int) {
+	if n >= 2048 && h.Get("Content-Length") == "" {
+		h.Set("Content-Length", strconv.Itoa(n))
+	}
 }

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"net/http"
-	"strconv"
 )
 
 // recorder is the ResponseWriter the handler of a claimed request writes to. It
@@ -58,10 +57,7 @@ func (rw *recorder) statusOrOK() int {
 
 // send writes the buffered response to the client.
 func (rw *recorder) send() {
-	h := rw.w.Header()
-	if h.Get("Content-Length") == "" {
-		h.Set("Content-Length", strconv.Itoa(rw.body.Len()))
-	}
+	setContentLength(rw.w.Header(), rw.body.Len())
 	rw.w.WriteHeader(rw.statusOrOK())
 	_, _ = rw.w.Write(rw.body.Bytes())
 }

@@ -1,0 +1,95 @@
+package idem_test
+
+import (
+	"net/http"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/memstore"
+)
+
+// discardWriter is a ResponseWriter that keeps nothing, so that benchmarks
+// measure the middleware and the handler, not a recorder.
+type discardWriter struct{ h http.Header }
+
+func (w *discardWriter) Header() http.Header         { return w.h }
+func (w *discardWriter) Write(p []byte) (int, error) { return len(p), nil }
+func (w *discardWriter) WriteHeader(int)             {}
+
+// benchHandler is the work every variant does: a small JSON answer.
+var benchHandler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Location", "/orders/42")
+	w.WriteHeader(http.StatusCreated)
+	_, _ = w.Write([]byte(`{"id":42,"cart_id":"c_42","total_cents":1900}`))
+})
+
+const benchBody = `{"cart_id":"c_42","total_cents":1900}`
+
+func benchRequest(key string) *http.Request {
+	r, _ := http.NewRequest(http.MethodPost, "http://example.com/orders", strings.NewReader(benchBody))
+	r.ContentLength = int64(len(benchBody))
+	if key != "" {
+		r.Header.Set("Idempotency-Key", key)
+	}
+	return r
+}
+
+// BenchmarkMiddleware compares the bare handler with first-time keyed requests
+// and replays on memstore. Every variant builds its request inside the loop the
+// same way, so the differences between them are the middleware's cost.
+func BenchmarkMiddleware(b *testing.B) {
+	store := memstore.New(&memstore.Config{JanitorInterval: -1})
+	defer store.Close()
+	mw, err := idem.New(store, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	protected := mw(benchHandler)
+
+	b.Run("bare", func(b *testing.B) {
+		b.ReportAllocs()
+		w := &discardWriter{h: http.Header{}}
+		for b.Loop() {
+			clear(w.h)
+			benchHandler.ServeHTTP(w, benchRequest(""))
+		}
+	})
+	// Keys are made up front so that making them is not counted. Each run of the
+	// sub-benchmark uses a fresh store, so every key is first-time.
+	keys := make([]string, 1<<20)
+	for i := range keys {
+		keys[i] = "first-" + strconv.Itoa(i)
+	}
+	var seq atomic.Int64
+	b.Run("first-time", func(b *testing.B) {
+		store := memstore.New(&memstore.Config{JanitorInterval: -1})
+		defer store.Close()
+		mw, err := idem.New(store, nil)
+		if err != nil {
+			b.Fatal(err)
+		}
+		protected := mw(benchHandler)
+		b.ReportAllocs()
+		w := &discardWriter{h: http.Header{}}
+		for b.Loop() {
+			clear(w.h)
+			protected.ServeHTTP(w, benchRequest(keys[seq.Add(1)%int64(len(keys))]))
+		}
+	})
+	b.Run("replay", func(b *testing.B) {
+		b.ReportAllocs()
+		w := &discardWriter{h: http.Header{}}
+		protected.ServeHTTP(w, benchRequest("replayed"))
+		if w.h.Get("Location") == "" {
+			b.Fatal("the first request was not executed")
+		}
+		for b.Loop() {
+			clear(w.h)
+			protected.ServeHTTP(w, benchRequest("replayed"))
+		}
+	})
+}

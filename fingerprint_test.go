@@ -1,0 +1,60 @@
+package idem_test
+
+import (
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/idemkit/idem"
+)
+
+func TestFingerprintV1(t *testing.T) {
+	t.Parallel()
+	fp := func(method, target, body string) string {
+		return idem.FingerprintV1(httptest.NewRequest(method, target, nil), []byte(body))
+	}
+	base := fp("POST", "/orders", `{"a":1}`)
+	if !strings.HasPrefix(base, "v1:") || len(base) != 3+64 {
+		t.Fatalf("fingerprint %q: want v1: and 64 hex digits", base)
+	}
+	if again := fp("POST", "/orders", `{"a":1}`); again != base {
+		t.Errorf("same request fingerprinted twice: %q then %q", base, again)
+	}
+	if q := fp("POST", "/orders?x=1", `{"a":1}`); q != base {
+		t.Errorf("the query string changed the fingerprint; v1 covers method, path and body only")
+	}
+	differ := map[string]string{
+		"method": fp("PATCH", "/orders", `{"a":1}`),
+		"path":   fp("POST", "/orders/", `{"a":1}`),
+		"body":   fp("POST", "/orders", `{"a":2}`),
+		"shift":  fp("POST", "/order", `s{"a":1}`), // field boundaries are length-prefixed
+	}
+	for what, other := range differ {
+		if other == base {
+			t.Errorf("changing the %s kept the fingerprint", what)
+		}
+	}
+}
+
+func FuzzFingerprint(f *testing.F) {
+	f.Add("POST", "/orders", []byte(`{"cart_id":"c_42"}`), []byte(`{"cart_id":"c_43"}`))
+	f.Add("PATCH", "/a/b", []byte{}, []byte{0})
+	f.Fuzz(func(t *testing.T, method, path string, body1, body2 []byte) {
+		if method == "" || strings.ContainsAny(method, " \t\r\n/") || !strings.HasPrefix(path, "/") || strings.ContainsAny(path, " \t\r\n?#%") {
+			t.Skip()
+		}
+		r := httptest.NewRequest("POST", "/", nil)
+		r.Method = method
+		r.URL.Path = path
+		a, b := idem.FingerprintV1(r, body1), idem.FingerprintV1(r, body1)
+		if a != b {
+			t.Fatalf("not deterministic: %q vs %q", a, b)
+		}
+		if len(a) != 67 || !strings.HasPrefix(a, "v1:") {
+			t.Fatalf("malformed fingerprint %q", a)
+		}
+		if c := idem.FingerprintV1(r, body2); (c == a) != (string(body1) == string(body2)) {
+			t.Fatalf("bodies %q and %q: fingerprints %q and %q", body1, body2, a, c)
+		}
+	})
+}
