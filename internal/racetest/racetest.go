@@ -51,7 +51,7 @@ func Fire(n int, newReq func(i int) (*http.Request, error)) []Result {
 			defer done.Done()
 			// Dial before the barrier, so that the release is not spread out by
 			// connection setup; the transport gets this one connection and no other.
-			conn, err := net.DialTimeout("tcp", r.URL.Host, 10*time.Second)
+			conn, err := net.DialTimeout("tcp", hostPort(r), 10*time.Second)
 			if err != nil {
 				results[i].Err = err
 				ready.Done()
@@ -108,4 +108,17 @@ func Post(url, key string, body []byte, header http.Header) func(int) (*http.Req
 		}
 		return r, nil
 	}
+}
+
+// hostPort returns the address to dial for r, with the scheme's default port
+// when the URL names none.
+func hostPort(r *http.Request) string {
+	if r.URL.Port() != "" {
+		return r.URL.Host
+	}
+	port := "80"
+	if r.URL.Scheme == "https" {
+		port = "443"
+	}
+	return net.JoinHostPort(r.URL.Hostname(), port)
 }

@@ -1,0 +1,204 @@
+package checker
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// maxBody is the most of an answer the checker reads.
+const maxBody = 4 << 20
+
+// exchange is one request and its answer.
+type exchange struct {
+	key    string // "" when no key header was sent
+	body   []byte // request body
+	status int
+	header http.Header
+	resp   []byte
+	err    error
+}
+
+func (e *exchange) ok() bool { return e.err == nil && e.status >= 200 && e.status < 300 }
+
+func (e *exchange) replayed() bool { return e.header.Get("Idempotent-Replayed") == "true" }
+
+// newClient returns a client that sends each request exactly once on a fresh
+// connection: with keep-alives off, Go's Transport never re-sends a request
+// (it only retries on reused connections, and would do so for requests that
+// carry an Idempotency-Key; DESIGN.md §6). Redirects are not followed, proxies
+// from the environment not used.
+func newClient(timeout time.Duration) *http.Client {
+	return &http.Client{
+		Timeout:   timeout,
+		Transport: &http.Transport{DisableKeepAlives: true, Protocols: http1()},
+		CheckRedirect: func(*http.Request, []*http.Request) error {
+			return http.ErrUseLastResponse
+		},
+	}
+}
+
+// request builds one request to the endpoint. key "" sends no key header.
+func (c *checker) request(ctx context.Context, key string, body []byte, header http.Header) (*http.Request, error) {
+	r, err := http.NewRequestWithContext(ctx, c.o.Method, c.o.target.String(), bytes.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	r.Header.Set("Content-Type", "application/json")
+	r.Header.Set("User-Agent", "idem-check")
+	for k, v := range header {
+		r.Header[k] = v
+	}
+	if key != "" {
+		r.Header.Set(c.o.KeyHeader, key)
+	}
+	return r, nil
+}
+
+// send sends one request with tenant A's headers.
+func (c *checker) send(ctx context.Context, key string, body []byte) *exchange {
+	return c.sendAs(ctx, key, body, c.o.Header)
+}
+
+func (c *checker) sendAs(ctx context.Context, key string, body []byte, header http.Header) *exchange {
+	e := &exchange{key: key, body: body}
+	r, err := c.request(ctx, key, body, header)
+	if err != nil {
+		e.err = err
+		return e
+	}
+	resp, err := c.client.Do(r)
+	if err != nil {
+		e.err = err
+		return e
+	}
+	defer resp.Body.Close()
+	e.status, e.header = resp.StatusCode, resp.Header
+	e.resp, e.err = io.ReadAll(io.LimitReader(resp.Body, maxBody))
+	return e
+}
+
+// fire sends n identical requests, each on its own connection dialled before a
+// barrier, and releases them together. Each is sent exactly once: its client
+// gets the one pre-dialled connection and refuses to open another.
+func (c *checker) fire(ctx context.Context, n int, key string, body []byte) []*exchange {
+	out := make([]*exchange, n)
+	addr := c.o.target.Host
+	if c.o.target.Port() == "" {
+		port := "80"
+		if c.o.target.Scheme == "https" {
+			port = "443"
+		}
+		addr = net.JoinHostPort(c.o.target.Hostname(), port)
+	}
+	var dialled, answered atomic.Int64
+	stopProgress := c.progress(n, &dialled, &answered)
+	defer stopProgress()
+
+	start := make(chan struct{})
+	var ready, done sync.WaitGroup
+	for i := range out {
+		e := &exchange{key: key, body: body}
+		out[i] = e
+		ready.Add(1)
+		done.Add(1)
+		go func() {
+			defer done.Done()
+			defer answered.Add(1)
+			d := net.Dialer{Timeout: c.o.Timeout}
+			conn, err := d.DialContext(ctx, "tcp", addr)
+			if err != nil {
+				e.err = err
+				ready.Done()
+				return
+			}
+			dialled.Add(1)
+			var once sync.Once
+			client := &http.Client{
+				Timeout: c.o.Timeout,
+				Transport: &http.Transport{
+					DisableKeepAlives: true,
+					Protocols:         http1(),
+					DialContext: func(context.Context, string, string) (net.Conn, error) {
+						var got net.Conn
+						once.Do(func() { got = conn })
+						if got == nil {
+							return nil, errors.New("a second connection was asked for; the request would have been sent twice, so it was not")
+						}
+						return got, nil
+					},
+				},
+				CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
+			}
+			defer client.CloseIdleConnections()
+			r, err := c.request(ctx, key, body, c.o.Header)
+			if err != nil {
+				e.err = err
+				_ = conn.Close()
+				ready.Done()
+				return
+			}
+			ready.Done()
+			<-start
+			resp, err := client.Do(r)
+			if err != nil {
+				e.err = err
+				return
+			}
+			defer resp.Body.Close()
+			e.status, e.header = resp.StatusCode, resp.Header
+			e.resp, e.err = io.ReadAll(io.LimitReader(resp.Body, maxBody))
+		}()
+	}
+	ready.Wait()
+	close(start)
+	done.Wait()
+	return out
+}
+
+// progress writes a progress line to Options.Progress every 100ms until the
+// returned function is called, which finishes the line.
+func (c *checker) progress(n int, dialled, answered *atomic.Int64) func() {
+	w := c.o.Progress
+	if w == nil {
+		return func() {}
+	}
+	stop := make(chan struct{})
+	finished := make(chan struct{})
+	line := func() {
+		fmt.Fprintf(w, "\rrace: %d/%d connections dialled, %d/%d answered ", dialled.Load(), n, answered.Load(), n)
+	}
+	go func() {
+		defer close(finished)
+		t := time.NewTicker(100 * time.Millisecond)
+		defer t.Stop()
+		for {
+			line()
+			select {
+			case <-stop:
+				line()
+				fmt.Fprintln(w)
+				return
+			case <-t.C:
+			}
+		}
+	}()
+	return func() {
+		close(stop)
+		<-finished
+	}
+}
+
+// http1 allows HTTP/1.1 only.
+func http1() *http.Protocols {
+	p := new(http.Protocols)
+	p.SetHTTP1(true)
+	return p
+}
