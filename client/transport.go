@@ -1,0 +1,439 @@
+package client
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/idemkit/idem"
+)
+
+// Defaults for Transport fields left at their zero value.
+const (
+	DefaultHeaderName    = idem.DefaultHeaderName
+	DefaultMaxAttempts   = 5
+	DefaultMinBackoff    = 100 * time.Millisecond
+	DefaultMaxBackoff    = 10 * time.Second
+	DefaultMaxRetryAfter = 30 * time.Second
+)
+
+// DefaultMethods are the methods the Transport keys and retries unless
+// Transport.Methods says otherwise. They match the server's default.
+var DefaultMethods = []string{http.MethodPost, http.MethodPatch}
+
+// Transport is an http.RoundTripper that sends every request of a keyed method
+// (POST and PATCH by default) with an idempotency key and retries it when that is
+// safe. Each call to RoundTrip is one operation with one key: the key is made
+// before the first attempt and sent, unchanged, with every retry. Requests of other
+// methods are passed to Base untouched and are not retried.
+//
+// Which key: an Idempotency-Key header the caller already set is kept as it is;
+// otherwise the key stored in the request context with WithKey; otherwise a new
+// one from KeyFunc.
+//
+// What is retried: connection errors and attempt timeouts (also when the request
+// was sent and the answer lost — the server's idempotency makes the resend safe),
+// 409 answers that say the key is in flight (problem code idempotency_key_in_use
+// or idempotency_lease_lost, or any 409 with Retry-After), 429, 502, 503 and 504.
+// Retry-After is honoured in both forms (seconds and HTTP-date), capped at
+// MaxRetryAfter; otherwise the wait is capped exponential backoff with full
+// jitter. Never retried: 400, 422, every other 4xx, 500, 501 and every other
+// status — they are returned as responses — nor errors that a resend cannot fix
+// (TLS certificate errors, an unsupported URL scheme, an unreadable body).
+//
+// Retries stop after MaxAttempts, at once when the request context is cancelled,
+// and before a wait that would end after the context's deadline. Then RoundTrip
+// returns a *RetryError. The request body is sent again for every attempt, from
+// req.GetBody when set (http.NewRequest sets it for in-memory bodies), otherwise
+// from a copy read into memory before the first attempt.
+//
+// The zero Transport is ready to use. A Transport is safe for concurrent use; do
+// not change its fields after its first use. Invalid fields make RoundTrip return an
+// error that says which.
+type Transport struct {
+	// Base sends each attempt. Defaults to http.DefaultTransport.
+	//
+	// net/http's Transport silently re-sends a request that carries an
+	// Idempotency-Key header when a reused keep-alive connection drops before the
+	// answer; such invisible resends are safe against an idem server but are not
+	// counted by Attempts.
+	Base http.RoundTripper
+
+	// MaxAttempts is the most attempts made for one operation, the first included;
+	// 1 disables retries (useful under another retrying client). Defaults to 5.
+	MaxAttempts int
+
+	// MinBackoff is the backoff base: before retry n (n = 0 for the first retry) the
+	// Transport waits a random duration in [0, min(MaxBackoff, MinBackoff·2^n)]
+	// ("full jitter"), unless the answer carried Retry-After. Defaults to 100ms.
+	MinBackoff time.Duration
+
+	// MaxBackoff caps the backoff. Defaults to 10s, or MinBackoff if that is larger.
+	MaxBackoff time.Duration
+
+	// MaxRetryAfter caps the wait a Retry-After header asks for; a longer request is
+	// shortened to it. Defaults to 30s.
+	MaxRetryAfter time.Duration
+
+	// AttemptTimeout bounds each attempt until its response headers arrive; an
+	// attempt that takes longer is abandoned and retried (the request may have been
+	// carried out; the retry will learn its outcome). Zero means no limit beyond
+	// the request context. Defaults to 0.
+	AttemptTimeout time.Duration
+
+	// KeyFunc makes the key of an operation that brings none. Keys must be unique
+	// per operation, never derived from the body, and hold nothing personal.
+	// Defaults to NewKey (a random UUID v4).
+	KeyFunc func() string
+
+	// Methods are the request methods that are keyed and retried; others pass
+	// through untouched. Defaults to DefaultMethods (POST and PATCH).
+	Methods []string
+
+	// HeaderName is the request header that carries the key.
+	// Defaults to "Idempotency-Key".
+	HeaderName string
+
+	// Rand is the source of backoff jitter, for reproducible tests; the Transport
+	// serializes its calls. Defaults to the math/rand/v2 global generator.
+	Rand rand.Source
+
+	mu sync.Mutex // serializes Rand
+}
+
+// New returns an *http.Client whose Transport is t; a nil t means a Transport with
+// all defaults. The client sets no overall Timeout: bound an operation, retries
+// included, with the request context's deadline.
+func New(t *Transport) *http.Client {
+	if t == nil {
+		t = &Transport{}
+	}
+	return &http.Client{Transport: t}
+}
+
+var _ http.RoundTripper = (*Transport)(nil)
+
+// settings are a Transport's fields with defaults applied.
+type settings struct {
+	base           http.RoundTripper
+	maxAttempts    int
+	minBackoff     time.Duration
+	maxBackoff     time.Duration
+	maxRetryAfter  time.Duration
+	attemptTimeout time.Duration
+	keyFunc        func() string
+	methods        []string
+	header         string
+}
+
+func (t *Transport) settings() (*settings, error) {
+	s := &settings{
+		base: t.Base, maxAttempts: t.MaxAttempts, minBackoff: t.MinBackoff,
+		maxBackoff: t.MaxBackoff, maxRetryAfter: t.MaxRetryAfter,
+		attemptTimeout: t.AttemptTimeout, keyFunc: t.KeyFunc, methods: t.Methods,
+		header: t.HeaderName,
+	}
+	var errs []error
+	if s.base == nil {
+		s.base = http.DefaultTransport
+	}
+	if s.maxAttempts == 0 {
+		s.maxAttempts = DefaultMaxAttempts
+	} else if s.maxAttempts < 0 {
+		errs = append(errs, fmt.Errorf("MaxAttempts is %d; use 1 or more (1 disables retries), or 0 for the default %d", s.maxAttempts, DefaultMaxAttempts))
+	}
+	if s.minBackoff == 0 {
+		s.minBackoff = DefaultMinBackoff
+	} else if s.minBackoff < 0 {
+		errs = append(errs, fmt.Errorf("MinBackoff is %v; use a positive duration or 0 for the default %v", s.minBackoff, DefaultMinBackoff))
+	}
+	if s.maxBackoff == 0 {
+		s.maxBackoff = max(DefaultMaxBackoff, s.minBackoff)
+	} else if s.maxBackoff < s.minBackoff {
+		errs = append(errs, fmt.Errorf("MaxBackoff (%v) is less than MinBackoff (%v); raise it, or leave it 0 for the default", s.maxBackoff, s.minBackoff))
+	}
+	if s.maxRetryAfter == 0 {
+		s.maxRetryAfter = DefaultMaxRetryAfter
+	} else if s.maxRetryAfter < 0 {
+		errs = append(errs, fmt.Errorf("MaxRetryAfter is %v; use a positive duration or 0 for the default %v", s.maxRetryAfter, DefaultMaxRetryAfter))
+	}
+	if s.attemptTimeout < 0 {
+		errs = append(errs, fmt.Errorf("AttemptTimeout is %v; use a positive duration, or 0 for no limit", s.attemptTimeout))
+	}
+	if s.keyFunc == nil {
+		s.keyFunc = NewKey
+	}
+	if len(s.methods) == 0 {
+		s.methods = DefaultMethods
+	}
+	if s.header == "" {
+		s.header = DefaultHeaderName
+	} else if strings.ContainsAny(s.header, " \t\r\n:") {
+		errs = append(errs, fmt.Errorf("HeaderName %q is not a header name; leave it empty for %q", s.header, DefaultHeaderName))
+	}
+	if len(errs) > 0 {
+		return nil, fmt.Errorf("idem/client: invalid Transport: %w", errors.Join(errs...))
+	}
+	return s, nil
+}
+
+func (s *settings) keyed(method string) bool {
+	for _, m := range s.methods {
+		if strings.EqualFold(m, method) {
+			return true
+		}
+	}
+	return false
+}
+
+// ErrAttemptTimeout is wrapped by the error of an attempt abandoned after
+// Transport.AttemptTimeout (RetryError.Err); check it with errors.Is.
+var ErrAttemptTimeout = errors.New("idem/client: attempt timed out")
+
+// RoundTrip sends req as one operation: with one idempotency key, and as many
+// attempts as it takes to get a final answer, within MaxAttempts and the request
+// context. See Transport for what is retried. The response of the last attempt is
+// returned as it is; Attempts(resp) reports how many attempts were made and
+// Replayed(resp) whether the answer was a replay. When no attempt got a final
+// answer, RoundTrip returns a *RetryError.
+func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
+	s, err := t.settings()
+	if err != nil {
+		closeBody(req)
+		return nil, err
+	}
+	if !s.keyed(req.Method) {
+		return s.base.RoundTrip(req)
+	}
+	ctx := req.Context()
+
+	header := req.Header.Clone()
+	if header == nil {
+		header = make(http.Header)
+	}
+	var key string
+	if vs := req.Header.Values(s.header); len(vs) > 0 {
+		key = vs[0] // the caller's key, sent as it is
+	} else {
+		k, ok := KeyFrom(ctx)
+		if !ok || k == "" {
+			k = s.keyFunc()
+		}
+		if k == "" {
+			closeBody(req)
+			return nil, errors.New("idem/client: KeyFunc returned an empty key; return a new unique key (a UUID) for every call")
+		}
+		key = k
+		header.Set(s.header, key)
+	}
+
+	bodies, err := newBodies(req)
+	if err != nil {
+		return nil, fmt.Errorf("idem/client: reading the request body, to be able to resend it, failed before the first attempt (nothing was sent): %w", err)
+	}
+
+	rerr := &RetryError{Key: key}
+	for attempt := 1; ; attempt++ {
+		areq := req.WithContext(context.WithValue(ctx, attemptCtx{}, attempt))
+		areq.Header = header.Clone()
+		if areq.Body, err = bodies.next(attempt); err != nil {
+			rerr.Err = fmt.Errorf("rewinding the request body for attempt %d (req.GetBody failed): %w", attempt, err)
+			rerr.Status, rerr.Code, rerr.Detail, rerr.RetryAfter = 0, "", "", 0
+			return nil, rerr
+		}
+		if bodies.getBody != nil {
+			areq.GetBody = bodies.getBody
+			areq.ContentLength = bodies.length
+		}
+		var cancel context.CancelCauseFunc
+		var timer *time.Timer
+		if s.attemptTimeout > 0 {
+			var actx context.Context
+			actx, cancel = context.WithCancelCause(areq.Context())
+			areq = areq.WithContext(actx)
+			timer = time.AfterFunc(s.attemptTimeout, func() { cancel(ErrAttemptTimeout) })
+		}
+		resp, err := s.base.RoundTrip(areq)
+		timedOut := false
+		if timer != nil {
+			timedOut = !timer.Stop()
+			if timedOut && err == nil {
+				// The answer came just as the attempt timed out: its body is already
+				// cut off by the cancelled context, so the attempt counts as failed.
+				drainClose(resp.Body)
+				resp, err = nil, context.Cause(areq.Context())
+			}
+		}
+		rerr.Attempts = attempt
+
+		var wait time.Duration
+		if err != nil {
+			if cancel != nil {
+				cancel(nil)
+			}
+			rerr.Status, rerr.Code, rerr.Detail, rerr.RetryAfter = 0, "", "", 0
+			rerr.Err = err
+			if ctx.Err() != nil {
+				rerr.Stop = ctx.Err()
+				return nil, rerr
+			}
+			if timedOut {
+				rerr.Err = fmt.Errorf("%w after %v (the request may have been carried out): %w", ErrAttemptTimeout, s.attemptTimeout, err)
+			} else if !retryableErr(err) {
+				return nil, rerr
+			}
+			wait = t.backoff(s, attempt-1)
+		} else {
+			if resp.Request == nil {
+				resp.Request = areq
+			}
+			retry, p := retryableResponse(resp)
+			if !retry {
+				if cancel != nil {
+					resp.Body = &cancelOnClose{ReadCloser: resp.Body, cancel: cancel}
+				}
+				return resp, nil
+			}
+			drainClose(resp.Body)
+			if cancel != nil {
+				cancel(nil)
+			}
+			rerr.Err = nil
+			rerr.Status, rerr.Code, rerr.Detail = resp.StatusCode, p.Code, p.Detail
+			ra, ok := parseRetryAfter(resp.Header.Get("Retry-After"), time.Now())
+			rerr.RetryAfter = ra
+			if ok && ra > 0 {
+				wait = min(ra, s.maxRetryAfter)
+			} else {
+				wait = t.backoff(s, attempt-1)
+			}
+		}
+
+		if attempt >= s.maxAttempts {
+			return nil, rerr
+		}
+		if deadline, ok := ctx.Deadline(); ok && time.Until(deadline) <= wait {
+			// The wait would end past the deadline: give up now instead of sleeping
+			// through the caller's whole budget for nothing.
+			rerr.Stop = context.DeadlineExceeded
+			return nil, rerr
+		}
+		if err := sleep(ctx, wait); err != nil {
+			rerr.Stop = err
+			return nil, rerr
+		}
+	}
+}
+
+// backoff returns the full-jitter wait before retry n (0 for the first retry): a
+// random duration in [0, min(maxBackoff, minBackoff·2^n)].
+func (t *Transport) backoff(s *settings, n int) time.Duration {
+	return t.jitter(backoffCeiling(s.minBackoff, s.maxBackoff, n))
+}
+
+// backoffCeiling returns min(maxB, minB·2^n) without overflowing.
+func backoffCeiling(minB, maxB time.Duration, n int) time.Duration {
+	if n < 0 {
+		n = 0
+	}
+	if n >= 62 || minB > maxB>>n {
+		return maxB
+	}
+	return minB << n
+}
+
+// jitter returns a random duration in [0, ceil].
+func (t *Transport) jitter(ceil time.Duration) time.Duration {
+	if ceil <= 0 {
+		return 0
+	}
+	if t.Rand == nil {
+		return time.Duration(rand.Uint64N(uint64(ceil) + 1))
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return time.Duration(rand.New(t.Rand).Uint64N(uint64(ceil) + 1))
+}
+
+// sleep waits for d, or until ctx ends, returning ctx's error then.
+func sleep(ctx context.Context, d time.Duration) error {
+	if d <= 0 {
+		return ctx.Err()
+	}
+	tm := time.NewTimer(d)
+	defer tm.Stop()
+	select {
+	case <-tm.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// bodies hands out the request body for each attempt.
+type bodies struct {
+	first   io.ReadCloser
+	getBody func() (io.ReadCloser, error) // nil when there is no body
+	length  int64
+}
+
+// newBodies prepares to resend req's body: from req.GetBody when set, otherwise
+// from a copy read now. It closes req.Body when it reads it.
+func newBodies(req *http.Request) (*bodies, error) {
+	b := &bodies{first: req.Body, length: req.ContentLength}
+	if req.Body == nil || req.Body == http.NoBody {
+		return b, nil
+	}
+	if req.GetBody != nil {
+		b.getBody = req.GetBody
+		return b, nil
+	}
+	data, err := io.ReadAll(req.Body)
+	_ = req.Body.Close()
+	if err != nil {
+		return nil, err
+	}
+	b.getBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil }
+	b.first, _ = b.getBody()
+	b.length = int64(len(data))
+	return b, nil
+}
+
+func (b *bodies) next(attempt int) (io.ReadCloser, error) {
+	if attempt == 1 || b.getBody == nil {
+		return b.first, nil
+	}
+	return b.getBody()
+}
+
+func closeBody(req *http.Request) {
+	if req.Body != nil {
+		_ = req.Body.Close()
+	}
+}
+
+// drainClose reads a little of body, so that the connection can be reused, and
+// closes it.
+func drainClose(body io.ReadCloser) {
+	_, _ = io.CopyN(io.Discard, body, 64<<10)
+	_ = body.Close()
+}
+
+// cancelOnClose ends an attempt's context when the caller closes the body.
+type cancelOnClose struct {
+	io.ReadCloser
+	cancel context.CancelCauseFunc
+}
+
+func (c *cancelOnClose) Close() error {
+	err := c.ReadCloser.Close()
+	c.cancel(nil)
+	return err
+}
