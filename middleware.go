@@ -380,6 +380,7 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 		return
 	}
 	if err := tx.Commit(cctx); err != nil {
+		_ = tx.Rollback(cctx) // frees the lock of a store that did not on a failed commit
 		rw.discardHeaders()
 		h.problem(w, req, EventStoreError, err, CodeCommitFailed, "the transaction could not be committed, so nothing was stored; retry with the same key", 1)
 		return

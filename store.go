@@ -189,7 +189,8 @@ type LockedTx interface {
 	// Insert writes rec, already complete, replacing an expired record with the same
 	// (scope, key) if one exists.
 	Insert(ctx context.Context, rec *Record) error
-	// Commit commits the transaction and frees the lock.
+	// Commit commits the transaction and frees the lock — also when the commit
+	// fails (the middleware calls Rollback after a failed Commit as well).
 	Commit(ctx context.Context) error
 	// Rollback aborts the transaction and frees the lock. Safe after Commit.
 	Rollback(ctx context.Context) error

@@ -438,6 +438,11 @@ func testExtend(t *testing.T, s idem.Store) {
 	if err := s.Extend(ctxFor(t), f.scope, f.key, req.Token, newLease); err != nil {
 		t.Fatalf("Extend: %v", err)
 	}
+	// Extending to the same deadline again still matches the record (a SQL store
+	// must count matched rows, not changed ones).
+	if err := s.Extend(ctxFor(t), f.scope, f.key, req.Token, newLease); err != nil {
+		t.Fatalf("Extend to the same deadline twice: %v", err)
+	}
 	if rec := mustGet(t, s, f, now); !sameTime(rec.LeaseUntil, newLease) {
 		t.Errorf("LeaseUntil after Extend = %v, want %v", rec.LeaseUntil, newLease)
 	}
@@ -570,6 +575,12 @@ func testScopeIsolation(t *testing.T, s idem.Store) {
 		{{scope: "a:" + id, key: "b:c"}, {scope: "a:" + id + ":b", key: "c"}},
 		{{scope: "", key: id + "x"}, {scope: id, key: "x"}},
 		{{scope: id + "}", key: "{k"}, {scope: id, key: "}{k"}},
+		// Byte-exact comparison: no case folding, no trailing-space padding, no
+		// Unicode normalisation.
+		{{scope: id, key: "ABC"}, {scope: id, key: "abc"}},
+		{{scope: id + " ", key: "k"}, {scope: id, key: "k"}},
+		{{scope: id, key: "stra\u00dfe"}, {scope: id, key: "strasse"}},
+		{{scope: id, key: "\u00e9"}, {scope: id, key: "e\u0301"}},
 	}
 	for _, p := range pairs {
 		a, b := p[0], p[1]

@@ -1,0 +1,157 @@
+// Package mysqlstore keeps idem records in MySQL (8.0 and later) or MariaDB (10.6
+// and later), through database/sql. It implements idem.Store, idem.TxStore (the
+// handler's business writes and the stored response commit in one transaction) and
+// idem.SingleTxStore (the single-transaction flow).
+//
+// The store registers no driver. Open the *sql.DB yourself, with
+// github.com/go-sql-driver/mysql (the driver it is tested with) or another:
+//
+//	import _ "github.com/go-sql-driver/mysql"
+//
+//	db, err := sql.Open("mysql", "app:secret@tcp(db:3306)/shop")
+//	store, err := mysqlstore.New(db, nil)
+//	err = store.Migrate(ctx) // once, at start-up or deploy
+//	mw, err := idem.New(store, nil)
+//	http.Handle("POST /orders", mw(createOrder))
+//
+// and write through the request's transaction in the handler:
+//
+//	tx := mysqlstore.Tx(r.Context())
+//	res, err := tx.ExecContext(r.Context(), "INSERT INTO orders (item) VALUES (?)", item)
+//
+// No DSN option is required: times are stored as BIGINT Unix microseconds, so
+// parseTime and loc do not matter, and affected-row counts are right with or
+// without clientFoundRows.
+//
+// # Schema
+//
+// Migrate creates it (the embedded Migrations, under a GET_LOCK so that concurrent
+// starts are safe) and records the applied versions in Table+"_migrations":
+//
+//	CREATE TABLE IF NOT EXISTS `idem_records` (
+//	  `scope`        VARBINARY(255)    NOT NULL,
+//	  `key`          VARBINARY(255)    NOT NULL,
+//	  `state`        TINYINT UNSIGNED  NOT NULL,  -- 1 in flight, 2 complete
+//	  `fingerprint`  VARBINARY(512)    NOT NULL,
+//	  `token`        VARBINARY(255)    NOT NULL,
+//	  `created_at`   BIGINT            NOT NULL,  -- Unix microseconds
+//	  `lease_until`  BIGINT            NOT NULL,
+//	  `expires_at`   BIGINT            NOT NULL,
+//	  `renewals`     BIGINT UNSIGNED   NOT NULL DEFAULT 0,
+//	  `status`       SMALLINT UNSIGNED NULL,
+//	  `headers`      MEDIUMBLOB        NULL,      -- JSON object of string arrays
+//	  `body`         LONGBLOB          NULL,
+//	  `body_omitted` TINYINT(1)        NOT NULL DEFAULT 0,
+//	  `ref`          BLOB              NULL,
+//	  PRIMARY KEY (`scope`, `key`),
+//	  KEY `expires_at_idx` (`expires_at`)
+//	) ENGINE=InnoDB
+//
+// scope and key are VARBINARY, so they compare byte for byte: "ABC" and "abc",
+// "k" and "k ", "straße" and "strasse" are different keys whatever the server's
+// collation (a utf8mb4 _ci column would merge them, and two clients' operations
+// with them). The user needs SELECT, INSERT, UPDATE and DELETE on the table, and
+// CREATE to run Migrate.
+//
+// # The claim
+//
+// One statement decides every race for a key, with the row lock InnoDB takes on
+// the primary key:
+//
+//	INSERT INTO t (scope, key, state, fingerprint, token, created_at, lease_until, expires_at)
+//	VALUES (:scope, :key, 1, :fp, :token, :now, :lease, :expires)
+//	ON DUPLICATE KEY UPDATE
+//	  token       = IF(expires_at <= :now OR (state = 1 AND lease_until <= :now AND fingerprint = :fp), :token, token),
+//	  created_at  = IF(token = :token AND expires_at <= :now, :now, created_at),
+//	  state       = IF(token = :token, 1, state),
+//	  fingerprint = IF(token = :token, :fp, fingerprint),
+//	  lease_until = IF(token = :token, :lease, lease_until),
+//	  expires_at  = IF(token = :token, :expires, expires_at),
+//	  …           -- renewals, status, headers, body, body_omitted, ref reset likewise
+//
+// An absent key is inserted; a present one is replaced when it expired, or taken
+// over when it is in flight with a lapsed lease and the same fingerprint (keeping
+// created_at); otherwise nothing changes. MySQL applies the assignments left to
+// right, each seeing the columns the earlier ones changed, so the condition is
+// evaluated once, first, on the untouched row, and decides whether our fresh random
+// token goes in; every later assignment asks only whether the token is ours now.
+// In the same transaction, still holding the row lock, the row is read back
+// (SELECT … FOR UPDATE): the claim succeeded exactly when the stored token is ours,
+// and otherwise the row is the record as it was when the claim was decided.
+// Concurrent claims of one key serialise on the row lock; when InnoDB resolves a
+// deadlock between them (error 1213) the claim is retried, so a race never turns
+// into a 503. There is no check-then-write anywhere, and times are compared with
+// the Now the middleware passed, never the server's clock.
+//
+// Before that transaction, Claim reads the committed row without locking it. When
+// the row, as read, fails the same condition (complete and live, or in flight
+// under a live lease or with another fingerprint), the statement would have failed
+// at that instant too, so the claim is answered "no" with the row as read. The read
+// can only say no; every "yes" comes from the INSERT. Replays and 409s therefore
+// cost one round trip and take no row lock: a burst of retries of one key does not
+// queue on it.
+//
+// Complete, Release and Extend are compare-and-set statements on (token, state = 1)
+// and return idem.ErrLockLost when no row matched. Complete sets state to 2 and
+// Extend bumps renewals, so a matched row always counts as changed (MySQL reports
+// changed, not matched, rows unless clientFoundRows is set).
+//
+// # Transactions
+//
+// BeginTx opens a READ COMMITTED transaction (see Store.BeginTx for why) that the
+// handler reaches with Tx. The middleware writes the completion into it with the
+// same fenced UPDATE and commits: the business rows and the stored response exist
+// together or not at all, and a request whose lease was taken over finds its token
+// gone, so its transaction is rolled back. The claim itself commits on its own
+// before the handler runs (claim-then-complete).
+//
+// Each executing request holds one pooled connection for its transaction, and
+// claims, lease renewals and other requests need others: size
+// sql.DB.SetMaxOpenConns (and the server's max_connections) for that. The store
+// prepares its statements on connections it does not hold, before a request's
+// transaction begins, so a pool fully held by transactions never stalls a
+// completion.
+//
+// # Single transaction
+//
+// The store also implements idem.SingleTxStore (idem.FlowSingleTx): BeginLocked
+// takes one connection for the request, takes a named lock on (scope, key) with
+// GET_LOCK(name, 0) — held elsewhere means 409 at once —, begins a READ COMMITTED
+// transaction and reads the record; the handler writes in it; the record is
+// inserted, already complete, just before the one COMMIT. GET_LOCK belongs to the
+// session, not the transaction, so Commit and Rollback release it explicitly after
+// ending the transaction, and close the connection instead of pooling it when the
+// release cannot be confirmed; a process that dies loses its session, and the
+// server frees the lock and rolls back. The lock name is "idem:" and a hash of
+// database, table, scope and key. GET_LOCK is local to one server: on a
+// multi-primary cluster (Galera, group replication in multi-primary mode) all
+// writers for a table must go to one node, and a proxy that multiplexes sessions
+// must pin them (ProxySQL and MaxScale do so for GET_LOCK).
+//
+// # Expired records
+//
+// Get and Claim treat a record with expires_at <= now as absent. The janitor
+// (idem.Janitor, or `idem gc`) deletes them in bounded batches, each one statement
+// that holds its locks briefly, using the expires_at index:
+//
+//	DELETE FROM t WHERE expires_at <= :now ORDER BY expires_at, scope, key LIMIT :batch
+//
+// (The primary-key columns in ORDER BY make the batch deterministic, as
+// statement-based replication requires; the index on expires_at, which carries
+// the primary key, still serves the order without a sort.)
+//
+// # Limits
+//
+//   - scope and key: at most 255 bytes each (MaxScopeLength, MaxKeyLength); longer
+//     values are refused with an error before they reach the server, which outside
+//     strict SQL mode would truncate them and merge distinct keys. Keep
+//     idem.Config.MaxKeyLength at 255 or less, and hash long scopes.
+//   - fingerprint at most 512 bytes, lock token at most 255.
+//   - A stored response travels in one packet: the server's max_allowed_packet
+//     (16 MiB on MariaDB 10.11, 64 MiB on MySQL 8) must exceed the largest body plus
+//     headers, or Complete fails and the request is answered 503 with nothing
+//     committed. Keep idem.Config.MaxStoredBody (1 MiB by default) well below it.
+//     body is a LONGBLOB, headers a MEDIUMBLOB (16 MiB), ref a BLOB (64 KiB).
+//   - Config.Table: letters, digits, underscore, at most 53 characters, in the
+//     DSN's database.
+package mysqlstore

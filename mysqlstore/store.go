@@ -1,0 +1,515 @@
+package mysqlstore
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"reflect"
+	"regexp"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/idemkit/idem"
+)
+
+// DefaultTable is the table name used when Config.Table is empty.
+const DefaultTable = "idem_records"
+
+// Limits of the schema, checked before a value reaches the server (a server not in
+// strict SQL mode would silently truncate an overlong value, and two keys that
+// differ only after byte 255 would collide).
+const (
+	// MaxScopeLength is the longest scope stored, in bytes.
+	MaxScopeLength = 255
+	// MaxKeyLength is the longest idempotency key stored, in bytes. It matches
+	// idem.DefaultMaxKeyLength; do not raise idem.Config.MaxKeyLength above it.
+	MaxKeyLength = 255
+	// MaxFingerprintLength is the longest request fingerprint stored, in bytes.
+	MaxFingerprintLength = 512
+	// MaxTokenLength is the longest lock token stored, in bytes.
+	MaxTokenLength = 255
+)
+
+// maxTableLength leaves room for the "_migrations" suffix within MySQL's 64-character
+// identifier limit.
+const maxTableLength = 64 - len("_migrations")
+
+var identRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
+
+// Config configures a Store. A nil *Config means all defaults. New copies it; the
+// caller's struct is never modified.
+type Config struct {
+	// Table is the name of the records table, in the database the *sql.DB connects
+	// to. It must be a plain identifier (letters, digits, underscore, not starting
+	// with a digit, at most 53 characters); it is quoted with backticks. Migrate also
+	// creates Table+"_migrations". Defaults to "idem_records".
+	Table string
+}
+
+// Store is an idem.Store, idem.TxStore and idem.SingleTxStore on MySQL 8 or
+// MariaDB 10.6 and later.
+// Create it with New; it is safe for concurrent use.
+type Store struct {
+	db    *sql.DB
+	table string // unquoted
+	q     queries
+
+	mu    sync.Mutex
+	stmts map[string]*sql.Stmt
+}
+
+var (
+	_ idem.Store   = (*Store)(nil)
+	_ idem.TxStore = (*Store)(nil)
+)
+
+// New returns a Store that keeps records in cfg.Table through db. The caller opens
+// db with the driver of its choice (github.com/go-sql-driver/mysql is the one
+// tested); New registers no driver and does not touch the database. Run Migrate
+// once (at deploy or start-up) before the store is used.
+func New(db *sql.DB, cfg *Config) (*Store, error) {
+	if db == nil {
+		return nil, errors.New(`mysqlstore: db is nil; open one with sql.Open("mysql", dsn) (import _ "github.com/go-sql-driver/mysql") and pass it to New`)
+	}
+	var c Config
+	if cfg != nil {
+		c = *cfg
+	}
+	if c.Table == "" {
+		c.Table = DefaultTable
+	}
+	if !identRE.MatchString(c.Table) || len(c.Table) > maxTableLength {
+		return nil, fmt.Errorf("mysqlstore: Config.Table %q is not a usable table name; use letters, digits and underscores, not starting with a digit, at most %d characters (the table lives in the DSN's database; a schema-qualified name is not accepted)", c.Table, maxTableLength)
+	}
+	return &Store{db: db, table: c.Table, q: newQueries(quote(c.Table)), stmts: map[string]*sql.Stmt{}}, nil
+}
+
+// Table returns the name of the records table.
+func (s *Store) Table() string { return s.table }
+
+// Close closes the prepared statements the store holds. It does not close the
+// *sql.DB, which belongs to the caller.
+func (s *Store) Close() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var errs []error
+	for q, st := range s.stmts {
+		errs = append(errs, st.Close())
+		delete(s.stmts, q)
+	}
+	return errors.Join(errs...)
+}
+
+func quote(ident string) string { return "`" + ident + "`" }
+
+// columns is the column list every read selects, in the order scanRecord expects.
+const columns = "`scope`, `key`, `state`, `fingerprint`, `token`, `created_at`, `lease_until`, `expires_at`, `status`, `headers`, `body`, `body_omitted`, `ref`"
+
+type queries struct {
+	claim, claimRead, complete, release, extend, get, deleteExpired string
+	lockedRead, lockedDelete, lockedInsert                          string
+}
+
+func newQueries(t string) queries {
+	return queries{
+		// The claim is decided by this one statement (see the package doc). MySQL and
+		// MariaDB evaluate ON DUPLICATE KEY UPDATE assignments left to right, and each
+		// later assignment sees the columns already changed by the earlier ones. So
+		// the takeover condition, which reads expires_at, state, lease_until and
+		// fingerprint, is evaluated exactly once, in the FIRST assignment, on the
+		// untouched row: it swaps in our fresh random token or keeps the old one.
+		// Every later assignment asks only "is the token ours now?", which is true
+		// exactly when the condition held. created_at is assigned before expires_at
+		// changes, so it can still tell a reclaimed expired record (new created_at)
+		// from a taken-over lapsed lease (created_at kept).
+		claim: "INSERT INTO " + t + " (`scope`, `key`, `state`, `fingerprint`, `token`, `created_at`, `lease_until`, `expires_at`)" +
+			" VALUES (?, ?, 1, ?, ?, ?, ?, ?)" +
+			" ON DUPLICATE KEY UPDATE" +
+			" `token` = IF(`expires_at` <= ? OR (`state` = 1 AND `lease_until` <= ? AND `fingerprint` = ?), ?, `token`)," +
+			" `created_at` = IF(`token` = ? AND `expires_at` <= ?, ?, `created_at`)," +
+			" `state` = IF(`token` = ?, 1, `state`)," +
+			" `fingerprint` = IF(`token` = ?, ?, `fingerprint`)," +
+			" `lease_until` = IF(`token` = ?, ?, `lease_until`)," +
+			" `expires_at` = IF(`token` = ?, ?, `expires_at`)," +
+			" `renewals` = IF(`token` = ?, 0, `renewals`)," +
+			" `status` = IF(`token` = ?, NULL, `status`)," +
+			" `headers` = IF(`token` = ?, NULL, `headers`)," +
+			" `body` = IF(`token` = ?, NULL, `body`)," +
+			" `body_omitted` = IF(`token` = ?, 0, `body_omitted`)," +
+			" `ref` = IF(`token` = ?, NULL, `ref`)",
+		// Read back under the row lock the INSERT took; FOR UPDATE makes it a current
+		// read whatever the isolation level.
+		claimRead: "SELECT " + columns + " FROM " + t + " WHERE `scope` = ? AND `key` = ? FOR UPDATE",
+		// state changes from 1 to 2, so a matched row is always a changed row and the
+		// affected-rows count is right with or without clientFoundRows.
+		complete: "UPDATE " + t + " SET `state` = 2, `status` = ?, `headers` = ?, `body` = ?, `body_omitted` = ?, `ref` = ?, `expires_at` = ?" +
+			" WHERE `scope` = ? AND `key` = ? AND `token` = ? AND `state` = 1",
+		release: "DELETE FROM " + t + " WHERE `scope` = ? AND `key` = ? AND `token` = ? AND `state` = 1",
+		// renewals always changes, so extending to the same deadline twice still
+		// counts as one affected row without clientFoundRows.
+		extend: "UPDATE " + t + " SET `lease_until` = ?, `renewals` = `renewals` + 1" +
+			" WHERE `scope` = ? AND `key` = ? AND `token` = ? AND `state` = 1",
+		get: "SELECT " + columns + " FROM " + t + " WHERE `scope` = ? AND `key` = ? AND `expires_at` > ?",
+		// Ordering by the whole index entry (the secondary index carries the primary
+		// key) makes the batch deterministic, which statement-based replication
+		// requires of DELETE … LIMIT; it still reads the expires_at index in order.
+		deleteExpired: "DELETE FROM " + t + " WHERE `expires_at` <= ? ORDER BY `expires_at`, `scope`, `key` LIMIT ?",
+		// The single-transaction flow (single.go).
+		lockedRead:   "SELECT " + columns + " FROM " + t + " WHERE `scope` = ? AND `key` = ?",
+		lockedDelete: "DELETE FROM " + t + " WHERE `scope` = ? AND `key` = ? AND `expires_at` <= ?",
+		lockedInsert: "INSERT INTO " + t + " (" + columns + ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+	}
+}
+
+// stmt returns the prepared statement for query, preparing it on first use. A
+// failed preparation (for example before Migrate created the table) is not cached.
+func (s *Store) stmt(ctx context.Context, query string) (*sql.Stmt, error) {
+	s.mu.Lock()
+	st := s.stmts[query]
+	s.mu.Unlock()
+	if st != nil {
+		return st, nil
+	}
+	st, err := s.db.PrepareContext(ctx, query)
+	if err != nil {
+		return nil, s.wrap(err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if old := s.stmts[query]; old != nil {
+		_ = st.Close()
+		return old, nil
+	}
+	s.stmts[query] = st
+	return st, nil
+}
+
+// cached returns the prepared statement for query, or nil when it has not been
+// prepared yet.
+func (s *Store) cached(query string) *sql.Stmt {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.stmts[query]
+}
+
+// wrap adds advice to errors whose cause is known.
+func (s *Store) wrap(err error) error {
+	if err == nil {
+		return nil
+	}
+	if code, ok := errorNumber(err); ok && code == 1146 { // ER_NO_SUCH_TABLE
+		return fmt.Errorf("mysqlstore: table %s does not exist; run (*mysqlstore.Store).Migrate or `idem migrate` first: %w", quote(s.table), err)
+	}
+	return fmt.Errorf("mysqlstore: %w", err)
+}
+
+// errorNumber returns the server error number carried by err or any error it
+// wraps. The store imports no driver (importing one would register it), so it
+// recognises the number by shape: a Number() uint16 method, or an exported uint16
+// field named Number, as go-sql-driver/mysql's *MySQLError has.
+func errorNumber(err error) (uint16, bool) {
+	for err != nil {
+		if n, ok := err.(interface{ Number() uint16 }); ok {
+			return n.Number(), true
+		}
+		v := reflect.ValueOf(err)
+		for v.Kind() == reflect.Pointer && !v.IsNil() {
+			v = v.Elem()
+		}
+		if v.Kind() == reflect.Struct {
+			if f := v.FieldByName("Number"); f.IsValid() && f.Kind() == reflect.Uint16 {
+				return uint16(f.Uint()), true
+			}
+		}
+		switch u := err.(type) {
+		case interface{ Unwrap() error }:
+			err = u.Unwrap()
+		case interface{ Unwrap() []error }:
+			for _, e := range u.Unwrap() {
+				if n, ok := errorNumber(e); ok {
+					return n, true
+				}
+			}
+			return 0, false
+		default:
+			return 0, false
+		}
+	}
+	return 0, false
+}
+
+// retryable reports whether err is a deadlock (1213), after which the server has
+// rolled the transaction back and the statement can simply run again.
+func retryable(err error) bool {
+	code, ok := errorNumber(err)
+	return ok && code == 1213
+}
+
+const maxAttempts = 30
+
+// deadlocks counts the deadlocks retried, for tests.
+var deadlocks atomic.Int64
+
+// retry runs fn until it succeeds, fails with an error other than a deadlock, ctx
+// ends, or maxAttempts deadlocks in a row happened.
+func retry(ctx context.Context, fn func() error) error {
+	for attempt := 1; ; attempt++ {
+		err := fn()
+		if err == nil || !retryable(err) || attempt == maxAttempts {
+			return err
+		}
+		deadlocks.Add(1)
+		// Back off a little, with jitter, so that the deadlocked claims do not meet again.
+		d := time.Duration(attempt)*time.Millisecond + rand.N(2*time.Millisecond)
+		t := time.NewTimer(d)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return errors.Join(err, ctx.Err())
+		case <-t.C:
+		}
+	}
+}
+
+func checkLengths(scope, key, fingerprint, token string) error {
+	switch {
+	case len(scope) > MaxScopeLength:
+		return fmt.Errorf("mysqlstore: the scope is %d bytes, longer than the %d the scope column holds; shorten the value Config.ScopeFunc returns (hash it if need be)", len(scope), MaxScopeLength)
+	case len(key) > MaxKeyLength:
+		return fmt.Errorf("mysqlstore: the key is %d bytes, longer than the %d the key column holds; keep idem.Config.MaxKeyLength at %d or less", len(key), MaxKeyLength, MaxKeyLength)
+	case len(fingerprint) > MaxFingerprintLength:
+		return fmt.Errorf("mysqlstore: the fingerprint is %d bytes, longer than the %d the fingerprint column holds; make Config.FingerprintFunc return a hash", len(fingerprint), MaxFingerprintLength)
+	case len(token) > MaxTokenLength:
+		return fmt.Errorf("mysqlstore: the lock token is %d bytes, longer than the %d the token column holds", len(token), MaxTokenLength)
+	}
+	return nil
+}
+
+// Claim implements idem.Store. A plain read answers retries of live records
+// (it can only refuse a claim); otherwise one INSERT … ON DUPLICATE KEY UPDATE
+// decides the claim, the row is read back under the lock that statement took, in
+// the same transaction, and the claim succeeded when the stored token is
+// req.Token. A deadlock between concurrent claims of one key is retried.
+func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record, bool, error) {
+	if err := checkLengths(req.Scope, req.Key, req.Fingerprint, req.Token); err != nil {
+		return nil, false, err
+	}
+	ins, err := s.stmt(ctx, s.q.claim)
+	if err != nil {
+		return nil, false, err
+	}
+	sel, err := s.stmt(ctx, s.q.claimRead)
+	if err != nil {
+		return nil, false, err
+	}
+	// Prepare the completion now, while this request holds no connection: preparing
+	// it later, inside the handler's transaction, would need a second connection,
+	// and with every pooled connection held by a transaction that wait never ends.
+	if _, err := s.stmt(ctx, s.q.complete); err != nil {
+		return nil, false, err
+	}
+	scope, key, fp, tok := []byte(req.Scope), []byte(req.Key), []byte(req.Fingerprint), []byte(req.Token)
+	now, lease, exp := req.Now.UnixMicro(), req.LeaseUntil.UnixMicro(), req.ExpiresAt.UnixMicro()
+
+	// Fast path for retries: a plain read of the committed row. When the row, as
+	// read, fails the claim condition (it is live and complete, or in flight under
+	// a live lease or another fingerprint), the atomic statement run at that
+	// instant would have failed too, so the claim is decided "no" at the read, with
+	// the record as read. This read never decides "yes": only the INSERT below
+	// writes, and it re-evaluates the condition under the row lock. Replays and
+	// 409s thus take no row lock and cost one round trip, and a burst of retries of
+	// one key does not queue on that key's lock.
+	get, err := s.stmt(ctx, s.q.get)
+	if err != nil {
+		return nil, false, err
+	}
+	switch rec, err := scanRecord(get.QueryRowContext(ctx, scope, key, now)); {
+	case err == nil && !claimable(rec, req):
+		return rec, false, nil
+	case err != nil && !errors.Is(err, sql.ErrNoRows):
+		return nil, false, s.wrap(err)
+	}
+
+	args := []any{
+		scope, key, fp, tok, now, lease, exp, // VALUES
+		now, now, fp, tok, // token
+		tok, now, now, // created_at
+		tok,     // state
+		tok, fp, // fingerprint
+		tok, lease, // lease_until
+		tok, exp, // expires_at
+		tok, tok, tok, tok, tok, tok, // renewals, status, headers, body, body_omitted, ref
+	}
+	var rec *idem.Record
+	err = retry(ctx, func() error {
+		tx, err := s.db.BeginTx(ctx, nil)
+		if err != nil {
+			return err
+		}
+		defer func() { _ = tx.Rollback() }()
+		if _, err := tx.StmtContext(ctx, ins).ExecContext(ctx, args...); err != nil {
+			return err
+		}
+		rec, err = scanRecord(tx.StmtContext(ctx, sel).QueryRowContext(ctx, scope, key))
+		if err != nil {
+			return err
+		}
+		return tx.Commit()
+	})
+	if err != nil {
+		return nil, false, s.wrap(err)
+	}
+	return rec, rec.Token == req.Token, nil
+}
+
+// claimable is the claim condition of the INSERT, evaluated on a record read
+// unexpired at req.Now.
+func claimable(rec *idem.Record, req idem.ClaimRequest) bool {
+	return rec.State == idem.StateInFlight && rec.LeaseUntil.UnixMicro() <= req.Now.UnixMicro() && rec.Fingerprint == req.Fingerprint
+}
+
+// Complete implements idem.Store: a compare-and-set on token and state.
+func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
+	args, err := completeArgs(scope, key, token, resp, expiresAt)
+	if err != nil {
+		return err
+	}
+	return s.execFenced(ctx, s.q.complete, args...)
+}
+
+func completeArgs(scope, key, token string, resp *idem.Response, expiresAt time.Time) ([]any, error) {
+	if resp == nil {
+		return nil, errors.New("mysqlstore: Complete was given a nil *idem.Response")
+	}
+	var hdr []byte
+	if len(resp.Header) > 0 {
+		var err error
+		if hdr, err = json.Marshal(resp.Header); err != nil {
+			return nil, fmt.Errorf("mysqlstore: encoding response headers: %w", err)
+		}
+	}
+	var body, ref []byte
+	if resp.Body != nil {
+		body = resp.Body
+		if len(body) == 0 {
+			body = []byte{} // stored as '' rather than NULL
+		}
+	}
+	if resp.Ref != "" {
+		ref = []byte(resp.Ref)
+	}
+	return []any{
+		resp.Status, hdr, body, resp.BodyOmitted, ref, expiresAt.UnixMicro(),
+		[]byte(scope), []byte(key), []byte(token),
+	}, nil
+}
+
+// Release implements idem.Store: it deletes the record only while it is in flight
+// under token.
+func (s *Store) Release(ctx context.Context, scope, key, token string) error {
+	return s.execFenced(ctx, s.q.release, []byte(scope), []byte(key), []byte(token))
+}
+
+// Extend implements idem.Store: it moves the lease only while the record is in
+// flight under token.
+func (s *Store) Extend(ctx context.Context, scope, key, token string, leaseUntil time.Time) error {
+	return s.execFenced(ctx, s.q.extend, leaseUntil.UnixMicro(), []byte(scope), []byte(key), []byte(token))
+}
+
+// execFenced runs a compare-and-set statement and turns "no row matched" into
+// idem.ErrLockLost.
+func (s *Store) execFenced(ctx context.Context, query string, args ...any) error {
+	st, err := s.stmt(ctx, query)
+	if err != nil {
+		return err
+	}
+	var n int64
+	err = retry(ctx, func() error {
+		res, err := st.ExecContext(ctx, args...)
+		if err != nil {
+			return err
+		}
+		n, err = res.RowsAffected()
+		return err
+	})
+	if err != nil {
+		return s.wrap(err)
+	}
+	if n == 0 {
+		return idem.ErrLockLost
+	}
+	return nil
+}
+
+// Get implements idem.Store.
+func (s *Store) Get(ctx context.Context, scope, key string, now time.Time) (*idem.Record, error) {
+	st, err := s.stmt(ctx, s.q.get)
+	if err != nil {
+		return nil, err
+	}
+	rec, err := scanRecord(st.QueryRowContext(ctx, []byte(scope), []byte(key), now.UnixMicro()))
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, idem.ErrNotFound
+	}
+	if err != nil {
+		return nil, s.wrap(err)
+	}
+	return rec, nil
+}
+
+// DeleteExpired implements idem.Store: one bounded DELETE … ORDER BY expires_at
+// LIMIT limit.
+func (s *Store) DeleteExpired(ctx context.Context, now time.Time, limit int) (int, error) {
+	if limit <= 0 {
+		return 0, nil
+	}
+	st, err := s.stmt(ctx, s.q.deleteExpired)
+	if err != nil {
+		return 0, err
+	}
+	var n int64
+	err = retry(ctx, func() error {
+		res, err := st.ExecContext(ctx, now.UnixMicro(), limit)
+		if err != nil {
+			return err
+		}
+		n, err = res.RowsAffected()
+		return err
+	})
+	if err != nil {
+		return int(n), s.wrap(err)
+	}
+	return int(n), nil
+}
+
+func scanRecord(row *sql.Row) (*idem.Record, error) {
+	var (
+		rec                     idem.Record
+		scope, key, fp, tok     []byte
+		state                   uint8
+		created, lease, expires int64
+		status                  sql.NullInt32
+		hdr, body, ref          []byte
+		omitted                 bool
+	)
+	if err := row.Scan(&scope, &key, &state, &fp, &tok, &created, &lease, &expires, &status, &hdr, &body, &omitted, &ref); err != nil {
+		return nil, err
+	}
+	rec.Scope, rec.Key, rec.Fingerprint, rec.Token = string(scope), string(key), string(fp), string(tok)
+	rec.State = idem.State(state)
+	rec.CreatedAt, rec.LeaseUntil, rec.ExpiresAt = time.UnixMicro(created), time.UnixMicro(lease), time.UnixMicro(expires)
+	if rec.State == idem.StateComplete {
+		resp := &idem.Response{Status: int(status.Int32), Body: body, BodyOmitted: omitted, Ref: string(ref)}
+		if len(hdr) > 0 {
+			if err := json.Unmarshal(hdr, &resp.Header); err != nil {
+				return nil, fmt.Errorf("stored headers of (%q, %q) are not valid JSON: %w", rec.Scope, rec.Key, err)
+			}
+		}
+		rec.Response = resp
+	}
+	return &rec, nil
+}
