@@ -1,0 +1,173 @@
+// Package sqlitestore keeps idem records in a SQLite database, through
+// database/sql. It implements idem.Store, idem.TxStore and idem.SingleTxStore:
+// the handler's business writes and the stored response commit in one SQLite
+// transaction, so the order and its recorded answer both exist, or neither does.
+//
+// The package registers no driver. Open the database with
+// sqlitestore/embedded.Open (the pure-Go modernc.org/sqlite driver, set up as
+// described below), or with any SQLite driver opened with the same settings.
+//
+//	db, err := embedded.Open("app.db")
+//	store, err := sqlitestore.New(db, nil)
+//	err = store.Migrate(ctx)
+//	mw, err := idem.New(store, nil)
+//	http.Handle("POST /orders", mw(createOrder))
+//
+//	func createOrder(w http.ResponseWriter, r *http.Request) {
+//		tx := sqlitestore.Tx(r.Context()) // the request's transaction
+//		_, err := tx.ExecContext(r.Context(), "INSERT INTO orders …")
+//		…
+//	}
+//
+// # Schema
+//
+// Migrate creates the table (Config.Table, default idem_records) from the
+// embedded, versioned migrations (Migrations) and records the versions applied
+// in idem_migrations. Times are integer Unix nanoseconds (UTC, good until the
+// year 2262); a record counts while expires_at is greater than the caller's
+// clock reading.
+//
+//	CREATE TABLE idem_records (
+//	    scope        TEXT    NOT NULL,
+//	    key          TEXT    NOT NULL,
+//	    state        INTEGER NOT NULL CHECK (state IN (1, 2)), -- 1 in flight, 2 complete
+//	    fingerprint  TEXT    NOT NULL,
+//	    token        TEXT    NOT NULL,
+//	    created_at   INTEGER NOT NULL,
+//	    lease_until  INTEGER NOT NULL,
+//	    expires_at   INTEGER NOT NULL,
+//	    status       INTEGER,          -- NULL while in flight
+//	    headers      TEXT,             -- JSON object of string arrays, NULL when none
+//	    body         BLOB,
+//	    body_omitted INTEGER NOT NULL DEFAULT 0 CHECK (body_omitted IN (0, 1)),
+//	    ref          TEXT,
+//	    PRIMARY KEY (scope, key)
+//	);
+//	CREATE INDEX idem_records_expires_at_idx ON idem_records (expires_at);
+//
+// # Claim
+//
+// One statement decides every claim that writes. ?5 is the middleware's clock
+// reading (ClaimRequest.Now), never SQLite's clock:
+//
+//	INSERT INTO idem_records AS r (scope, key, state, fingerprint, token, created_at, lease_until, expires_at)
+//	VALUES (?1, ?2, 1, ?3, ?4, ?5, ?6, ?7)
+//	ON CONFLICT (scope, key) DO UPDATE SET
+//	    state = 1, fingerprint = excluded.fingerprint, token = excluded.token,
+//	    created_at = CASE WHEN r.expires_at <= ?5 THEN excluded.created_at ELSE r.created_at END,
+//	    lease_until = excluded.lease_until, expires_at = excluded.expires_at,
+//	    status = NULL, headers = NULL, body = NULL, body_omitted = 0, ref = NULL
+//	WHERE r.expires_at <= ?5                                   -- expired: replaced whole
+//	   OR (r.state = 1 AND r.lease_until <= ?5                  -- lapsed lease, same request:
+//	       AND r.fingerprint = excluded.fingerprint)            -- taken over, created_at kept
+//	RETURNING created_at
+//
+// A returned row means the claim won. No row means the record exists and may not
+// be claimed; Claim then reads it and returns it (and decides again, a bounded
+// number of times, if another process changed it in between). Before that
+// statement, Claim reads the record without any lock: when it is complete, or in
+// flight under a live lease or another fingerprint, nothing can be written and
+// the read is the answer. Replays and 409s therefore never wait for the write
+// lock, even while a long handler holds it.
+//
+// Complete, Release and Extend are compare-and-set on (scope, key, token,
+// state = 1); no row changed is idem.ErrLockLost. Get treats expired records as
+// absent (idem.ErrNotFound).
+//
+// # Janitor
+//
+// DeleteExpired deletes in bounded batches, one statement each, using the
+// expires_at index:
+//
+//	DELETE FROM idem_records WHERE rowid IN
+//	    (SELECT rowid FROM idem_records WHERE expires_at <= ? LIMIT ?)
+//
+// Run idem.Janitor (or `idem gc`) with the store; each batch holds the write lock
+// only for its own statement.
+//
+// # One writer
+//
+// SQLite allows one write transaction at a time per database file. embedded.Open
+// sets the database up for that:
+//
+//   - WAL journal mode: readers do not block the writer, nor the writer readers.
+//     Claim's first read, Get, replays and 409 answers run while a handler holds
+//     the write lock.
+//   - busy_timeout = 10 s: a writer that finds the lock taken by another process
+//     (or by the application's own writes outside idem) waits up to 10 s, then
+//     fails with SQLITE_BUSY. idem answers that request 503, and the handler has
+//     not run.
+//   - BEGIN IMMEDIATE (_txlock=immediate): a transaction takes the write lock
+//     when it begins. A deferred transaction that read first would fail at once
+//     with SQLITE_BUSY, without waiting, when it later tried to write after
+//     another connection had written. BeginTx takes the lock at once whatever the
+//     driver's BEGIN mode, by running a write that changes nothing first.
+//
+// Within one process the store queues its own writes (Claim's statement,
+// Complete, Release, Extend, DeleteExpired, and every transaction from BeginTx to
+// Commit or Rollback) in a FIFO gate shared by all Stores on the same *sql.DB, in
+// front of SQLite's lock. The lock then passes from writer to writer at once and
+// in arrival order, where SQLite's busy handler would poll with sleeps of up to
+// 100 ms, and concurrent requests of one process never fail with SQLITE_BUSY. A
+// wait in the gate ends with an error after Config.LockTimeout (10 s), or when the
+// request's context ends.
+//
+// What this means for the middleware (claim-then-complete flow with a TxStore):
+//
+//   - The request's transaction, and with it the write lock, is held from just
+//     before the handler runs until the completion commits. Every other write to
+//     the file, of any key, waits meanwhile. Keep handlers short; a handler that
+//     calls slow outside services serializes the whole service behind it. Within
+//     the handler, read and write through Tx(ctx) only: a write through the
+//     *sql.DB would wait for the lock the handler's own transaction holds.
+//   - Lease renewal cannot happen during the handler. The middleware renews the
+//     lease every Lease/3 on another connection; that Extend waits for the write
+//     lock the handler's transaction holds, times out after Lease/3, and is tried
+//     again, without cancelling the handler (the middleware cancels a handler only
+//     when renewal reports idem.ErrLockLost, never on a stall). So the lease of a
+//     handler that runs longer than Lease lapses on paper.
+//   - It does not matter: while the transaction holds the write lock nobody can
+//     take the key over, in this process or any other, because a takeover is a
+//     write. The lock itself fences the handler. When the handler returns, the
+//     fenced completion runs in the same transaction and has the last word: it
+//     succeeds unless the key was taken over before the transaction began (in the
+//     moment between the claim's commit and BeginTx), in which case it fails with
+//     ErrLockLost and the handler's writes roll back (409 idempotency_lease_lost).
+//   - A lapsed lease matters only when the holder is gone: a crashed process
+//     releases its lock with its file descriptors, its uncommitted writes vanish
+//     from the WAL, and the key stays in flight until its lease lapses, after
+//     which a retry takes it over and runs. Choose Lease as the time a retry
+//     should wait after a crash, not as the longest handler.
+//
+// # Single-transaction flow
+//
+// The Store also implements idem.SingleTxStore (idem.FlowSingleTx). BeginLocked
+// begins the transaction (taking the write lock, as BeginTx does) and reads the
+// record; the handler runs in that transaction; the record is inserted, already
+// complete, just before the one COMMIT:
+//
+//	INSERT INTO idem_records AS r (…all columns…) VALUES (…)
+//	ON CONFLICT (scope, key) DO UPDATE SET …all columns… = excluded.…
+//	WHERE r.expires_at <= ?   -- replaces only a record expired at the request's clock
+//
+// SQLite has no lock per key: the write lock covers the whole file. A second
+// request for a key this Store is executing right now gets idem.ErrInFlight at
+// once (409, from an in-process set of busy keys); requests for other keys, and
+// requests for the same key from another process, wait for the write lock and
+// then find the record (a replay). A crash rolls everything back, nothing of the
+// request remains, and the retry runs at once. One commit per first-time request
+// instead of two, and no lease: prefer it for handlers whose effects all live in
+// this database.
+//
+// # Limits
+//
+//   - One database file on a local file system (WAL needs shared memory, so not
+//     NFS). Several processes on one host may share it; they queue for the write
+//     lock under the busy timeout.
+//   - Write throughput is that of one writer: every first-time request costs two
+//     commits in the claim-then-complete flow (the claim, then the transaction),
+//     one in the single-transaction flow. Replays and 409s of the
+//     claim-then-complete flow cost one read and never wait for the write lock.
+//   - Bodies are kept whole in the row; idem.Config.MaxStoredBody (1 MiB by
+//     default) bounds them. SQLite's own limit is 1 GB per value.
+package sqlitestore

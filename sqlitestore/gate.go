@@ -1,0 +1,64 @@
+package sqlitestore
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"runtime"
+	"sync"
+	"time"
+	"weak"
+)
+
+// gate queues this process's idem writes on one *sql.DB for SQLite's single write
+// lock. Waiting in a channel hands the lock over at once and in arrival order,
+// where SQLite's busy handler would poll with growing sleeps, and a wait here
+// never ends in SQLITE_BUSY. Writers in other processes, and the application's
+// own writes outside idem, still meet the store's writes at SQLite's lock, under
+// the driver's busy timeout.
+type gate chan struct{}
+
+// gates holds one gate per *sql.DB, so that every Store on one database shares
+// it; an entry goes when its *sql.DB is garbage.
+var gates sync.Map // weak.Pointer[sql.DB] -> gate
+
+func gateFor(db *sql.DB) gate {
+	k := weak.Make(db)
+	if g, ok := gates.Load(k); ok {
+		return g.(gate)
+	}
+	g, loaded := gates.LoadOrStore(k, make(gate, 1))
+	if !loaded {
+		runtime.AddCleanup(db, func(k weak.Pointer[sql.DB]) { gates.Delete(k) }, k)
+	}
+	return g.(gate)
+}
+
+// errLockTimeout says what a timed-out wait for the gate means.
+type errLockTimeout struct{ d time.Duration }
+
+func (e errLockTimeout) Error() string {
+	return fmt.Sprintf("waited %v for SQLite's write lock, held by another idem transaction of this process; handlers hold it for their whole transaction, so keep them short, or raise Config.LockTimeout", e.d)
+}
+
+// lock waits for the gate until ctx ends or timeout passes, and returns the
+// function that opens it again.
+func (g gate) lock(ctx context.Context, timeout time.Duration) (unlock func(), err error) {
+	select {
+	case g <- struct{}{}:
+		return g.unlock, nil
+	default:
+	}
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case g <- struct{}{}:
+		return g.unlock, nil
+	case <-ctx.Done():
+		return nil, context.Cause(ctx)
+	case <-t.C:
+		return nil, errLockTimeout{timeout}
+	}
+}
+
+func (g gate) unlock() { <-g }

@@ -1,0 +1,2 @@
+DROP INDEX IF EXISTS "{{name}}_expires_at_idx";
+DROP TABLE IF EXISTS {{table}};

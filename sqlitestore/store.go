@@ -1,0 +1,458 @@
+package sqlitestore
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"regexp"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/idemkit/idem"
+)
+
+// DefaultTable is the table Config.Table defaults to.
+const DefaultTable = "idem_records"
+
+// DefaultLockTimeout is the value Config.LockTimeout defaults to: the busy
+// timeout embedded.Open sets.
+const DefaultLockTimeout = 10 * time.Second
+
+// Config configures a Store. A nil *Config means all defaults. New copies it; the
+// caller's struct is never modified.
+type Config struct {
+	// Table is the name of the records table: a letter or underscore followed by
+	// up to 62 letters, digits or underscores. Several stores can share one
+	// database with different tables. Defaults to "idem_records".
+	Table string
+
+	// LockTimeout bounds how long a store call waits, inside this process, for the
+	// write lock held by another idem transaction on the same *sql.DB (see
+	// "One writer" in the package documentation) before it fails. Waiting for
+	// another process's lock is bounded by the driver's busy timeout instead.
+	// Defaults to 10 seconds.
+	LockTimeout time.Duration
+}
+
+var tableName = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
+
+// Store is an idem.Store, idem.TxStore and idem.SingleTxStore on a SQLite
+// database. Make one with New.
+// It is safe for concurrent use, also by several processes on one database file.
+type Store struct {
+	db          *sql.DB
+	table       string // bare name
+	gate        gate
+	lockTimeout time.Duration
+	q           queries
+
+	mu       sync.Mutex // guards preparing
+	prepared [numStmts]atomic.Pointer[sql.Stmt]
+	busy     busyKeys
+}
+
+var (
+	_ idem.Store   = (*Store)(nil)
+	_ idem.TxStore = (*Store)(nil)
+)
+
+// New returns a Store that keeps records in db, which must be a SQLite database
+// opened by a driver the application registered (embedded.Open opens one with
+// modernc.org/sqlite, set up as this package expects). New does not touch the
+// database: call Migrate once at start-up (or run `idem migrate`) to create the
+// table.
+func New(db *sql.DB, cfg *Config) (*Store, error) {
+	if db == nil {
+		return nil, errors.New("sqlitestore: db is nil; pass a *sql.DB for a SQLite file, for example from embedded.Open(\"idem.db\")")
+	}
+	var c Config
+	if cfg != nil {
+		c = *cfg
+	}
+	if c.Table == "" {
+		c.Table = DefaultTable
+	}
+	if !tableName.MatchString(c.Table) {
+		return nil, fmt.Errorf("sqlitestore: Config.Table %q is not a plain identifier; use a letter or underscore followed by at most 62 letters, digits or underscores, for example %q", c.Table, DefaultTable)
+	}
+	switch {
+	case c.LockTimeout == 0:
+		c.LockTimeout = DefaultLockTimeout
+	case c.LockTimeout < 0:
+		return nil, fmt.Errorf("sqlitestore: Config.LockTimeout is %v; use a positive duration, or 0 for the default %v", c.LockTimeout, DefaultLockTimeout)
+	}
+	return &Store{
+		db:          db,
+		table:       c.Table,
+		gate:        gateFor(db),
+		lockTimeout: c.LockTimeout,
+		q:           newQueries(quoteIdent(c.Table)),
+	}, nil
+}
+
+// Table returns the name of the records table.
+func (s *Store) Table() string { return s.table }
+
+// DB returns the database the store was made with.
+func (s *Store) DB() *sql.DB { return s.db }
+
+func quoteIdent(name string) string { return `"` + strings.ReplaceAll(name, `"`, `""`) + `"` }
+
+// queries are the statements of one table, indexed by stmtID.
+type queries [numStmts]string
+
+// stmtID names a statement of queries.
+type stmtID int
+
+const (
+	stmtGet stmtID = iota
+	stmtGetLive
+	stmtClaim
+	stmtComplete
+	stmtRelease
+	stmtExtend
+	stmtDeleteExpired
+	stmtLock
+	stmtInsert
+	numStmts
+)
+
+const columns = `state, fingerprint, token, created_at, lease_until, expires_at, status, headers, body, body_omitted, ref`
+
+func newQueries(t string) queries {
+	return queries{
+		stmtGet:     `SELECT ` + columns + ` FROM ` + t + ` WHERE scope = ? AND key = ?`,
+		stmtGetLive: `SELECT ` + columns + ` FROM ` + t + ` WHERE scope = ? AND key = ? AND expires_at > ?`,
+		stmtClaim: `INSERT INTO ` + t + ` AS r (scope, key, state, fingerprint, token, created_at, lease_until, expires_at)
+VALUES (?1, ?2, 1, ?3, ?4, ?5, ?6, ?7)
+ON CONFLICT (scope, key) DO UPDATE SET
+    state = 1,
+    fingerprint = excluded.fingerprint,
+    token = excluded.token,
+    created_at = CASE WHEN r.expires_at <= ?5 THEN excluded.created_at ELSE r.created_at END,
+    lease_until = excluded.lease_until,
+    expires_at = excluded.expires_at,
+    status = NULL, headers = NULL, body = NULL, body_omitted = 0, ref = NULL
+WHERE r.expires_at <= ?5
+   OR (r.state = 1 AND r.lease_until <= ?5 AND r.fingerprint = excluded.fingerprint)
+RETURNING created_at`,
+		stmtComplete: `UPDATE ` + t + ` SET state = 2, expires_at = ?, status = ?, headers = ?, body = ?, body_omitted = ?, ref = ?
+WHERE scope = ? AND key = ? AND token = ? AND state = 1`,
+		stmtRelease:       `DELETE FROM ` + t + ` WHERE scope = ? AND key = ? AND token = ? AND state = 1`,
+		stmtExtend:        `UPDATE ` + t + ` SET lease_until = ? WHERE scope = ? AND key = ? AND token = ? AND state = 1`,
+		stmtDeleteExpired: `DELETE FROM ` + t + ` WHERE rowid IN (SELECT rowid FROM ` + t + ` WHERE expires_at <= ? LIMIT ?)`,
+		stmtInsert: `INSERT INTO ` + t + ` AS r (scope, key, state, fingerprint, token, created_at, lease_until, expires_at, status, headers, body, body_omitted, ref)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
+ON CONFLICT (scope, key) DO UPDATE SET
+    state = excluded.state, fingerprint = excluded.fingerprint, token = excluded.token,
+    created_at = excluded.created_at, lease_until = excluded.lease_until, expires_at = excluded.expires_at,
+    status = excluded.status, headers = excluded.headers, body = excluded.body,
+    body_omitted = excluded.body_omitted, ref = excluded.ref
+WHERE r.expires_at <= ?14`,
+		// A write statement that changes nothing: run first in a transaction, it
+		// takes the write lock whatever BEGIN mode the driver uses.
+		stmtLock: `UPDATE ` + t + ` SET state = state WHERE 0`,
+	}
+}
+
+// row is a record as stored.
+type row struct {
+	state                          int64
+	fingerprint, token             string
+	createdAt, leaseUntil, expires int64
+	status                         sql.NullInt64
+	headers                        sql.NullString
+	body                           []byte
+	bodyOmitted                    bool
+	ref                            sql.NullString
+}
+
+// stmt returns statement id, prepared once per Store (and by database/sql once
+// per connection); within tx when tx is not nil.
+func (s *Store) stmt(ctx context.Context, id stmtID, tx *sql.Tx) (*sql.Stmt, error) {
+	st := s.prepared[id].Load()
+	if st == nil {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if st = s.prepared[id].Load(); st == nil {
+			var err error
+			st, err = s.db.PrepareContext(ctx, s.q[id])
+			if err != nil {
+				if strings.Contains(err.Error(), "no such table") {
+					return nil, fmt.Errorf("%w; create it with Store.Migrate or `idem migrate` first", err)
+				}
+				return nil, err
+			}
+			s.prepared[id].Store(st)
+		}
+	}
+	if tx != nil {
+		return tx.StmtContext(ctx, st), nil
+	}
+	return st, nil
+}
+
+// Close releases the store's prepared statements. It does not close the
+// *sql.DB. Call it after the last use of the store; a store used again prepares
+// its statements again.
+func (s *Store) Close() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var errs []error
+	for i := range s.prepared {
+		if st := s.prepared[i].Swap(nil); st != nil {
+			errs = append(errs, st.Close())
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// read returns the stored row for (scope, key), or nil when there is none. With
+// live, rows expired at now count as absent.
+func (s *Store) read(ctx context.Context, scope, key string, live bool, now int64) (*row, error) {
+	var sr *sql.Row
+	if live {
+		st, err := s.stmt(ctx, stmtGetLive, nil)
+		if err != nil {
+			return nil, err
+		}
+		sr = st.QueryRowContext(ctx, scope, key, now)
+	} else {
+		st, err := s.stmt(ctx, stmtGet, nil)
+		if err != nil {
+			return nil, err
+		}
+		sr = st.QueryRowContext(ctx, scope, key)
+	}
+	return scanRow(sr)
+}
+
+// scanRow scans a row selected with columns; nil when there is none.
+func scanRow(sr *sql.Row) (*row, error) {
+	var r row
+	err := sr.Scan(&r.state, &r.fingerprint, &r.token, &r.createdAt, &r.leaseUntil, &r.expires, &r.status, &r.headers, &r.body, &r.bodyOmitted, &r.ref)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	return &r, nil
+}
+
+// claimable reports whether req may replace r (DESIGN.md §1, idem.Store.Claim).
+func (r *row) claimable(req *idem.ClaimRequest, now int64) bool {
+	if r.expires <= now {
+		return true
+	}
+	return r.state == int64(idem.StateInFlight) && r.leaseUntil <= now && r.fingerprint == req.Fingerprint
+}
+
+func (r *row) record(scope, key string) (*idem.Record, error) {
+	rec := &idem.Record{
+		Scope: scope, Key: key, State: idem.State(r.state), Fingerprint: r.fingerprint, Token: r.token,
+		CreatedAt: fromNanos(r.createdAt), LeaseUntil: fromNanos(r.leaseUntil), ExpiresAt: fromNanos(r.expires),
+	}
+	if rec.State != idem.StateComplete {
+		return rec, nil
+	}
+	resp := &idem.Response{Status: int(r.status.Int64), Body: r.body, BodyOmitted: r.bodyOmitted, Ref: r.ref.String}
+	if r.headers.Valid {
+		if err := json.Unmarshal([]byte(r.headers.String), &resp.Header); err != nil {
+			return nil, fmt.Errorf("sqlitestore: the stored headers of (%q, %q) are not valid JSON (%w); the row was changed outside idem", scope, key, err)
+		}
+	}
+	rec.Response = resp
+	return rec, nil
+}
+
+// Times are stored as integer Unix nanoseconds.
+func nanos(t time.Time) int64         { return t.UnixNano() }
+func fromNanos(n int64) time.Time     { return time.Unix(0, n) }
+func wrap(op string, err error) error { return fmt.Errorf("sqlitestore: %s: %w", op, err) }
+
+// maxClaimAttempts bounds the retries of a claim whose record changed between
+// the claim statement and the read of the record (only another process, or a
+// store on another *sql.DB, can do that).
+const maxClaimAttempts = 10
+
+// Claim implements idem.Store. A read decides first, without the write lock, when
+// the existing record cannot be claimed (complete, or in flight under a live
+// lease or another fingerprint); otherwise the one INSERT … ON CONFLICT DO UPDATE
+// … WHERE … RETURNING statement decides.
+func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record, bool, error) {
+	now := nanos(req.Now)
+	r, err := s.read(ctx, req.Scope, req.Key, false, 0)
+	if err != nil {
+		return nil, false, wrap("claim: read record", err)
+	}
+	if r != nil && !r.claimable(&req, now) {
+		rec, err := r.record(req.Scope, req.Key)
+		return rec, false, err
+	}
+	unlock, err := s.gate.lock(ctx, s.lockTimeout)
+	if err != nil {
+		return nil, false, wrap("claim", err)
+	}
+	defer unlock()
+	claim, err := s.stmt(ctx, stmtClaim, nil)
+	if err != nil {
+		return nil, false, wrap("claim", err)
+	}
+	for range maxClaimAttempts {
+		var created int64
+		err := claim.QueryRowContext(ctx, req.Scope, req.Key, req.Fingerprint, req.Token,
+			now, nanos(req.LeaseUntil), nanos(req.ExpiresAt)).Scan(&created)
+		if err == nil {
+			return &idem.Record{
+				Scope: req.Scope, Key: req.Key, State: idem.StateInFlight, Fingerprint: req.Fingerprint,
+				Token: req.Token, CreatedAt: fromNanos(created), LeaseUntil: req.LeaseUntil, ExpiresAt: req.ExpiresAt,
+			}, true, nil
+		}
+		if !errors.Is(err, sql.ErrNoRows) {
+			return nil, false, wrap("claim", err)
+		}
+		// The record exists and may not be claimed: read it. It can have changed
+		// since (another process released, completed or deleted it); then decide
+		// again.
+		r, err := s.read(ctx, req.Scope, req.Key, false, 0)
+		if err != nil {
+			return nil, false, wrap("claim: read record", err)
+		}
+		if r != nil && !r.claimable(&req, now) {
+			rec, err := r.record(req.Scope, req.Key)
+			return rec, false, err
+		}
+	}
+	return nil, false, fmt.Errorf("sqlitestore: claim (%q, %q): the record changed under %d claim attempts in a row; another process is rewriting it, retry later", req.Scope, req.Key, maxClaimAttempts)
+}
+
+// fenced runs compare-and-set statement id, within tx when it is not nil, and
+// turns "no row matched" into ErrLockLost.
+func (s *Store) fenced(ctx context.Context, tx *sql.Tx, op string, id stmtID, args ...any) error {
+	st, err := s.stmt(ctx, id, tx)
+	if err != nil {
+		return wrap(op, err)
+	}
+	res, err := st.ExecContext(ctx, args...)
+	if err != nil {
+		return wrap(op, err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return wrap(op, err)
+	}
+	if n == 0 {
+		return idem.ErrLockLost
+	}
+	return nil
+}
+
+var errNilResponse = errors.New("the response is nil; pass the outcome to store")
+
+// encodeResponse returns the headers, body and ref columns of resp.
+func encodeResponse(resp *idem.Response) (headers sql.NullString, body []byte, ref sql.NullString, err error) {
+	if len(resp.Header) > 0 {
+		b, err := json.Marshal(resp.Header)
+		if err != nil {
+			return headers, nil, ref, fmt.Errorf("encode headers: %w", err)
+		}
+		headers = sql.NullString{String: string(b), Valid: true}
+	}
+	if resp.Ref != "" {
+		ref = sql.NullString{String: resp.Ref, Valid: true}
+	}
+	body = resp.Body
+	if body == nil {
+		body = []byte{}
+	}
+	return headers, body, ref, nil
+}
+
+func (s *Store) complete(ctx context.Context, tx *sql.Tx, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
+	if resp == nil {
+		return wrap("complete", errNilResponse)
+	}
+	headers, body, ref, err := encodeResponse(resp)
+	if err != nil {
+		return wrap("complete", err)
+	}
+	return s.fenced(ctx, tx, "complete", stmtComplete,
+		nanos(expiresAt), resp.Status, headers, body, resp.BodyOmitted, ref, scope, key, token)
+}
+
+// Complete implements idem.Store.
+func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
+	unlock, err := s.gate.lock(ctx, s.lockTimeout)
+	if err != nil {
+		return wrap("complete", err)
+	}
+	defer unlock()
+	return s.complete(ctx, nil, scope, key, token, resp, expiresAt)
+}
+
+// Release implements idem.Store.
+func (s *Store) Release(ctx context.Context, scope, key, token string) error {
+	unlock, err := s.gate.lock(ctx, s.lockTimeout)
+	if err != nil {
+		return wrap("release", err)
+	}
+	defer unlock()
+	return s.fenced(ctx, nil, "release", stmtRelease, scope, key, token)
+}
+
+// Extend implements idem.Store. It waits for the write lock like every write, so
+// it cannot renew a lease while a transaction holds the lock (see "Leases and the
+// one writer" in the package documentation).
+func (s *Store) Extend(ctx context.Context, scope, key, token string, leaseUntil time.Time) error {
+	unlock, err := s.gate.lock(ctx, s.lockTimeout)
+	if err != nil {
+		return wrap("extend", err)
+	}
+	defer unlock()
+	return s.fenced(ctx, nil, "extend", stmtExtend, nanos(leaseUntil), scope, key, token)
+}
+
+// Get implements idem.Store. It reads without the write lock.
+func (s *Store) Get(ctx context.Context, scope, key string, now time.Time) (*idem.Record, error) {
+	r, err := s.read(ctx, scope, key, true, nanos(now))
+	if err != nil {
+		return nil, wrap("get", err)
+	}
+	if r == nil {
+		return nil, idem.ErrNotFound
+	}
+	return r.record(scope, key)
+}
+
+// DeleteExpired implements idem.Store with one bounded statement:
+//
+//	DELETE FROM idem_records WHERE rowid IN
+//	    (SELECT rowid FROM idem_records WHERE expires_at <= ? LIMIT ?)
+func (s *Store) DeleteExpired(ctx context.Context, now time.Time, limit int) (int, error) {
+	if limit <= 0 {
+		return 0, fmt.Errorf("sqlitestore: DeleteExpired limit is %d; pass a positive batch size", limit)
+	}
+	unlock, err := s.gate.lock(ctx, s.lockTimeout)
+	if err != nil {
+		return 0, wrap("delete expired", err)
+	}
+	defer unlock()
+	st, err := s.stmt(ctx, stmtDeleteExpired, nil)
+	if err != nil {
+		return 0, wrap("delete expired", err)
+	}
+	res, err := st.ExecContext(ctx, nanos(now), limit)
+	if err != nil {
+		return 0, wrap("delete expired", err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return 0, wrap("delete expired", err)
+	}
+	return int(n), nil
+}

@@ -1,0 +1,93 @@
+package sqlitestore
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"sync"
+	"time"
+
+	"github.com/idemkit/idem"
+)
+
+type txKey struct{}
+
+// Tx returns the transaction the idem middleware opened for this request, or nil
+// outside one. A handler writes its business rows through it, so that they commit
+// together with the stored response, or not at all:
+//
+//	tx := sqlitestore.Tx(r.Context())
+//	res, err := tx.ExecContext(r.Context(), "INSERT INTO orders (item) VALUES (?)", item)
+//
+// Do not Commit or Rollback it: the middleware does, after storing the response.
+// Read through it too (a read through the *sql.DB does not see the transaction's
+// writes), and never write through the *sql.DB meanwhile: the transaction holds
+// the database's only write lock, so that write would wait for it and fail after
+// the busy timeout.
+func Tx(ctx context.Context) *sql.Tx {
+	tx, _ := ctx.Value(txKey{}).(*storeTx)
+	if tx == nil {
+		return nil
+	}
+	return tx.tx
+}
+
+// BeginTx implements idem.TxStore. The transaction takes SQLite's write lock when
+// it begins (whatever BEGIN mode the driver uses) and holds it until Commit or
+// Rollback, one of which must be called. The returned context carries it for Tx.
+func (s *Store) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
+	unlock, err := s.gate.lock(ctx, s.lockTimeout)
+	if err != nil {
+		return ctx, nil, wrap("begin transaction", err)
+	}
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		unlock()
+		return ctx, nil, wrap("begin transaction", err)
+	}
+	lock, err := s.stmt(ctx, stmtLock, tx)
+	if err == nil {
+		_, err = lock.ExecContext(ctx)
+	}
+	if err != nil {
+		_ = tx.Rollback()
+		unlock()
+		return ctx, nil, wrap("begin transaction: take the write lock", err)
+	}
+	t := &storeTx{s: s, tx: tx, unlock: unlock}
+	return context.WithValue(ctx, txKey{}, t), t, nil
+}
+
+// storeTx is the idem.Tx of a Store.
+type storeTx struct {
+	s      *Store
+	tx     *sql.Tx
+	once   sync.Once
+	unlock func()
+}
+
+func (t *storeTx) done() { t.once.Do(t.unlock) }
+
+// Complete implements idem.Tx: the fenced completion, inside the transaction.
+func (t *storeTx) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
+	return t.s.complete(ctx, t.tx, scope, key, token, resp, expiresAt)
+}
+
+// Commit implements idem.Tx.
+func (t *storeTx) Commit(context.Context) error {
+	defer t.done()
+	if err := t.tx.Commit(); err != nil {
+		return wrap("commit", err)
+	}
+	return nil
+}
+
+// Rollback implements idem.Tx. After Commit, or after database/sql rolled the
+// transaction back because its context ended, it does nothing and returns nil.
+func (t *storeTx) Rollback(context.Context) error {
+	defer t.done()
+	if err := t.tx.Rollback(); err != nil && !errors.Is(err, sql.ErrTxDone) {
+		return wrap("rollback", err)
+	}
+	return nil
+}
