@@ -1,0 +1,153 @@
+// Package pgstore keeps idem records in PostgreSQL, through a pgx v5
+// *pgxpool.Pool. Its Store implements idem.Store, idem.TxStore (the handler's
+// business writes and the stored response commit in one transaction) and
+// idem.SingleTxStore (the single-transaction flow, idem.FlowSingleTx).
+//
+//	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+//	store, err := pgstore.New(pool, nil) // table idem_records
+//	err = store.Migrate(ctx)             // or apply pgstore.Migrations with your tool
+//	mw, err := idem.New(store, nil)
+//	http.Handle("POST /orders", mw(createOrder))
+//
+// # Handlers and the transaction
+//
+// For every request it executes, the middleware opens a transaction and puts it in
+// the request context; the handler gets it with Tx and does its writes in it:
+//
+//	func createOrder(w http.ResponseWriter, r *http.Request) {
+//		tx := pgstore.Tx(r.Context())
+//		var id int64
+//		err := tx.QueryRow(r.Context(), `INSERT INTO orders (item) VALUES ($1) RETURNING id`, item).Scan(&id)
+//		…
+//		w.WriteHeader(http.StatusCreated)
+//	}
+//
+// The middleware writes the response into the same transaction and commits it
+// before the client hears anything: the order and the stored answer both exist,
+// or neither does. The handler must not commit or roll back the transaction
+// itself. Tx returns nil outside a request idem executes (an unkeyed method, or no
+// key on a route with idem.Config.KeyOptional); such a handler uses the pool.
+//
+// # Which flow
+//
+// Claim-then-complete (idem.FlowClaimComplete, the default) commits an in-flight
+// claim with a lease first, runs the handler in a transaction while renewing the
+// lease, and commits the completion with the business writes. A crashed holder's
+// key is taken over when its lease lapses. Choose it for handlers that call other
+// services or may run long, and whenever other stores share the keys.
+//
+// The single transaction (idem.FlowSingleTx) takes a transaction-scoped advisory
+// lock on the key instead of writing a claim, and writes the record once,
+// already complete, just before the one COMMIT. It costs fewer round trips and
+// writes (BEGIN, the lookup and the lock are pipelined in one round trip; the
+// lock is tried only when no live record exists, so replays run side by side), and a
+// crash frees the key at once, because the lock dies with the connection. It holds
+// a connection and a transaction for the handler's whole run, so choose it for
+// short handlers whose effects all live in this database. Both flows may serve the
+// same table and keys at once: a single-transaction request that finds a claim
+// in its way when it writes its record rolls back and answers 409, so only one
+// of them commits.
+//
+// # Schema
+//
+// Migrate creates this (shown for the default table name; Config.Table may name
+// another table or schema):
+//
+//	CREATE TABLE IF NOT EXISTS idem_records (
+//	    scope        bytea       NOT NULL,  -- tenant or principal (any bytes)
+//	    key          bytea       NOT NULL,  -- the Idempotency-Key
+//	    state        smallint    NOT NULL,  -- 1 in flight, 2 complete
+//	    fingerprint  bytea       NOT NULL,
+//	    token        text        NOT NULL,  -- lock token of the current claim
+//	    created_at   timestamptz NOT NULL,
+//	    lease_until  timestamptz NOT NULL,
+//	    expires_at   timestamptz NOT NULL,
+//	    status       integer,               -- the stored response (complete only)
+//	    headers      jsonb,                 -- {"Name": ["value", {"b64": "…"}]}
+//	    body         bytea,
+//	    body_omitted boolean     NOT NULL DEFAULT false,
+//	    ref          bytea,                 -- idem.SetRef reference
+//	    PRIMARY KEY (scope, key)
+//	);
+//	CREATE INDEX IF NOT EXISTS idem_records_expires_at_idx ON idem_records (expires_at);
+//
+// Scope, key, fingerprint and reference are bytea because they may hold any bytes
+// (text cannot hold NUL). Header values that are not valid UTF-8 or contain NUL
+// are stored as {"b64": …}, so every header replays byte for byte.
+//
+// Migrations holds the same schema as versioned files (001_create.up.sql and
+// .down.sql) for goose, golang-migrate or atlas. Every migration is written to be
+// re-run; Migrate applies them all in one transaction under an advisory lock, so
+// every instance of a service may call it at start.
+//
+// # The claim
+//
+// One statement decides every race ($5 is the middleware's clock reading, never
+// now() in SQL, so that tests can drive time):
+//
+//	WITH cur AS (             -- a live record that cannot be claimed now
+//	    SELECT … FROM idem_records
+//	    WHERE scope = $1 AND key = $2 AND expires_at > $5
+//	      AND NOT (state = 1 AND lease_until <= $5 AND fingerprint = $3)
+//	), ins AS (
+//	    INSERT INTO idem_records AS r (scope, key, state, fingerprint, token, created_at, lease_until, expires_at)
+//	    SELECT $1, $2, 1, $3, $4, $5, $6, $7 WHERE NOT EXISTS (SELECT FROM cur)
+//	    ON CONFLICT (scope, key) DO UPDATE SET
+//	        state = 1, fingerprint = excluded.fingerprint, token = excluded.token,
+//	        created_at = CASE WHEN r.expires_at <= excluded.created_at
+//	                          THEN excluded.created_at ELSE r.created_at END,
+//	        lease_until = excluded.lease_until, expires_at = excluded.expires_at,
+//	        status = NULL, headers = NULL, body = NULL, body_omitted = false, ref = NULL
+//	    WHERE r.expires_at <= excluded.created_at                       -- expired: replaced whole
+//	       OR (r.state = 1 AND r.lease_until <= excluded.created_at     -- lapsed lease, same request:
+//	           AND r.fingerprint = excluded.fingerprint)               -- taken over, created_at kept
+//	    RETURNING …
+//	)
+//	SELECT true, * FROM ins UNION ALL SELECT false, * FROM cur
+//
+// A replay or a 409 is answered from cur without writing or locking anything. The
+// INSERT … ON CONFLICT locks a conflicting row and re-checks its WHERE on the
+// newest version, so of any number of concurrent claims exactly one wins. When the
+// statement returns no row, a concurrent claim won after its snapshot; Claim then
+// reads the row, and claims again if it vanished or became claimable meanwhile.
+//
+// The claim runs pipelined in one round trip as BEGIN; SET LOCAL
+// synchronous_commit TO off; claim; COMMIT, so it does not wait for a WAL flush.
+// That is safe: the completion commits synchronously, and WAL is flushed in
+// order, so a durable completion implies a durable claim. A claim lost in a
+// database crash only lets the retry execute at once instead of after the dead
+// holder's lease, and it would execute then anyway. Config.SynchronousClaim turns
+// this off.
+//
+// Complete, Release and Extend are compare-and-set on the lock token
+// (… WHERE scope = $1 AND key = $2 AND token = $3 AND state = 1) and return
+// idem.ErrLockLost when no row matched.
+//
+// # The janitor
+//
+// Expired records count as absent at once; idem.Janitor deletes them in bounded
+// batches that skip rows other transactions hold, so it never waits on or blocks
+// a request:
+//
+//	DELETE FROM idem_records WHERE ctid = ANY(ARRAY(
+//	    SELECT ctid FROM idem_records WHERE expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED
+//	)) AND expires_at <= $1
+//
+// # Limits
+//
+//   - The claim's decision relies on READ COMMITTED, PostgreSQL's default. Under
+//     REPEATABLE READ or SERIALIZABLE as the session default, concurrent claims get
+//     serialization errors (answered 503, never executed twice).
+//   - A claim-then-complete request holds two pool connections while its handler
+//     runs (the transaction, and briefly one for lease renewal); a single-transaction
+//     request holds one. Size pgxpool's MaxConns for the concurrency you serve.
+//   - The advisory lock key is a 64-bit hash of Config.Table (as spelled), scope
+//     and key: an unrelated application's advisory lock on the same number would
+//     look like a request in flight (409), never like a free key. Spell the table
+//     the same way in every service that shares it; if two spellings race, the
+//     INSERT … ON CONFLICT still lets only one of them commit.
+//   - Statements are prepared and cached by pgx; behind PgBouncer in transaction
+//     mode use a pool whose DefaultQueryExecMode is QueryExecModeExec.
+//   - The response body is kept in one bytea value (PostgreSQL's limit is 1 GB;
+//     idem.Config.MaxStoredBody defaults to 1 MiB).
+package pgstore

@@ -1,0 +1,71 @@
+package pgstore
+
+import (
+	"context"
+	"embed"
+	"fmt"
+	"io/fs"
+	"sort"
+	"strings"
+)
+
+//go:embed migrations/*.sql
+var migrationFiles embed.FS
+
+// Migrations holds the versioned migration files (001_create.up.sql,
+// 001_create.down.sql, …) for users of goose, golang-migrate or atlas. They are
+// written for the default table name, idem_records; Store.Migrate applies the up
+// files to the configured table.
+var Migrations fs.FS = mustSub(migrationFiles, "migrations")
+
+func mustSub(f fs.FS, dir string) fs.FS {
+	sub, err := fs.Sub(f, dir)
+	if err != nil {
+		panic(err)
+	}
+	return sub
+}
+
+// migrateLockKey is the advisory lock that serialises Migrate calls (any table).
+const migrateLockKey = int64(0x6964656d_70676d67) // "idempgmg"
+
+// Migrate creates or upgrades the store's table and index. It is idempotent and
+// safe to run from many processes at once: it applies every up migration, each of
+// which is written to be re-run, in one transaction under an advisory lock. The
+// table's schema must exist.
+func (s *Store) Migrate(ctx context.Context) error {
+	names, err := fs.Glob(Migrations, "*.up.sql")
+	if err != nil {
+		return fmt.Errorf("pgstore: list migrations: %w", err)
+	}
+	sort.Strings(names)
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("pgstore: migrate: %w", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", migrateLockKey); err != nil {
+		return fmt.Errorf("pgstore: migrate: take the migration lock: %w", err)
+	}
+	for _, name := range names {
+		b, err := fs.ReadFile(Migrations, name)
+		if err != nil {
+			return fmt.Errorf("pgstore: migrate: %w", err)
+		}
+		if _, err := tx.Exec(ctx, s.rewrite(string(b))); err != nil {
+			return fmt.Errorf("pgstore: migrate %s: apply %s: %w (does the schema exist, and may this role create tables in it?)", s.table, name, err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("pgstore: migrate: commit: %w", err)
+	}
+	return nil
+}
+
+// rewrite points a migration written for idem_records at the store's table.
+func (s *Store) rewrite(sql string) string {
+	return strings.NewReplacer(
+		"idem_records_expires_at_idx", s.index,
+		DefaultTable, s.table,
+	).Replace(sql)
+}

@@ -1,0 +1,319 @@
+package pgstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"regexp"
+	"strings"
+	"time"
+
+	"github.com/idemkit/idem"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// DefaultTable is the table used when Config.Table is empty.
+const DefaultTable = "idem_records"
+
+// Config configures a Store. A nil *Config means all defaults. New copies it; the
+// caller's struct is never modified.
+type Config struct {
+	// Table is the table that holds the records: a plain name ("idem_records") or a
+	// schema-qualified one ("billing.idem_records"). Each part is an SQL
+	// identifier of letters, digits and underscores, at most 63 bytes, quoted as
+	// written (so it is case-sensitive). Defaults to "idem_records".
+	Table string
+
+	// SynchronousClaim makes the in-flight claim wait for its commit to be flushed
+	// to disk (and to synchronous standbys). By default the claim commits with
+	// synchronous_commit off, which saves one WAL flush per request and is safe:
+	// the completion commits synchronously, and WAL is flushed in order, so a
+	// durable completion implies a durable claim; a claim lost in a database crash
+	// only lets a retry execute at once instead of after the lease, which it would
+	// do anyway once the dead holder's lease lapsed. Defaults to false.
+	SynchronousClaim bool
+}
+
+// Store is an idem.Store, idem.TxStore and idem.SingleTxStore on PostgreSQL. It is
+// safe for concurrent use. Create it with New and the table with Migrate.
+type Store struct {
+	pool      *pgxpool.Pool
+	table     string // quoted, possibly schema-qualified
+	index     string // quoted, unqualified name of the expires_at index
+	lockNS    []byte // mixed into advisory lock keys, so that tables do not share locks
+	syncClaim bool
+
+	claimSQL, selectSQL, getSQL, completeSQL, releaseSQL, extendSQL string
+	deleteSQL, lockSQL, insertSQL                                   string
+}
+
+var identRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
+
+// New returns a Store that keeps records in cfg.Table of the database pool
+// connects to. It does not touch the database: call Migrate (or apply Migrations
+// with your migration tool) before the first request.
+func New(pool *pgxpool.Pool, cfg *Config) (*Store, error) {
+	if pool == nil {
+		return nil, errors.New("pgstore: pool is nil; pass a *pgxpool.Pool, for example from pgxpool.New(ctx, databaseURL)")
+	}
+	var c Config
+	if cfg != nil {
+		c = *cfg
+	}
+	if c.Table == "" {
+		c.Table = DefaultTable
+	}
+	parts := strings.Split(c.Table, ".")
+	if len(parts) > 2 {
+		return nil, fmt.Errorf("pgstore: Config.Table %q has %d dots; use a table name or schema.table", c.Table, len(parts)-1)
+	}
+	for _, p := range parts {
+		if !identRE.MatchString(p) || len(p) > 63 {
+			return nil, fmt.Errorf("pgstore: Config.Table %q is not a plain or schema-qualified SQL identifier; use letters, digits and underscores (at most 63 bytes per part), not starting with a digit, for example \"idem_records\" or \"billing.idem_records\"", c.Table)
+		}
+	}
+	idx := parts[len(parts)-1] + "_expires_at_idx"
+	if len(idx) > 63 {
+		idx = idx[:63]
+	}
+	s := &Store{
+		pool:      pool,
+		table:     pgx.Identifier(parts).Sanitize(),
+		index:     pgx.Identifier{idx}.Sanitize(),
+		lockNS:    []byte(c.Table),
+		syncClaim: c.SynchronousClaim,
+	}
+	s.buildSQL()
+	return s, nil
+}
+
+// Table returns the quoted, possibly schema-qualified name of the records table,
+// ready to be put into SQL.
+func (s *Store) Table() string { return s.table }
+
+const cols = `state, fingerprint, token, created_at, lease_until, expires_at, status, headers, body, body_omitted, ref`
+
+func (s *Store) buildSQL() {
+	t := s.table
+	// claimSQL decides every race in one statement. cur is the live record that
+	// cannot be claimed at $5 as the statement's snapshot sees it; when there is
+	// one, nothing is written (a replay or a 409 costs no write). Otherwise the
+	// INSERT … ON CONFLICT decides: it locks a conflicting row and re-checks the
+	// WHERE on its latest version, so exactly one of concurrent claims wins. When it
+	// returns no row, a concurrent claim won after the snapshot; Claim then reads
+	// the row.
+	s.claimSQL = `WITH cur AS (
+	SELECT ` + cols + ` FROM ` + t + `
+	WHERE scope = $1 AND key = $2 AND expires_at > $5
+	  AND NOT (state = 1 AND lease_until <= $5 AND fingerprint = $3)
+), ins AS (
+	INSERT INTO ` + t + ` AS r (scope, key, state, fingerprint, token, created_at, lease_until, expires_at)
+	SELECT $1::bytea, $2::bytea, 1, $3::bytea, $4::text, $5::timestamptz, $6::timestamptz, $7::timestamptz
+	WHERE NOT EXISTS (SELECT FROM cur)
+	ON CONFLICT (scope, key) DO UPDATE SET
+		state = 1, fingerprint = excluded.fingerprint, token = excluded.token,
+		created_at = CASE WHEN r.expires_at <= excluded.created_at THEN excluded.created_at ELSE r.created_at END,
+		lease_until = excluded.lease_until, expires_at = excluded.expires_at,
+		status = NULL, headers = NULL, body = NULL, body_omitted = false, ref = NULL
+	WHERE r.expires_at <= excluded.created_at
+	   OR (r.state = 1 AND r.lease_until <= excluded.created_at AND r.fingerprint = excluded.fingerprint)
+	RETURNING ` + cols + `
+)
+SELECT true, * FROM ins
+UNION ALL
+SELECT false, * FROM cur`
+	s.selectSQL = `SELECT ` + cols + ` FROM ` + t + ` WHERE scope = $1 AND key = $2`
+	s.getSQL = `SELECT ` + cols + ` FROM ` + t + ` WHERE scope = $1 AND key = $2 AND expires_at > $3`
+	s.completeSQL = `UPDATE ` + t + ` SET state = 2, status = $4, headers = $5, body = $6, body_omitted = $7, ref = $8, expires_at = $9
+WHERE scope = $1 AND key = $2 AND token = $3 AND state = 1`
+	s.releaseSQL = `DELETE FROM ` + t + ` WHERE scope = $1 AND key = $2 AND token = $3 AND state = 1`
+	s.extendSQL = `UPDATE ` + t + ` SET lease_until = $4 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 1`
+	s.deleteSQL = `DELETE FROM ` + t + ` WHERE ctid = ANY(ARRAY(
+	SELECT ctid FROM ` + t + ` WHERE expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED
+)) AND expires_at <= $1`
+	s.lockSQL = `SELECT pg_try_advisory_xact_lock($1)
+WHERE NOT EXISTS (SELECT FROM ` + t + ` WHERE scope = $2 AND key = $3 AND expires_at > $4)`
+	s.insertSQL = `INSERT INTO ` + t + ` AS r (scope, key, ` + cols + `)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+ON CONFLICT (scope, key) DO UPDATE SET
+	state = excluded.state, fingerprint = excluded.fingerprint, token = excluded.token,
+	created_at = excluded.created_at, lease_until = excluded.lease_until, expires_at = excluded.expires_at,
+	status = excluded.status, headers = excluded.headers, body = excluded.body,
+	body_omitted = excluded.body_omitted, ref = excluded.ref
+WHERE r.expires_at <= $14`
+}
+
+// maxClaimRounds bounds how often Claim retries when the record it lost to
+// vanished before it could be read.
+const maxClaimRounds = 16
+
+// Claim implements idem.Store.
+func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record, bool, error) {
+	scope, key, fp := []byte(req.Scope), []byte(req.Key), []byte(req.Fingerprint)
+	for range maxClaimRounds {
+		var claimed bool
+		row := scanRecord{Record: &idem.Record{Scope: req.Scope, Key: req.Key}}
+		err := s.claimOnce(ctx, append([]any{&claimed}, row.scanTargets()...),
+			scope, key, fp, req.Token, req.Now, req.LeaseUntil, req.ExpiresAt)
+		if err == nil {
+			if err := row.finish(); err != nil {
+				return nil, false, err
+			}
+			if claimed {
+				// Hand back the caller's own times, not their microsecond-truncated
+				// copies, so that a fresh claim's CreatedAt equals req.Now (the
+				// middleware tells takeovers by CreatedAt.Before(now)).
+				if row.CreatedAt.Equal(req.Now.Truncate(time.Microsecond)) {
+					row.CreatedAt = req.Now
+				}
+				row.LeaseUntil, row.ExpiresAt = req.LeaseUntil, req.ExpiresAt
+			}
+			return row.Record, claimed, nil
+		}
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return nil, false, s.wrap("claim", err)
+		}
+		// A concurrent claim won after this statement's snapshot was taken: read
+		// what it wrote.
+		rec, err := s.read(ctx, s.pool, s.selectSQL, scope, key)
+		if errors.Is(err, idem.ErrNotFound) {
+			continue // released or deleted meanwhile: claim again
+		}
+		if err != nil {
+			return nil, false, s.wrap("claim: read the existing record", err)
+		}
+		if !rec.ExpiresAt.After(req.Now) || (rec.State == idem.StateInFlight && !rec.LeaseUntil.After(req.Now) && rec.Fingerprint == req.Fingerprint) {
+			continue // claimable at req.Now after all: claim again
+		}
+		return rec, false, nil
+	}
+	return nil, false, fmt.Errorf("pgstore: claim of key %q lost %d races in a row to records that vanished; the key is contended, retry later", req.Key, maxClaimRounds)
+}
+
+// claimOnce runs the claim statement and scans its row into dest. Unless
+// Config.SynchronousClaim is set, it runs in a transaction with synchronous_commit
+// off, pipelined in one round trip: BEGIN; SET LOCAL …; claim; COMMIT.
+func (s *Store) claimOnce(ctx context.Context, dest []any, args ...any) error {
+	if s.syncClaim {
+		return s.pool.QueryRow(ctx, s.claimSQL, args...).Scan(dest...)
+	}
+	b := &pgx.Batch{}
+	b.Queue("begin")
+	b.Queue("set local synchronous_commit to off")
+	b.Queue(s.claimSQL, args...)
+	b.Queue("commit")
+	br := s.pool.SendBatch(ctx, b)
+	_, err := br.Exec()
+	if err == nil {
+		_, err = br.Exec()
+	}
+	if err == nil {
+		err = br.QueryRow().Scan(dest...)
+		if errors.Is(err, pgx.ErrNoRows) {
+			if _, cerr := br.Exec(); cerr != nil {
+				err = cerr
+			}
+		} else if err == nil {
+			_, err = br.Exec()
+		}
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+// Complete implements idem.Store.
+func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
+	return s.complete(ctx, s.pool, scope, key, token, resp, expiresAt)
+}
+
+func (s *Store) complete(ctx context.Context, q querier, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
+	if resp == nil {
+		return errors.New("pgstore: Complete called with a nil response")
+	}
+	hdr, err := encodeHeaders(resp.Header)
+	if err != nil {
+		return err
+	}
+	tag, err := q.Exec(ctx, s.completeSQL, []byte(scope), []byte(key), token,
+		int32(resp.Status), hdr, nullableBytes(resp.Body, !resp.BodyOmitted), resp.BodyOmitted, refBytes(resp.Ref), expiresAt)
+	if err != nil {
+		return s.wrap("complete", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return idem.ErrLockLost
+	}
+	return nil
+}
+
+// Release implements idem.Store.
+func (s *Store) Release(ctx context.Context, scope, key, token string) error {
+	tag, err := s.pool.Exec(ctx, s.releaseSQL, []byte(scope), []byte(key), token)
+	if err != nil {
+		return s.wrap("release", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return idem.ErrLockLost
+	}
+	return nil
+}
+
+// Extend implements idem.Store.
+func (s *Store) Extend(ctx context.Context, scope, key, token string, leaseUntil time.Time) error {
+	tag, err := s.pool.Exec(ctx, s.extendSQL, []byte(scope), []byte(key), token, leaseUntil)
+	if err != nil {
+		return s.wrap("extend", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return idem.ErrLockLost
+	}
+	return nil
+}
+
+// Get implements idem.Store.
+func (s *Store) Get(ctx context.Context, scope, key string, now time.Time) (*idem.Record, error) {
+	rec, err := s.read(ctx, s.pool, s.getSQL, []byte(scope), []byte(key), now)
+	if err != nil && !errors.Is(err, idem.ErrNotFound) {
+		return nil, s.wrap("get", err)
+	}
+	return rec, err
+}
+
+// DeleteExpired implements idem.Store. It deletes at most limit expired records in
+// one statement, skipping rows other transactions hold locked.
+func (s *Store) DeleteExpired(ctx context.Context, now time.Time, limit int) (int, error) {
+	if limit <= 0 {
+		return 0, nil
+	}
+	tag, err := s.pool.Exec(ctx, s.deleteSQL, now, limit)
+	if err != nil {
+		return 0, s.wrap("delete expired", err)
+	}
+	return int(tag.RowsAffected()), nil
+}
+
+// read runs a query that selects cols and returns the record, or ErrNotFound.
+func (s *Store) read(ctx context.Context, q querier, sql string, args ...any) (*idem.Record, error) {
+	rec := &idem.Record{Scope: string(args[0].([]byte)), Key: string(args[1].([]byte))}
+	row := scanRecord{Record: rec}
+	if err := q.QueryRow(ctx, sql, args...).Scan(row.scanTargets()...); err != nil {
+		if errors.Is(err, pgx.ErrNoRows) {
+			return nil, idem.ErrNotFound
+		}
+		return nil, err
+	}
+	if err := row.finish(); err != nil {
+		return nil, err
+	}
+	return rec, nil
+}
+
+// wrap adds what failed and what to do about a missing table.
+func (s *Store) wrap(op string, err error) error {
+	if isUndefinedTable(err) {
+		return fmt.Errorf("pgstore: %s: table %s does not exist; run Store.Migrate (or apply pgstore.Migrations) first: %w", op, s.table, err)
+	}
+	return fmt.Errorf("pgstore: %s: %w", op, err)
+}

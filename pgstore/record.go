@@ -1,0 +1,149 @@
+package pgstore
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+	"unicode/utf8"
+
+	"github.com/idemkit/idem"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// querier is what *pgxpool.Pool, pgx.Tx and lockedTx have in common.
+type querier interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// scanRecord receives the columns listed in cols.
+type scanRecord struct {
+	*idem.Record
+	state   int16
+	fp      []byte
+	status  *int32
+	headers []byte
+	body    []byte
+	omitted bool
+	ref     []byte
+}
+
+func (r *scanRecord) scanTargets() []any {
+	return []any{&r.state, &r.fp, &r.Token, &r.CreatedAt, &r.LeaseUntil, &r.ExpiresAt,
+		&r.status, &r.headers, &r.body, &r.omitted, &r.ref}
+}
+
+func (r *scanRecord) finish() error {
+	r.State = idem.State(r.state)
+	r.Fingerprint = string(r.fp)
+	switch r.State {
+	case idem.StateInFlight:
+		return nil
+	case idem.StateComplete:
+	default:
+		return fmt.Errorf("pgstore: record %q has unknown state %d; was the table written by a newer pgstore?", r.Key, r.state)
+	}
+	if r.status == nil {
+		return fmt.Errorf("pgstore: complete record %q has no status; the row was modified outside pgstore", r.Key)
+	}
+	h, err := decodeHeaders(r.headers)
+	if err != nil {
+		return fmt.Errorf("pgstore: record %q: %w", r.Key, err)
+	}
+	r.Response = &idem.Response{Status: int(*r.status), Header: h, Body: r.body, BodyOmitted: r.omitted, Ref: string(r.ref)}
+	return nil
+}
+
+// nullableBytes returns b for a bytea parameter: NULL when !keep, and an empty
+// (not NULL) value for an empty body that was kept.
+func nullableBytes(b []byte, keep bool) []byte {
+	if !keep {
+		return nil
+	}
+	if b == nil {
+		return []byte{}
+	}
+	return b
+}
+
+func refBytes(ref string) []byte {
+	if ref == "" {
+		return nil
+	}
+	return []byte(ref)
+}
+
+// b64Value is how a header value that JSON cannot hold exactly (invalid UTF-8,
+// NUL) is stored.
+type b64Value struct {
+	B64 string `json:"b64"`
+}
+
+// encodeHeaders encodes h as a JSON object of arrays; values are JSON strings, or
+// {"b64": …} objects when they are not valid UTF-8 or contain NUL (which JSONB
+// rejects), so every header round-trips byte for byte. nil for an empty header.
+func encodeHeaders(h http.Header) ([]byte, error) {
+	if len(h) == 0 {
+		return nil, nil
+	}
+	m := make(map[string][]any, len(h))
+	for name, vs := range h {
+		if !utf8.ValidString(name) || strings.ContainsRune(name, 0) {
+			return nil, fmt.Errorf("pgstore: header name %q is not valid UTF-8; store only well-formed header names", name)
+		}
+		out := make([]any, len(vs))
+		for i, v := range vs {
+			if utf8.ValidString(v) && !strings.ContainsRune(v, 0) {
+				out[i] = v
+			} else {
+				out[i] = b64Value{B64: base64.StdEncoding.EncodeToString([]byte(v))}
+			}
+		}
+		m[name] = out
+	}
+	return json.Marshal(m)
+}
+
+func decodeHeaders(b []byte) (http.Header, error) {
+	if len(b) == 0 {
+		return nil, nil
+	}
+	var m map[string][]json.RawMessage
+	if err := json.Unmarshal(b, &m); err != nil {
+		return nil, fmt.Errorf("headers column is not the JSON pgstore writes: %w", err)
+	}
+	h := make(http.Header, len(m))
+	for name, raws := range m {
+		vs := make([]string, len(raws))
+		for i, raw := range raws {
+			if len(raw) > 0 && raw[0] == '"' {
+				if err := json.Unmarshal(raw, &vs[i]); err != nil {
+					return nil, fmt.Errorf("header %q: %w", name, err)
+				}
+				continue
+			}
+			var v b64Value
+			if err := json.Unmarshal(raw, &v); err != nil {
+				return nil, fmt.Errorf("header %q: %w", name, err)
+			}
+			dec, err := base64.StdEncoding.DecodeString(v.B64)
+			if err != nil {
+				return nil, fmt.Errorf("header %q: %w", name, err)
+			}
+			vs[i] = string(dec)
+		}
+		h[name] = vs
+	}
+	return h, nil
+}
+
+// isUndefinedTable reports whether err is PostgreSQL's undefined_table (42P01).
+func isUndefinedTable(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "42P01"
+}

@@ -1,0 +1,198 @@
+package pgstore
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/idemkit/idem"
+	"github.com/jackc/pgx/v5"
+)
+
+type txKey struct{}
+
+// Tx returns the transaction the middleware opened for the request whose context
+// is ctx, or nil outside one. A handler does its business writes in it; the
+// middleware stores the response in the same transaction and commits it, so the
+// handler must not call Commit or Rollback itself.
+//
+// Tx is nil when the request is not keyed (no Idempotency-Key on an optional
+// route, a method that is not keyed): such a handler opens its own transaction.
+func Tx(ctx context.Context) pgx.Tx {
+	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
+	return tx
+}
+
+// BeginTx implements idem.TxStore: it begins a transaction on the pool and returns
+// a context that carries it (read it with Tx).
+func (s *Store) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		return ctx, nil, s.wrap("begin transaction", err)
+	}
+	return context.WithValue(ctx, txKey{}, tx), &claimTx{s: s, tx: tx}, nil
+}
+
+// claimTx is the idem.Tx of the claim-then-complete flow.
+type claimTx struct {
+	s  *Store
+	tx pgx.Tx
+}
+
+func (t *claimTx) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
+	return t.s.complete(ctx, t.tx, scope, key, token, resp, expiresAt)
+}
+
+func (t *claimTx) Commit(ctx context.Context) error {
+	if err := t.tx.Commit(ctx); err != nil {
+		return fmt.Errorf("pgstore: commit: %w", err)
+	}
+	return nil
+}
+
+func (t *claimTx) Rollback(ctx context.Context) error {
+	if err := t.tx.Rollback(ctx); err != nil && !errors.Is(err, pgx.ErrTxClosed) {
+		return fmt.Errorf("pgstore: rollback: %w", err)
+	}
+	return nil
+}
+
+// lockKey is the 64-bit advisory lock key of (scope, key) in this store's table.
+func (s *Store) lockKey(scope, key string) int64 {
+	h := sha256.New()
+	var n [8]byte
+	for _, part := range [][]byte{s.lockNS, []byte(scope), []byte(key)} {
+		binary.BigEndian.PutUint64(n[:], uint64(len(part)))
+		h.Write(n[:])
+		h.Write(part)
+	}
+	return int64(binary.BigEndian.Uint64(h.Sum(nil)))
+}
+
+// BeginLocked implements idem.SingleTxStore. It sends BEGIN, the advisory lock
+// and the record lookup in one pipelined round trip (pgx.Batch.BeginTx).
+//
+// The lock is tried only when no live record exists: a live record answers the
+// request (replay, 409 or 422) without the lock, so concurrent retries of a
+// completed key replay in parallel instead of turning each other away with 409.
+func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Time) (context.Context, idem.LockedTx, *idem.Record, error) {
+	for range maxClaimRounds {
+		ctx, tx, rec, err := s.beginLocked(ctx, scope, key, now)
+		if !errors.Is(err, errVanished) {
+			return ctx, tx, rec, err
+		}
+	}
+	return ctx, nil, nil, idem.ErrInFlight
+}
+
+// errVanished: the live record that made beginLocked skip the lock was gone
+// when it was read.
+var errVanished = errors.New("record vanished")
+
+func (s *Store) beginLocked(ctx context.Context, scope, key string, now time.Time) (context.Context, idem.LockedTx, *idem.Record, error) {
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{})
+	b.Queue(s.lockSQL, s.lockKey(scope, key), []byte(scope), []byte(key), now)
+	b.Queue(s.getSQL, []byte(scope), []byte(key), now)
+	br := s.pool.SendBatch(ctx, b)
+	tx := br.Tx() // releases the connection when it ends, even if it never began
+	var locked, tried bool
+	rec := scanRecord{Record: &idem.Record{Scope: scope, Key: key}}
+	_, err := br.Exec()
+	if err == nil {
+		err = br.QueryRow().Scan(&locked)
+		tried = err == nil
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = nil // a live record exists: the lock was not tried
+		}
+	}
+	found := false
+	if err == nil {
+		err = br.QueryRow().Scan(rec.scanTargets()...)
+		found = err == nil
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = nil
+		}
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil && found {
+		err = rec.finish()
+	}
+	switch {
+	case err != nil:
+		err = s.wrap("begin locked transaction", err)
+	case tried && !locked:
+		err = idem.ErrInFlight
+	case !tried && !found:
+		err = errVanished
+	}
+	if err != nil {
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		return ctx, nil, nil, err
+	}
+	var out *idem.Record
+	if found {
+		out = rec.Record
+	}
+	return context.WithValue(ctx, txKey{}, tx), &lockedTx{s: s, tx: tx, now: now}, out, nil
+}
+
+// lockedTx is the idem.LockedTx of the single-transaction flow.
+type lockedTx struct {
+	s   *Store
+	tx  pgx.Tx
+	now time.Time // the clock reading BeginLocked judged expiry by
+}
+
+// Insert writes rec, replacing a record that expired at the time of BeginLocked.
+// It returns idem.ErrInFlight when a live record exists: a claim-then-complete
+// request holds (or completed) the key after the lookup.
+func (t *lockedTx) Insert(ctx context.Context, rec *idem.Record) error {
+	var (
+		status  *int32
+		hdr     []byte
+		body    []byte
+		omitted bool
+		ref     []byte
+		err     error
+	)
+	if r := rec.Response; r != nil {
+		st := int32(r.Status)
+		status = &st
+		if hdr, err = encodeHeaders(r.Header); err != nil {
+			return err
+		}
+		body, omitted, ref = nullableBytes(r.Body, !r.BodyOmitted), r.BodyOmitted, refBytes(r.Ref)
+	}
+	tag, err := t.tx.Exec(ctx, t.s.insertSQL, []byte(rec.Scope), []byte(rec.Key), int16(rec.State),
+		[]byte(rec.Fingerprint), rec.Token, rec.CreatedAt, rec.LeaseUntil, rec.ExpiresAt,
+		status, hdr, body, omitted, ref, t.now)
+	if err != nil {
+		return t.s.wrap("insert record", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return idem.ErrInFlight
+	}
+	return nil
+}
+
+// Commit commits the transaction; the lock goes with it.
+func (t *lockedTx) Commit(ctx context.Context) error {
+	if err := t.tx.Commit(ctx); err != nil {
+		return fmt.Errorf("pgstore: commit: %w", err)
+	}
+	return nil
+}
+
+// Rollback aborts the transaction and frees the lock; a no-op after Commit.
+func (t *lockedTx) Rollback(ctx context.Context) error {
+	if err := t.tx.Rollback(ctx); err != nil && !errors.Is(err, pgx.ErrTxClosed) {
+		return fmt.Errorf("pgstore: rollback: %w", err)
+	}
+	return nil
+}
