@@ -1,0 +1,135 @@
+// Package redisstore is an idem.Store on Redis, through a go-redis
+// redis.UniversalClient: a single node, Sentinel (failover) or Cluster.
+//
+//	rdb := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{"localhost:6379"}})
+//	store, err := redisstore.New(rdb, nil)
+//	if err != nil { … }
+//	mw, err := idem.New(store, nil)
+//
+// Claim, Complete, Release and Extend are each one Lua script — one atomic step
+// on the server, fenced on the claim's lock token — sent with EVALSHA (falling
+// back to EVAL when the server's script cache does not have it). Get is one
+// HGETALL. Any Redis with Lua scripting will do (4.0 or later, for HSET with
+// several fields); Redis 7.0 is tested. Managed services that disable EVAL
+// cannot be used.
+//
+// Use it to share idempotency keys between the instances of a service that has no
+// SQL database, or whose side effects are outside any database (an e-mail, a
+// payment API). When the business writes go to PostgreSQL, MySQL or SQLite, use
+// that database's store instead: it commits the stored answer in the same
+// transaction as the business write, which Redis cannot (see Guarantees).
+//
+// # Schema
+//
+// One Redis hash per record, under the key
+//
+//	<prefix>{<base64url(scope)>.<base64url(key)>}
+//
+// The prefix (Config.Prefix, default "idem:") may not contain braces, and unpadded
+// base64url has no '.', '{' or '}', so the braces always delimit the whole
+// encoded (scope, key) pair: it is the Redis Cluster hash tag, every key of one
+// record hashes to one slot (today a record is a single key), records of many
+// tenants spread evenly over the slots, and no tenant can choose a scope or key
+// that collides with another's or moves it into another's hash tag.
+//
+// The hash fields (times are Unix milliseconds, in decimal):
+//
+//	state    "1" in flight, "2" complete
+//	fp       request fingerprint ("v1:…")
+//	token    lock token of the claim that holds or last held the key
+//	created  when the record was first claimed
+//	lease    lease deadline of the in-flight claim
+//	expires  ExpiresAt; the key carries the same instant as its Redis expiry (PEXPIREAT)
+//	status   HTTP status (complete records)
+//	headers  stored headers, binary: uvarint counts and lengths, names sorted
+//	body     response body, raw bytes
+//	omitted  "1" when the body was deliberately not stored
+//	ref      resource reference recorded with idem.SetRef
+//
+// Fields whose value would be empty are not written. A record costs its body and
+// headers plus roughly 200 bytes of fields and key overhead; a 1 MiB body is
+// stored and replayed byte for byte (Redis bulk strings hold up to 512 MiB, but
+// the middleware's MaxStoredBody, 1 MiB by default, bounds what is kept).
+//
+// # Time, expiry and clocks
+//
+// The key expires by itself at the record's ExpiresAt (PEXPIREAT, an absolute
+// instant, so replicas and an AOF replay keep the same deadline), so
+// Redis needs no janitor: DeleteExpired is a no-op that returns 0, nil (Redis
+// expires records itself), and ExpiresRecordsItself reports true. A record Redis
+// has not yet removed but whose ExpiresAt is not after the caller's Now is treated
+// as absent, as the Store contract requires.
+//
+// The lease deadline is not a Redis expiry: it is a field, compared inside the
+// claim script with the Now the middleware passes in (its own clock, in ms). That
+// is what the Store contract asks for (stores never read a clock of their own),
+// it lets tests drive time, and within one script the comparison and the takeover
+// are atomic whatever the clocks say. What clock skew between application servers
+// means: a server whose clock runs d ahead sees every lease lapse d early. The
+// holder renews its lease every Lease/3 (10 s of the default 30 s), so a live
+// holder whose renewals get through has a deadline at least 2/3 Lease in the
+// future by its own clock; skew well below that does not let it be taken over.
+// Skew beyond it can let another server take over a claim whose handler is still
+// running — the fenced Complete of the first holder then fails with ErrLockLost,
+// but both handlers ran. Keep the servers' clocks synchronised (NTP) to well under
+// Lease/3, or raise Config.Lease. Skew between the application and the Redis
+// server only shifts the moment Redis deletes a record by the same amount, which
+// is harmless against a TTL of hours.
+//
+// # Guarantees
+//
+// What Redis gives:
+//   - Atomic claim. The decision (absent, expired, lapsed with the same
+//     fingerprint, or held) and the write are one script; Redis runs scripts one
+//     at a time, so exactly one of any number of concurrent claims of a key wins.
+//   - Fencing. Complete, Release and Extend compare the lock token inside their
+//     script: a request whose lease lapsed and was taken over cannot complete,
+//     release or extend the new holder's claim (ErrLockLost).
+//   - Server-side expiry. Records vanish at their ExpiresAt without a janitor.
+//
+// What it cannot give:
+//   - No shared transaction with the business database. The claim and the
+//     completion are commits of their own; the business write happens in between,
+//     elsewhere. If the process crashes after the business write committed and
+//     before Complete reached Redis, or Complete fails because Redis is
+//     unreachable at that moment, the key stays in flight until its lease
+//     lapses, and the retry then takes it over and runs the handler again: the
+//     operation happens twice unless the handler itself is idempotent (for example
+//     a unique constraint on an order number derived from the key). A SQL store
+//     closes this gap; Redis narrows it to a crash in that window.
+//   - Durability across failover. Redis replicates asynchronously. A claim or a
+//     completion acknowledged by a primary that dies before its replica received
+//     it is lost when the replica is promoted (Sentinel or Cluster failover): the
+//     key is absent again, and a retry executes the operation a second time. WAIT
+//     does not make this safe: it only reports how many replicas acknowledged, it
+//     does not roll back a write the others never saw, and a failover may still
+//     promote a replica that missed it.
+//   - Memory eviction. Run the Redis that holds idem records with
+//     maxmemory-policy noeviction. Any evicting policy (allkeys-lru,
+//     volatile-ttl, …; every idem key has a TTL, so volatile-* policies pick them
+//     too) may drop an in-flight or complete record, and the next retry executes
+//     the operation again. With noeviction a full Redis refuses new claims (OOM),
+//     the middleware answers 503 and nothing runs twice: raise maxmemory or
+//     shorten the TTL. The policy is per server, so do not share that Redis with
+//     a cache that relies on eviction.
+//   - Persistence. With RDB snapshots only (or none), a restart loses every
+//     record written since the last snapshot, with the same effect as a failover.
+//     Enable AOF (appendonly yes); appendfsync everysec loses at most about a
+//     second of records on a power failure, appendfsync always none, at a cost in
+//     write latency.
+//
+// A store outage fails closed: when Redis cannot be reached the middleware
+// answers 503 (idempotency_store_unavailable) and does not run the handler.
+//
+// A command whose reply is lost on the network may be retried by go-redis. A
+// retried claim recognises its own token and reports success once; a retried
+// Complete finds the record already complete and reports ErrLockLost, which the
+// middleware only logs (the response is sent either way).
+//
+// # Limits
+//
+// Keys, scopes and fingerprints are stored in full; a record's key is about 4/3
+// of len(scope)+len(key) plus the prefix. Get may be served by a replica when the
+// client routes reads there (ReadOnly, RouteByLatency, RouteRandomly); the
+// middleware never calls Get, so this only affects tools that inspect records.
+package redisstore
