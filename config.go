@@ -188,7 +188,17 @@ type settings struct {
 	storedHdrs []string // canonical
 }
 
-func (c *Config) settings(store Store) (*settings, error) {
+// Validate reports what is wrong with c, as New would, without needing a store.
+// Settings that depend on the store (FlowSingleTx needs a SingleTxStore) are
+// checked by New.
+func (c *Config) Validate() error {
+	_, err := c.check(nil, true)
+	return err
+}
+
+func (c *Config) settings(store Store) (*settings, error) { return c.check(store, false) }
+
+func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 	s := &settings{}
 	if c != nil {
 		s.Config = *c
@@ -260,14 +270,14 @@ func (c *Config) settings(store Store) (*settings, error) {
 	switch cfg.Flow {
 	case FlowClaimComplete:
 	case FlowSingleTx:
-		if _, ok := store.(SingleTxStore); !ok {
+		if _, ok := store.(SingleTxStore); !ok && store != nil {
 			errs = append(errs, fmt.Errorf("Flow is FlowSingleTx but the store (%T) does not implement idem.SingleTxStore; use a SQL store such as pgstore, or FlowClaimComplete", store))
 		}
 	default:
 		errs = append(errs, fmt.Errorf("Flow %d is unknown; use FlowClaimComplete or FlowSingleTx", cfg.Flow))
 	}
-	if store == nil {
-		errs = append(errs, errors.New("store is nil; pass one, for example memstore.New() or a SQL store"))
+	if store == nil && !validateOnly {
+		errs = append(errs, errors.New("store is nil; pass one, for example memstore.New(nil) or a SQL store"))
 	}
 	if len(errs) > 0 {
 		return nil, fmt.Errorf("idem: invalid config: %w", errors.Join(errs...))

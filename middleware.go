@@ -292,7 +292,7 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 		_ = tx.Rollback(cctx)
 		rw.discardHeaders()
 		if errors.Is(err, ErrLockLost) || errors.Is(context.Cause(ctx), ErrLockLost) {
-			h.problem(w, req, EventLeaseLost, err, CodeLeaseLost, "this request's lease lapsed and another request with the same key took over; nothing this request did was committed. Retry to get the outcome of the request that took over", 1)
+			h.leaseLost(w, req, err)
 			return
 		}
 		h.release(req, token)
@@ -300,8 +300,13 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 		return
 	}
 	if err := tx.Commit(cctx); err != nil {
-		h.release(req, token)
+		_ = tx.Rollback(cctx)
 		rw.discardHeaders()
+		if errors.Is(err, ErrLockLost) { // a store that checks the fence as part of the commit
+			h.leaseLost(w, req, err)
+			return
+		}
+		h.release(req, token)
 		h.problem(w, req, EventStoreError, err, CodeCommitFailed, "the transaction could not be committed, so nothing was stored and the key was released; retry with the same key", 1)
 		return
 	}
@@ -382,6 +387,10 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 	if err := tx.Commit(cctx); err != nil {
 		_ = tx.Rollback(cctx) // frees the lock of a store that did not on a failed commit
 		rw.discardHeaders()
+		if errors.Is(err, ErrInFlight) { // a store that writes the record as part of the commit
+			h.inFlight(w, req, 0)
+			return
+		}
 		h.problem(w, req, EventStoreError, err, CodeCommitFailed, "the transaction could not be committed, so nothing was stored; retry with the same key", 1)
 		return
 	}
@@ -443,6 +452,10 @@ func (h *handler) inFlight(w http.ResponseWriter, req *request, left time.Durati
 		secs = 1
 	}
 	h.problem(w, req, EventInFlight, nil, CodeKeyInUse, fmt.Sprintf("a request with this key is still being processed; retry after %d s with the same key and body", secs), secs)
+}
+
+func (h *handler) leaseLost(w http.ResponseWriter, req *request, err error) {
+	h.problem(w, req, EventLeaseLost, err, CodeLeaseLost, "this request's lease lapsed and another request with the same key took over; nothing this request did was committed. Retry to get the outcome of the request that took over", 1)
 }
 
 func (h *handler) mismatch(w http.ResponseWriter, req *request, rec *Record) {

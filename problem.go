@@ -54,7 +54,8 @@ var problemTitles = map[string]struct {
 	CodeReplayFailed:     {http.StatusInternalServerError, "Stored outcome could not be replayed"},
 }
 
-// NewProblem returns the problem for code with the given detail.
+// NewProblem returns the problem for code, one of the Code constants, with the
+// given detail. For a code of your own, fill in a Problem yourself.
 func NewProblem(code, detail string) Problem {
 	t := problemTitles[code]
 	return Problem{Type: ProblemTypeBase + code, Title: t.title, Status: t.status, Detail: detail, Code: code}

@@ -163,8 +163,11 @@ type TxStore interface {
 type Tx interface {
 	// Complete is Store.Complete inside the transaction: it returns ErrLockLost when
 	// the record is no longer in flight under token, and the caller rolls back.
+	// A store may instead defer the fenced write to Commit, sending both in one
+	// round trip; Commit then returns ErrLockLost and commits nothing.
 	Complete(ctx context.Context, scope, key, token string, resp *Response, expiresAt time.Time) error
-	// Commit commits the transaction.
+	// Commit commits the transaction. It returns ErrLockLost, having committed
+	// nothing, when a completion deferred to it found the fence broken.
 	Commit(ctx context.Context) error
 	// Rollback aborts the transaction. It is safe to call after Commit, as a no-op.
 	Rollback(ctx context.Context) error
@@ -187,7 +190,9 @@ type SingleTxStore interface {
 // LockedTx is a transaction opened by SingleTxStore.BeginLocked.
 type LockedTx interface {
 	// Insert writes rec, already complete, replacing an expired record with the same
-	// (scope, key) if one exists.
+	// (scope, key) if one exists. It returns ErrInFlight when a live record appeared
+	// meanwhile (a claim-then-complete request holds the key). A store may defer the
+	// write to Commit, which then returns ErrInFlight and commits nothing.
 	Insert(ctx context.Context, rec *Record) error
 	// Commit commits the transaction and frees the lock — also when the commit
 	// fails (the middleware calls Rollback after a failed Commit as well).

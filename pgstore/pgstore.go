@@ -45,6 +45,7 @@ type Store struct {
 	syncClaim bool
 
 	claimSQL, selectSQL, getSQL, completeSQL, releaseSQL, extendSQL string
+	completeAndCommitSQL                                            string
 	deleteSQL, lockSQL, insertSQL                                   string
 }
 
@@ -127,6 +128,10 @@ SELECT false, * FROM cur`
 	s.getSQL = `SELECT ` + cols + ` FROM ` + t + ` WHERE scope = $1 AND key = $2 AND expires_at > $3`
 	s.completeSQL = `UPDATE ` + t + ` SET state = 2, status = $4, headers = $5, body = $6, body_omitted = $7, ref = $8, expires_at = $9
 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 1`
+	// completeAndCommitSQL is the fenced completion sent in one round trip with
+	// COMMIT: when the fence does not match, 1/0 raises division_by_zero, the
+	// transaction aborts, and the COMMIT queued behind it is never executed.
+	s.completeAndCommitSQL = `WITH done AS (` + s.completeSQL + ` RETURNING 1) SELECT 1 / count(*) FROM done`
 	s.releaseSQL = `DELETE FROM ` + t + ` WHERE scope = $1 AND key = $2 AND token = $3 AND state = 1`
 	s.extendSQL = `UPDATE ` + t + ` SET lease_until = $4 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 1`
 	s.deleteSQL = `DELETE FROM ` + t + ` WHERE ctid = ANY(ARRAY(
@@ -229,16 +234,25 @@ func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *id
 	return s.complete(ctx, s.pool, scope, key, token, resp, expiresAt)
 }
 
-func (s *Store) complete(ctx context.Context, q querier, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
+// completeArgs returns the arguments of completeSQL and completeAndCommitSQL.
+func completeArgs(scope, key, token string, resp *idem.Response, expiresAt time.Time) ([]any, error) {
 	if resp == nil {
-		return errors.New("pgstore: Complete called with a nil response")
+		return nil, errors.New("pgstore: Complete called with a nil response")
 	}
 	hdr, err := encodeHeaders(resp.Header)
 	if err != nil {
+		return nil, err
+	}
+	return []any{[]byte(scope), []byte(key), token,
+		int32(resp.Status), hdr, nullableBytes(resp.Body, !resp.BodyOmitted), resp.BodyOmitted, refBytes(resp.Ref), expiresAt}, nil
+}
+
+func (s *Store) complete(ctx context.Context, q querier, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
+	args, err := completeArgs(scope, key, token, resp, expiresAt)
+	if err != nil {
 		return err
 	}
-	tag, err := q.Exec(ctx, s.completeSQL, []byte(scope), []byte(key), token,
-		int32(resp.Status), hdr, nullableBytes(resp.Body, !resp.BodyOmitted), resp.BodyOmitted, refBytes(resp.Ref), expiresAt)
+	tag, err := q.Exec(ctx, s.completeSQL, args...)
 	if err != nil {
 		return s.wrap("complete", err)
 	}

@@ -301,13 +301,45 @@ func TestTxStoreRollbackAfterCommit(t *testing.T) {
 	if pgstore.Tx(ctx) == nil {
 		t.Fatal("Tx(ctx) is nil inside BeginTx's context")
 	}
-	if err := tx.Complete(ctx30(t), "s", "absent", "t", &idem.Response{Status: 200}, time.Now().Add(time.Hour)); !errors.Is(err, idem.ErrLockLost) {
-		t.Fatalf("Tx.Complete of an absent record = %v, want ErrLockLost", err)
+	// The fenced completion travels with COMMIT: a completion of an absent record
+	// turns the commit into ErrLockLost, and Rollback then ends the transaction.
+	if err := tx.Complete(ctx30(t), "s", "absent", "t", &idem.Response{Status: 200}, time.Now().Add(time.Hour)); err != nil {
+		t.Fatalf("Tx.Complete: %v", err)
+	}
+	err = tx.Commit(ctx30(t))
+	if rerr := tx.Rollback(ctx30(t)); rerr != nil {
+		t.Fatalf("Rollback after a fenced-out Commit = %v, want nil", rerr)
+	}
+	if !errors.Is(err, idem.ErrLockLost) {
+		t.Fatalf("Commit with the completion of an absent record = %v, want ErrLockLost", err)
+	}
+
+	// A completion that matches commits with the business write.
+	now := time.Now()
+	if _, claimed, err := s.Claim(ctx30(t), idem.ClaimRequest{Scope: "s", Key: "k", Fingerprint: "v1:f", Token: "t",
+		Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)}); err != nil || !claimed {
+		t.Fatalf("Claim: %v %v", claimed, err)
+	}
+	ctx, tx, err = s.BeginTx(ctx30(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pgstore.Tx(ctx).Exec(ctx, "SELECT 1"); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Complete(ctx30(t), "s", "k", "t", &idem.Response{Status: 201, Body: []byte("ok")}, now.Add(time.Hour)); err != nil {
+		t.Fatalf("Tx.Complete: %v", err)
 	}
 	if err := tx.Commit(ctx30(t)); err != nil {
-		t.Fatal(err)
+		t.Fatalf("Commit: %v", err)
 	}
 	if err := tx.Rollback(ctx30(t)); err != nil {
 		t.Fatalf("Rollback after Commit = %v, want nil", err)
+	}
+	if rec, err := s.Get(ctx30(t), "s", "k", now); err != nil || rec.State != idem.StateComplete || string(rec.Response.Body) != "ok" {
+		t.Fatalf("after Commit: %+v, %v; want the completed record", rec, err)
+	}
+	if n := db.pool.Stat().AcquiredConns(); n != 0 {
+		t.Errorf("%d connections still acquired after Commit", n)
 	}
 }

@@ -10,6 +10,8 @@ import (
 
 	"github.com/idemkit/idem"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 type txKey struct{}
@@ -26,38 +28,120 @@ func Tx(ctx context.Context) pgx.Tx {
 	return tx
 }
 
-// BeginTx implements idem.TxStore: it begins a transaction on the pool and returns
-// a context that carries it (read it with Tx).
+// BeginTx implements idem.TxStore: it begins a transaction on a connection of the
+// pool and returns a context that carries it (read it with Tx).
+//
+// The completion costs no round trip of its own: Complete only prepares the fenced
+// UPDATE, and Commit sends it together with COMMIT in one pipelined batch. When the
+// fence does not match, the UPDATE aborts the transaction, nothing is committed,
+// and Commit returns idem.ErrLockLost.
 func (s *Store) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
-	tx, err := s.pool.Begin(ctx)
+	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
 		return ctx, nil, s.wrap("begin transaction", err)
 	}
-	return context.WithValue(ctx, txKey{}, tx), &claimTx{s: s, tx: tx}, nil
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		conn.Release()
+		return ctx, nil, s.wrap("begin transaction", err)
+	}
+	return context.WithValue(ctx, txKey{}, tx), &claimTx{s: s, conn: conn, tx: tx}, nil
 }
 
 // claimTx is the idem.Tx of the claim-then-complete flow.
 type claimTx struct {
-	s  *Store
-	tx pgx.Tx
+	s    *Store
+	conn *pgxpool.Conn // nil once the transaction ended and the connection went back
+	tx   pgx.Tx
+	// completion holds the arguments of the fenced UPDATE that Commit sends.
+	completion []any
 }
 
-func (t *claimTx) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
-	return t.s.complete(ctx, t.tx, scope, key, token, resp, expiresAt)
+// Complete prepares the fenced completion; Commit sends it.
+func (t *claimTx) Complete(_ context.Context, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
+	args, err := completeArgs(scope, key, token, resp, expiresAt)
+	if err != nil {
+		return err
+	}
+	t.completion = args
+	return nil
 }
 
+// Commit sends the prepared completion and COMMIT in one round trip.
 func (t *claimTx) Commit(ctx context.Context) error {
-	if err := t.tx.Commit(ctx); err != nil {
+	if t.conn == nil {
+		return pgx.ErrTxClosed
+	}
+	if t.completion == nil {
+		err := t.tx.Commit(ctx)
+		t.release()
+		if err != nil {
+			return fmt.Errorf("pgstore: commit: %w", err)
+		}
+		return nil
+	}
+	b := &pgx.Batch{}
+	b.Queue(t.s.completeAndCommitSQL, t.completion...)
+	b.Queue("commit")
+	br := t.conn.Conn().SendBatch(ctx, b)
+	_, completeErr := br.Exec()
+	_, commitErr := br.Exec()
+	closeErr := br.Close()
+	if t.conn.Conn().PgConn().TxStatus() != 'I' {
+		// The transaction is still open (aborted by the fence or by an error):
+		// leave it to Rollback.
+		switch {
+		case isDivisionByZero(completeErr):
+			return idem.ErrLockLost
+		case completeErr != nil:
+			return t.s.wrap("complete", completeErr)
+		case commitErr != nil:
+			return fmt.Errorf("pgstore: commit: %w", commitErr)
+		case closeErr != nil:
+			return fmt.Errorf("pgstore: commit: %w", closeErr)
+		}
+		return errors.New("pgstore: commit: the transaction is still open after COMMIT")
+	}
+	// The connection is idle again: the transaction ended (committed, unless the
+	// batch reports an error). The pgx.Tx handed to the handler is abandoned with
+	// its connection back in the pool; it must not be used after the handler.
+	t.release()
+	if err := errors.Join(completeErr, commitErr, closeErr); err != nil {
+		if isDivisionByZero(completeErr) {
+			return idem.ErrLockLost
+		}
 		return fmt.Errorf("pgstore: commit: %w", err)
 	}
 	return nil
 }
 
+// Rollback aborts the transaction; a no-op after Commit.
 func (t *claimTx) Rollback(ctx context.Context) error {
-	if err := t.tx.Rollback(ctx); err != nil && !errors.Is(err, pgx.ErrTxClosed) {
+	if t.conn == nil {
+		return nil
+	}
+	err := t.tx.Rollback(ctx)
+	t.release()
+	if err != nil && !errors.Is(err, pgx.ErrTxClosed) {
 		return fmt.Errorf("pgstore: rollback: %w", err)
 	}
 	return nil
+}
+
+// release hands the connection back to the pool, which closes it instead when a
+// transaction is still open on it.
+func (t *claimTx) release() {
+	if t.conn != nil {
+		t.conn.Release()
+		t.conn = nil
+	}
+}
+
+// isDivisionByZero reports whether err is the error completeAndCommitSQL raises
+// when its fence matched no row.
+func isDivisionByZero(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "22012"
 }
 
 // lockKey is the 64-bit advisory lock key of (scope, key) in this store's table.

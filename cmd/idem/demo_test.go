@@ -1,0 +1,684 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem/internal/racetest"
+	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/sqlitestore/embedded"
+)
+
+type httpAnswer struct {
+	Status int
+	Header http.Header
+	Body   []byte
+}
+
+// code returns the "code" member of a problem answer.
+func (a httpAnswer) code() string {
+	var p struct{ Code string }
+	_ = json.Unmarshal(a.Body, &p)
+	return p.Code
+}
+
+func (a httpAnswer) replayed() bool { return a.Header.Get("Idempotent-Replayed") == "true" }
+
+type orderJSON struct {
+	ID         string `json:"id"`
+	CartID     string `json:"cart_id"`
+	TotalCents int64  `json:"total_cents"`
+	CreatedAt  string `json:"created_at"`
+}
+
+func (a httpAnswer) order(t *testing.T) orderJSON {
+	t.Helper()
+	var o orderJSON
+	if err := json.Unmarshal(a.Body, &o); err != nil || o.ID == "" {
+		t.Fatalf("answer %d %s is not an order (%v)", a.Status, a.Body, err)
+	}
+	return o
+}
+
+// send makes one request on a fresh connection (sent exactly once: Go's
+// transport re-sends a keyed request on a dropped reused connection). An empty
+// tenant sends no Authorization; key "-" sends no Idempotency-Key.
+func sendHTTP(t *testing.T, method, url, tenant, key, body string) httpAnswer {
+	t.Helper()
+	req, err := http.NewRequest(method, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tenant != "" {
+		req.Header.Set("Authorization", "Bearer "+tenant)
+	}
+	if key != "-" && key != "" {
+		req.Header.Set("Idempotency-Key", key)
+	}
+	if body != "" {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	client := &http.Client{Timeout: 60 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return httpAnswer{resp.StatusCode, resp.Header, data}
+}
+
+func listOrders(t *testing.T, base, tenant, cart string) []orderJSON {
+	t.Helper()
+	a := sendHTTP(t, "GET", base+"/orders?cart_id="+cart, tenant, "-", "")
+	var l struct{ Orders []orderJSON }
+	if a.Status != 200 || json.Unmarshal(a.Body, &l) != nil {
+		t.Fatalf("GET /orders?cart_id=%s: %d %s", cart, a.Status, a.Body)
+	}
+	return l.Orders
+}
+
+// countSQLite counts the orders for cart in the demo's SQLite file, directly.
+func countSQLite(t *testing.T, path, cart string) int {
+	t.Helper()
+	db, err := embedded.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	var n int
+	if err := db.QueryRow("SELECT count(*) FROM orders WHERE cart_id = ?", cart).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// TestDemoCurlArticle runs the concurrency test of the first source article with
+// /bin/sh and curl against the demo, exactly as printed there except for the
+// port and one added line, -H "Authorization: Bearer t1": the demo requires a
+// tenant. uuidgen is not installed everywhere; the script falls back to
+// /proc/sys/kernel/random/uuid, which gives the same kind of key.
+func TestDemoCurlArticle(t *testing.T) {
+	t.Parallel()
+	if _, err := exec.LookPath("curl"); err != nil {
+		if testenv.Required() {
+			t.Fatal("curl is not installed (IDEM_REQUIRE_SERVICES=1, so this is a failure)")
+		}
+		t.Skip("curl is not installed; install it to run the article's curl test")
+	}
+	dir := t.TempDir()
+	// The handler sleeps 1 s inside its transaction after the insert: the second
+	// curl arrives while the first is in flight.
+	d := startDemo(t, dir, nil, "--handler-delay", "1s")
+	script := `KEY=$(uuidgen 2>/dev/null || cat /proc/sys/kernel/random/uuid)
+for i in 1 2; do
+  curl -s -o "resp_$i.json" -w "%{http_code}\n" \
+    -X POST http://localhost:` + d.Port + `/orders \
+    -H "Authorization: Bearer t1" \
+    -H "Idempotency-Key: $KEY" \
+    -H "Content-Type: application/json" \
+    -d '{"cart_id":"c_42","total_cents":1900}' &
+done
+wait
+`
+	cmd := exec.Command("/bin/sh", "-c", script)
+	cmd.Dir = dir
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("script: %v\n%s", err, out)
+	}
+	codes := strings.Fields(string(out))
+	sort.Strings(codes)
+	var bodies [2][]byte
+	for i := range bodies {
+		bodies[i], err = os.ReadFile(filepath.Join(dir, "resp_"+string(rune('1'+i))+".json"))
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	switch strings.Join(codes, " ") {
+	case "201 201":
+		// The second was a replay: the same order, byte for byte.
+		if string(bodies[0]) != string(bodies[1]) {
+			t.Fatalf("two 201s with different bodies, the check-then-write race:\n%s\n%s", bodies[0], bodies[1])
+		}
+	case "201 409":
+	default:
+		t.Fatalf("status codes %v, want 201 and a replayed 201 or a 409; bodies:\n%s\n%s", codes, bodies[0], bodies[1])
+	}
+	if n := countSQLite(t, filepath.Join(dir, "idem-demo.db"), "c_42"); n != 1 {
+		t.Fatalf("%d rows in orders for cart c_42, want exactly 1", n)
+	}
+	if l := listOrders(t, d.URL, "t1", "c_42"); len(l) != 1 {
+		t.Fatalf("GET /orders?cart_id=c_42 lists %d orders, want 1", len(l))
+	}
+	t.Logf("statuses %v", codes)
+}
+
+// TestDemoTwoProcessesPostgres runs two demo processes on one PostgreSQL
+// database (created for the test) and fires 200 requests with one key, spread
+// over both, from one barrier: exactly one order may exist.
+func TestDemoTwoProcessesPostgres(t *testing.T) {
+	t.Parallel()
+	dbURL := newPostgresDatabase(t)
+	dir := t.TempDir()
+	// Sequential start-up: each migrates the schema at start.
+	a := startDemo(t, dir, nil, "--db", dbURL, "--handler-delay", "500ms")
+	b := startDemo(t, dir, []string{"IDEM_DB=" + dbURL}, "--handler-delay", "500ms")
+	const n = 200
+	body := []byte(`{"cart_id":"c_race","total_cents":1900}`)
+	urls := [2]string{a.URL + "/orders", b.URL + "/orders"}
+	hdr := http.Header{"Authorization": {"Bearer t1"}}
+	key := "race-" + cliRandHex(8) // one key for all 200
+	results := racetest.Fire(n, func(i int) (*http.Request, error) {
+		return racetest.Post(urls[i%2], key, body, hdr)(i)
+	})
+	var executed, replayed, inFlight int
+	var created []byte
+	for _, r := range results {
+		if r.Err != nil {
+			t.Fatalf("request failed: %v", r.Err)
+		}
+		switch {
+		case r.Status == 201 && r.Header.Get("Idempotent-Replayed") == "true":
+			replayed++
+		case r.Status == 201:
+			executed++
+			created = r.Body
+		case r.Status == 409:
+			inFlight++
+		default:
+			t.Fatalf("status %d: %s", r.Status, r.Body)
+		}
+	}
+	if executed != 1 {
+		t.Fatalf("%d requests executed (not replayed), want exactly 1 (replayed %d, 409 %d)", executed, replayed, inFlight)
+	}
+	for _, r := range results {
+		if r.Status == 201 && string(r.Body) != string(created) {
+			t.Fatalf("a replay differs from the original:\n%s\n%s", r.Body, created)
+		}
+	}
+	var count int
+	pg := pgConnect(t, dbURL)
+	if err := pg.QueryRow(context.Background(), "SELECT count(*) FROM orders WHERE cart_id = 'c_race'").Scan(&count); err != nil {
+		t.Fatal(err)
+	}
+	if count != 1 {
+		t.Fatalf("%d orders in PostgreSQL for the cart, want exactly 1", count)
+	}
+	t.Logf("200 requests over 2 processes: 1 executed, %d replayed, %d answered 409", replayed, inFlight)
+}
+
+// TestDemoMySQL runs the demo on a MySQL database created for the test and
+// races 50 requests with one key at it.
+func TestDemoMySQL(t *testing.T) {
+	t.Parallel()
+	dbURL, db := newMySQLDatabase(t)
+	d := startDemo(t, t.TempDir(), nil, "--db", dbURL, "--handler-delay", "300ms")
+	key := "my-" + cliRandHex(8)
+	results := racetest.Fire(50, racetest.Post(d.URL+"/orders", key, []byte(`{"cart_id":"c_my","total_cents":5}`), http.Header{"Authorization": {"Bearer t1"}}))
+	executed := 0
+	for _, r := range results {
+		if r.Err != nil {
+			t.Fatal(r.Err)
+		}
+		if r.Status == 201 && r.Header.Get("Idempotent-Replayed") == "" {
+			executed++
+		} else if r.Status != 201 && r.Status != 409 {
+			t.Fatalf("status %d: %s", r.Status, r.Body)
+		}
+	}
+	var count int
+	if err := db.QueryRow("SELECT count(*) FROM orders WHERE cart_id = 'c_my'").Scan(&count); err != nil {
+		t.Fatal(err)
+	}
+	if executed != 1 || count != 1 {
+		t.Fatalf("%d executed, %d orders in MySQL; want 1 and 1", executed, count)
+	}
+}
+
+// TestDemoRedisKeys runs the demo with the keys in Redis and the orders in
+// SQLite: replays still work.
+func TestDemoRedisKeys(t *testing.T) {
+	t.Parallel()
+	redisURL := testenv.RedisURL(t)
+	prefix := "idem-clitest-" + cliRandHex(5) + ":"
+	t.Cleanup(func() { deleteRedisPrefix(t, redisURL, prefix) })
+	d := startDemo(t, t.TempDir(), nil, "--keys", redisURL, "--table", prefix, "--handler-delay", "300ms")
+	if !strings.Contains(d.output(), "orders commit on their own") {
+		t.Errorf("the banner does not warn about the weaker guarantee:\n%s", d.output())
+	}
+	key := "rk-" + cliRandHex(6)
+	results := racetest.Fire(20, racetest.Post(d.URL+"/orders", key, []byte(`{"cart_id":"c_rd","total_cents":5}`), http.Header{"Authorization": {"Bearer t1"}}))
+	executed := 0
+	for _, r := range results {
+		if r.Err != nil {
+			t.Fatal(r.Err)
+		}
+		if r.Status == 201 && r.Header.Get("Idempotent-Replayed") == "" {
+			executed++
+		}
+	}
+	if l := listOrders(t, d.URL, "t1", "c_rd"); executed != 1 || len(l) != 1 {
+		t.Fatalf("%d executed, %d orders; want 1 and 1", executed, len(l))
+	}
+}
+
+// TestDemoGracefulShutdown sends SIGINT while a request is inside its handler:
+// the request finishes and commits, then the process exits 0.
+func TestDemoGracefulShutdown(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	d := startDemo(t, dir, nil, "--handler-delay", "2s")
+	done := make(chan httpAnswer, 1)
+	go func() {
+		done <- sendHTTP(t, "POST", d.URL+"/orders", "t1", "shutdown-1", `{"cart_id":"c_sd","total_cents":1}`)
+	}()
+	time.Sleep(700 * time.Millisecond) // the request is sleeping in its transaction
+	if err := d.cmd.Process.Signal(os.Interrupt); err != nil {
+		t.Fatal(err)
+	}
+	a := <-done
+	if a.Status != 201 {
+		t.Fatalf("in-flight request during shutdown: %d %s, want 201", a.Status, a.Body)
+	}
+	select { // no second SIGINT: that one stops the demo at once
+	case <-d.done:
+	case <-time.After(40 * time.Second):
+		t.Fatalf("the demo did not exit within 40s of SIGINT; output:\n%s", d.output())
+	}
+	if code := d.code; code != 0 {
+		t.Fatalf("exit code %d after SIGINT, want 0; output:\n%s", code, d.output())
+	}
+	if !strings.Contains(d.output(), "idem demo: stopped") {
+		t.Errorf("no stop message:\n%s", d.output())
+	}
+	if n := countSQLite(t, filepath.Join(dir, "idem-demo.db"), "c_sd"); n != 1 {
+		t.Fatalf("%d orders after shutdown, want the in-flight one committed", n)
+	}
+}
+
+// TestDemoContract drives the contract through the binary, on SQLite.
+func TestDemoContract(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	d := startDemo(t, dir, nil)
+	orders := d.URL + "/orders"
+
+	t.Run("replay", func(t *testing.T) {
+		t.Parallel()
+		key, body := "replay-"+cliRandHex(6), `{"cart_id":"c_replay","total_cents":1900}`
+		first := sendHTTP(t, "POST", orders, "t1", key, body)
+		if first.Status != 201 || first.replayed() {
+			t.Fatalf("first: %d replayed=%v %s", first.Status, first.replayed(), first.Body)
+		}
+		o := first.order(t)
+		if loc := first.Header.Get("Location"); loc != "/orders/"+o.ID {
+			t.Fatalf("Location %q, want /orders/%s", loc, o.ID)
+		}
+		again := sendHTTP(t, "POST", orders, "t1", key, body)
+		if again.Status != 201 || !again.replayed() {
+			t.Fatalf("retry: %d, Idempotent-Replayed %q; want a replayed 201", again.Status, again.Header.Get("Idempotent-Replayed"))
+		}
+		if again.Header.Get("Location") != first.Header.Get("Location") || again.Header.Get("Content-Type") != first.Header.Get("Content-Type") {
+			t.Fatalf("replayed headers %v differ from %v", again.Header, first.Header)
+		}
+		if string(again.Body) != string(first.Body) {
+			t.Fatalf("replayed body differs:\n%s\n%s", again.Body, first.Body)
+		}
+		// The IETF sf-string form names the same key.
+		quoted := sendHTTP(t, "POST", orders, "t1", `"`+key+`"`, body)
+		if quoted.Status != 201 || !quoted.replayed() || string(quoted.Body) != string(first.Body) {
+			t.Fatalf("quoted key: %d replayed=%v", quoted.Status, quoted.replayed())
+		}
+		if l := listOrders(t, d.URL, "t1", "c_replay"); len(l) != 1 || l[0].ID != o.ID {
+			t.Fatalf("orders for the cart: %+v, want only %s", l, o.ID)
+		}
+	})
+
+	t.Run("changed body is 422", func(t *testing.T) {
+		t.Parallel()
+		key := "changed-" + cliRandHex(6)
+		if a := sendHTTP(t, "POST", orders, "t1", key, `{"cart_id":"c_changed","total_cents":1900}`); a.Status != 201 {
+			t.Fatalf("first: %d %s", a.Status, a.Body)
+		}
+		a := sendHTTP(t, "POST", orders, "t1", key, `{"cart_id":"c_changed","total_cents":2900}`)
+		if a.Status != 422 || a.code() != "idempotency_key_reused" || a.Header.Get("Content-Type") != "application/problem+json" {
+			t.Fatalf("changed body: %d %s %s, want 422 idempotency_key_reused", a.Status, a.Header.Get("Content-Type"), a.Body)
+		}
+		if l := listOrders(t, d.URL, "t1", "c_changed"); len(l) != 1 {
+			t.Fatalf("%d orders, want 1", len(l))
+		}
+	})
+
+	t.Run("bad keys are 400", func(t *testing.T) {
+		t.Parallel()
+		body := `{"cart_id":"c_badkey","total_cents":1}`
+		if a := sendHTTP(t, "POST", orders, "t1", "-", body); a.Status != 400 || a.code() != "idempotency_key_missing" {
+			t.Fatalf("no key: %d %s", a.Status, a.Body)
+		}
+		long := strings.Repeat("k", 256)
+		if a := sendHTTP(t, "POST", orders, "t1", long, body); a.Status != 400 || a.code() != "idempotency_key_invalid" {
+			t.Fatalf("256-character key: %d %s", a.Status, a.Body)
+		}
+		if l := listOrders(t, d.URL, "t1", "c_badkey"); len(l) != 0 {
+			t.Fatalf("%d orders after rejected keys, want 0", len(l))
+		}
+		if a := sendHTTP(t, "POST", orders, "t1", strings.Repeat("k", 254)+cliRandHex(1)[:1], body); a.Status != 201 {
+			t.Fatalf("255-character key: %d %s, want 201", a.Status, a.Body)
+		}
+	})
+
+	t.Run("tenants are isolated", func(t *testing.T) {
+		t.Parallel()
+		key, body := "tenant-"+cliRandHex(6), `{"cart_id":"c_tenant","total_cents":700}`
+		a := sendHTTP(t, "POST", orders, "tenant-a", key, body)
+		b := sendHTTP(t, "POST", orders, "tenant-b", key, body)
+		if a.Status != 201 || b.Status != 201 || a.replayed() || b.replayed() {
+			t.Fatalf("A: %d replayed=%v; B: %d replayed=%v; want two executed 201s", a.Status, a.replayed(), b.Status, b.replayed())
+		}
+		oa, ob := a.order(t), b.order(t)
+		if oa.ID == ob.ID {
+			t.Fatalf("tenant B got tenant A's order %s", oa.ID)
+		}
+		if g := sendHTTP(t, "GET", d.URL+"/orders/"+oa.ID, "tenant-b", "-", ""); g.Status != 404 || g.code() != "order_not_found" {
+			t.Fatalf("B reads A's order: %d %s, want 404", g.Status, g.Body)
+		}
+		if g := sendHTTP(t, "GET", d.URL+"/orders/"+oa.ID, "tenant-a", "-", ""); g.Status != 200 || g.order(t) != oa {
+			t.Fatalf("A reads its order: %d %s", g.Status, g.Body)
+		}
+		if l := listOrders(t, d.URL, "tenant-b", "c_tenant"); len(l) != 1 || l[0].ID != ob.ID {
+			t.Fatalf("B's list: %+v", l)
+		}
+	})
+
+	t.Run("401 is not bound to the key", func(t *testing.T) {
+		t.Parallel()
+		key := "auth-" + cliRandHex(6)
+		// Unauthorized first, with another body: if idem had recorded it, the
+		// authorized request below would get 422 or a replayed 401.
+		for _, auth := range []string{"", "Bearer "} {
+			req, _ := http.NewRequest("POST", orders, strings.NewReader(`{"cart_id":"c_auth","total_cents":1}`))
+			req.Header.Set("Idempotency-Key", key)
+			if auth != "" {
+				req.Header.Set("Authorization", auth)
+			}
+			resp, err := (&http.Client{Transport: &http.Transport{DisableKeepAlives: true}}).Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			data, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			a := httpAnswer{resp.StatusCode, resp.Header, data}
+			if a.Status != 401 || a.code() != "unauthorized" || a.Header.Get("Content-Type") != "application/problem+json" {
+				t.Fatalf("Authorization %q: %d %s, want 401 unauthorized", auth, a.Status, a.Body)
+			}
+		}
+		a := sendHTTP(t, "POST", orders, "t1", key, `{"cart_id":"c_auth","total_cents":2}`)
+		if a.Status != 201 || a.replayed() {
+			t.Fatalf("authorized request after 401s: %d replayed=%v %s", a.Status, a.replayed(), a.Body)
+		}
+	})
+
+	t.Run("handler 400 is replayed", func(t *testing.T) {
+		t.Parallel()
+		key, body := "invalid-"+cliRandHex(6), `{"cart_id":"c_invalid","total_cents":-5}`
+		a := sendHTTP(t, "POST", orders, "t1", key, body)
+		if a.Status != 400 || a.code() != "invalid_order" || a.replayed() {
+			t.Fatalf("invalid order: %d %s", a.Status, a.Body)
+		}
+		r := sendHTTP(t, "POST", orders, "t1", key, body)
+		if r.Status != 400 || !r.replayed() || string(r.Body) != string(a.Body) {
+			t.Fatalf("retry of the invalid order: %d replayed=%v %s, want the stored 400", r.Status, r.replayed(), r.Body)
+		}
+		for _, bad := range []string{`{"cart_id":"c_invalid","total_cents":19.5}`, `{"total_cents":1}`, `{oops`} {
+			if a := sendHTTP(t, "POST", orders, "t1", "invalid-"+cliRandHex(6), bad); a.Status != 400 || a.code() != "invalid_order" {
+				t.Fatalf("%s: %d %s, want 400 invalid_order", bad, a.Status, a.Body)
+			}
+		}
+	})
+
+	t.Run("GET passes through without a key", func(t *testing.T) {
+		t.Parallel()
+		if a := sendHTTP(t, "GET", d.URL+"/orders", "t1", "-", ""); a.Status != 200 {
+			t.Fatalf("GET /orders: %d %s", a.Status, a.Body)
+		}
+		if a := sendHTTP(t, "GET", d.URL+"/healthz", "", "-", ""); a.Status != 200 {
+			t.Fatalf("GET /healthz without auth: %d %s", a.Status, a.Body)
+		}
+		if a := sendHTTP(t, "GET", d.URL+"/nope", "t1", "-", ""); a.Status != 404 {
+			t.Fatalf("GET /nope: %d", a.Status)
+		}
+	})
+}
+
+// TestDemoTTL: once a record's TTL has passed, the same key executes again.
+func TestDemoTTL(t *testing.T) {
+	t.Parallel()
+	d := startDemo(t, t.TempDir(), []string{"IDEM_TTL=1h"}, "--ttl", "4s", "--lease", "1s")
+	if !strings.Contains(d.output(), "ttl 4s") {
+		t.Errorf("the flag did not win over IDEM_TTL:\n%s", d.output())
+	}
+	key, body := "ttl-"+cliRandHex(6), `{"cart_id":"c_ttl","total_cents":1}`
+	first := sendHTTP(t, "POST", d.URL+"/orders", "t1", key, body)
+	if first.Status != 201 {
+		t.Fatalf("first: %d %s", first.Status, first.Body)
+	}
+	expired := time.Now().Add(5 * time.Second)
+	if r := sendHTTP(t, "POST", d.URL+"/orders", "t1", key, body); r.Status != 201 || !r.replayed() {
+		t.Fatalf("retry within the TTL: %d replayed=%v", r.Status, r.replayed())
+	}
+	time.Sleep(time.Until(expired))
+	again := sendHTTP(t, "POST", d.URL+"/orders", "t1", key, body)
+	if again.Status != 201 || again.replayed() || again.order(t).ID == first.order(t).ID {
+		t.Fatalf("after the TTL: %d replayed=%v %s, want a new order", again.Status, again.replayed(), again.Body)
+	}
+	if l := listOrders(t, d.URL, "t1", "c_ttl"); len(l) != 2 {
+		t.Fatalf("%d orders, want 2 (one per TTL window)", len(l))
+	}
+}
+
+// TestDemoRateLimit: 429s come before idem and are never bound to a key.
+func TestDemoRateLimit(t *testing.T) {
+	t.Parallel()
+	d := startDemo(t, t.TempDir(), []string{"IDEM_RATE_LIMIT=2"})
+	const n = 12
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = "rl-" + cliRandHex(6)
+	}
+	body := []byte(`{"cart_id":"c_rl","total_cents":1}`)
+	results := racetest.Fire(n, func(i int) (*http.Request, error) {
+		return racetest.Post(d.URL+"/orders", keys[i], body, http.Header{"Authorization": {"Bearer t1"}})(i)
+	})
+	limited := -1
+	for i, r := range results {
+		if r.Err != nil {
+			t.Fatal(r.Err)
+		}
+		if r.Status == 429 {
+			var p struct{ Code string }
+			_ = json.Unmarshal(r.Body, &p)
+			if p.Code != "rate_limited" || r.Header.Get("Retry-After") == "" {
+				t.Fatalf("429 without the rate_limited problem or Retry-After: %v %s", r.Header, r.Body)
+			}
+			limited = i
+		} else if r.Status != 201 {
+			t.Fatalf("status %d: %s", r.Status, r.Body)
+		}
+	}
+	if limited < 0 {
+		t.Fatalf("%d requests at once with --rate-limit 2 (IDEM_RATE_LIMIT): none was limited", n)
+	}
+	// Another tenant is not limited by t1's burst.
+	if a := sendHTTP(t, "POST", d.URL+"/orders", "t2", "rl-other-"+cliRandHex(4), string(body)); a.Status != 201 {
+		t.Fatalf("tenant t2: %d %s", a.Status, a.Body)
+	}
+	// The limited key was never recorded: once the window passed it executes.
+	var a httpAnswer
+	for range 10 {
+		time.Sleep(1500 * time.Millisecond)
+		if a = sendHTTP(t, "POST", d.URL+"/orders", "t1", keys[limited], string(body)); a.Status != 429 {
+			break
+		}
+	}
+	if a.Status != 201 || a.replayed() {
+		t.Fatalf("retry of a rate-limited key: %d replayed=%v %s, want an executed 201", a.Status, a.replayed(), a.Body)
+	}
+}
+
+// TestDemoUsage covers --help and bad flags or environment values.
+func TestDemoUsage(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	code, out, _ := runIdem(t, dir, nil, "demo", "--help")
+	if code != 0 || !strings.Contains(out, "Example:") || !strings.Contains(out, "--handler-delay") || !strings.Contains(out, "[IDEM_HANDLER_DELAY]") {
+		t.Fatalf("demo --help: exit %d\n%s", code, out)
+	}
+	cases := []struct {
+		env  []string
+		args []string
+		want string
+	}{
+		{nil, []string{"demo", "--nope"}, "flag provided but not defined: -nope"},
+		{nil, []string{"demo", "--lease", "soon"}, `invalid value "soon" for flag -lease; use a duration such as 500ms, 30s or 24h`},
+		{nil, []string{"demo", "--require-key=maybe"}, `invalid value "maybe" for flag -require-key; use true or false`},
+		{[]string{"IDEM_LEASE=soon"}, []string{"demo"}, `IDEM_LEASE="soon" is not a valid value for --lease`},
+		{[]string{"IDEM_REQUIRE_KEY=maybe"}, []string{"demo"}, `IDEM_REQUIRE_KEY="maybe" is not a valid value for --require-key; use true or false`},
+		{nil, []string{"demo", "--ttl", "1s", "--lease", "2s"}, "--ttl (1s) is shorter than --lease (2s)"},
+		{nil, []string{"demo", "--handler-delay", "-1s"}, "--handler-delay -1s is negative"},
+		{nil, []string{"demo", "--rate-limit", "-3"}, "--rate-limit -3 is negative"},
+		{nil, []string{"demo", "--db", "x://foo"}, `--db: unknown scheme "x"; use sqlite:PATH, postgres://… or mysql://…`},
+		{nil, []string{"demo", "--keys", "memcached://x"}, `--keys: unknown scheme "memcached"`},
+		{nil, []string{"demo", "extra"}, `unexpected argument "extra"`},
+	}
+	for _, c := range cases {
+		code, _, stderr := runIdem(t, dir, c.env, c.args...)
+		if code != 2 || !strings.Contains(stderr, c.want) || !strings.Contains(stderr, "--help") {
+			t.Errorf("%v %v: exit %d, stderr %q; want 2 and %q", c.env, c.args, code, stderr, c.want)
+		}
+	}
+	// An address in use is a failure (1), not a usage error.
+	d := startDemo(t, dir, nil)
+	code, _, stderr := runIdem(t, dir, nil, "demo", "--addr", "127.0.0.1:"+d.Port)
+	if code != 1 || !strings.Contains(stderr, "--addr") {
+		t.Errorf("address in use: exit %d, stderr %q", code, stderr)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "idem-demo.db")); err != nil {
+		t.Errorf("the default database file was not created in the working directory: %v", err)
+	}
+}
+
+// TestDemoCrash kills the demo (SIGKILL) while a request sleeps in its
+// transaction after the insert: nothing of it survives, the key stays in flight
+// until its lease lapses, and then a retry on a restarted demo executes once.
+func TestDemoCrash(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	a := startDemo(t, dir, nil, "--lease", "1s", "--handler-delay", "3s")
+	key, body := "crash-"+cliRandHex(6), `{"cart_id":"c_crash","total_cents":1}`
+	go func() {
+		req, _ := http.NewRequest("POST", a.URL+"/orders", strings.NewReader(body))
+		req.Header.Set("Authorization", "Bearer t1")
+		req.Header.Set("Idempotency-Key", key)
+		resp, err := (&http.Client{Transport: &http.Transport{DisableKeepAlives: true}}).Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+	}()
+	time.Sleep(1500 * time.Millisecond) // inside the handler's transaction
+	if err := a.cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	<-a.done
+	if n := countSQLite(t, filepath.Join(dir, "idem-demo.db"), "c_crash"); n != 0 {
+		t.Fatalf("%d orders after the crash, want 0 (the transaction never committed)", n)
+	}
+	// The crashed request's claim is still there, in flight.
+	code, out, _ := runIdem(t, dir, nil, "inspect", "--db", "sqlite:"+filepath.Join(dir, "idem-demo.db"), "--scope", "t1", key)
+	if code != 0 || !strings.Contains(out, "state:       in_flight") {
+		t.Fatalf("the killed request left no in-flight claim (exit %d):\n%s", code, out)
+	}
+	b := startDemo(t, dir, nil, "--lease", "1s")
+	var r httpAnswer
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		r = sendHTTP(t, "POST", b.URL+"/orders", "t1", key, body)
+		if r.Status != 409 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(300 * time.Millisecond)
+	}
+	if r.Status != 201 || r.replayed() {
+		t.Fatalf("retry after the crash: %d replayed=%v %s, want an executed 201", r.Status, r.replayed(), r.Body)
+	}
+	if n := countSQLite(t, filepath.Join(dir, "idem-demo.db"), "c_crash"); n != 1 {
+		t.Fatalf("%d orders, want exactly 1", n)
+	}
+}
+
+// TestDemoKeyOptional: with --require-key=false a POST without a key runs
+// unprotected, and keyed ones are still deduplicated.
+func TestDemoKeyOptional(t *testing.T) {
+	t.Parallel()
+	d := startDemo(t, t.TempDir(), []string{"IDEM_REQUIRE_KEY=false"})
+	body := `{"cart_id":"c_opt","total_cents":1}`
+	for range 2 {
+		if a := sendHTTP(t, "POST", d.URL+"/orders", "t1", "-", body); a.Status != 201 || a.replayed() {
+			t.Fatalf("POST without a key: %d %s", a.Status, a.Body)
+		}
+	}
+	key := "opt-" + cliRandHex(4)
+	sendHTTP(t, "POST", d.URL+"/orders", "t1", key, body)
+	if a := sendHTTP(t, "POST", d.URL+"/orders", "t1", key, body); !a.replayed() {
+		t.Fatalf("keyed retry not replayed: %d", a.Status)
+	}
+	if l := listOrders(t, d.URL, "t1", "c_opt"); len(l) != 3 {
+		t.Fatalf("%d orders, want 3 (two unkeyed, one keyed)", len(l))
+	}
+}
+
+// TestDemoSecondInterrupt: a second SIGINT during the graceful shutdown stops the
+// demo at once, without waiting for the request in flight.
+func TestDemoSecondInterrupt(t *testing.T) {
+	t.Parallel()
+	d := startDemo(t, t.TempDir(), nil, "--handler-delay", "20s")
+	go func() {
+		req, _ := http.NewRequest("POST", d.URL+"/orders", strings.NewReader(`{"cart_id":"c_int","total_cents":1}`))
+		req.Header.Set("Authorization", "Bearer t1")
+		req.Header.Set("Idempotency-Key", "int-"+cliRandHex(4))
+		if resp, err := (&http.Client{Transport: &http.Transport{DisableKeepAlives: true}}).Do(req); err == nil {
+			resp.Body.Close()
+		}
+	}()
+	time.Sleep(700 * time.Millisecond)
+	_ = d.cmd.Process.Signal(os.Interrupt)
+	deadline := time.Now().Add(10 * time.Second)
+	for !strings.Contains(d.output(), "shutting down") && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	start := time.Now()
+	_ = d.cmd.Process.Signal(os.Interrupt)
+	select {
+	case <-d.done:
+	case <-time.After(10 * time.Second):
+		t.Fatalf("the demo still runs 10s after the second SIGINT (the request sleeps 20s)")
+	}
+	if d.code == 0 {
+		t.Errorf("exit code 0 after a forced stop")
+	}
+	t.Logf("stopped %v after the second SIGINT", time.Since(start).Round(time.Millisecond))
+}

@@ -1,0 +1,51 @@
+// Package orders is the reference checkout service of the idem articles, served
+// by `idem demo`: a tiny orders API whose one write endpoint is made idempotent by
+// the idem middleware.
+//
+// # API
+//
+//	POST /orders        {"cart_id": "c_42", "total_cents": 1900}
+//	                    → 201, Location: /orders/{id},
+//	                      {"id": "ord_…", "cart_id": "c_42", "total_cents": 1900, "created_at": "…"}
+//	GET  /orders/{id}   → 200 the order, or 404 (also for another tenant's order)
+//	GET  /orders        → 200 {"orders": […]} of the caller's tenant; ?cart_id= filters
+//	GET  /healthz       → 200 {"status":"ok"} when the database answers, else 503
+//
+// Invalid JSON, unknown fields, a missing or empty cart_id, or a total_cents that
+// is missing, negative or not a whole number get 400 application/problem+json
+// (code "invalid_order"). The HANDLER writes that answer, behind idem, so it is
+// stored and replayed like any other outcome: a retry of a bad request gets the
+// same 400 without running again. Other codes: "order_not_found" (404),
+// "unauthorized" (401, from Authenticate, in front of idem, never bound to a key),
+// "order_not_saved" (500), "request_cancelled" (503), "database_unavailable" and
+// "database_error". Each problem's type is idem.ProblemTypeBase + code.
+//
+// # Transactions
+//
+// The order is inserted in the transaction the idem store opened for the request
+// (sqlitestore.Tx, pgstore.Tx, mysqlstore.Tx, passed to SQL or Pgx as txFunc), so
+// the order and the stored answer commit together or not at all. Without a store
+// transaction (keys in Redis) the handler commits its own transaction, and the
+// guarantee is weaker: a crash between that commit and the completion in Redis
+// leaves an order whose key is released when its lease lapses, and a retry then
+// creates a second order.
+//
+// Config.HandlerDelay sleeps inside the transaction after the insert, to widen the
+// race window in demonstrations.
+//
+// # Schema
+//
+// One table (default name "orders") next to the key records, created by Migrate:
+//
+//	id          TEXT PRIMARY KEY      -- "ord_" + 24 hex digits, made by the service
+//	tenant      TEXT NOT NULL         -- the idem scope (the bearer token in the demo)
+//	cart_id     TEXT NOT NULL         -- at most 255 bytes
+//	total_cents BIGINT NOT NULL       -- >= 0
+//	created_at  TIMESTAMPTZ NOT NULL  -- DATETIME(6) in MySQL, fixed-width UTC text in SQLite
+//	INDEX (tenant, cart_id, created_at)
+//
+// # Limits
+//
+// GET /orders returns at most ListLimit orders. The tenant is trusted as given:
+// Authenticate is demo-only and verifies nothing.
+package orders
