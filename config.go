@@ -219,7 +219,7 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 	if cfg.MaxKeyLength == 0 {
 		cfg.MaxKeyLength = DefaultMaxKeyLength
 	} else if cfg.MaxKeyLength < 0 {
-		errs = append(errs, fmt.Errorf("MaxKeyLength is %d; use a positive number or 0 for the default %d", cfg.MaxKeyLength, DefaultMaxKeyLength))
+		errs = append(errs, fmt.Errorf("invalid MaxKeyLength %d: use a positive number or 0 for the default %d", cfg.MaxKeyLength, DefaultMaxKeyLength))
 	}
 	if cfg.ScopeFunc == nil {
 		cfg.ScopeFunc = ScopeFromContext
@@ -230,22 +230,22 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 	if cfg.Lease == 0 {
 		cfg.Lease = DefaultLease
 	} else if cfg.Lease < 10*time.Millisecond {
-		errs = append(errs, fmt.Errorf("Lease is %v; use at least 10ms, or 0 for the default %v", cfg.Lease, DefaultLease))
+		errs = append(errs, fmt.Errorf("invalid Lease %v: use at least 10ms, or 0 for the default %v", cfg.Lease, DefaultLease))
 	}
 	if cfg.TTL == 0 {
 		cfg.TTL = DefaultTTL
 	} else if cfg.TTL < cfg.Lease {
-		errs = append(errs, fmt.Errorf("TTL (%v) is shorter than Lease (%v); a record must outlive its lease", cfg.TTL, cfg.Lease))
+		errs = append(errs, fmt.Errorf("invalid TTL %v: shorter than Lease (%v); a record must outlive its lease", cfg.TTL, cfg.Lease))
 	}
 	if cfg.MaxRequestBody == 0 {
 		cfg.MaxRequestBody = DefaultMaxRequestBody
 	} else if cfg.MaxRequestBody < 0 {
-		errs = append(errs, fmt.Errorf("MaxRequestBody is %d; use a positive size or 0 for the default", cfg.MaxRequestBody))
+		errs = append(errs, fmt.Errorf("invalid MaxRequestBody %d: use a positive size or 0 for the default", cfg.MaxRequestBody))
 	}
 	if cfg.MaxStoredBody == 0 {
 		cfg.MaxStoredBody = DefaultMaxStoredBody
 	} else if cfg.MaxStoredBody < 0 {
-		errs = append(errs, fmt.Errorf("MaxStoredBody is %d; use a positive size or 0 for the default", cfg.MaxStoredBody))
+		errs = append(errs, fmt.Errorf("invalid MaxStoredBody %d: use a positive size or 0 for the default", cfg.MaxStoredBody))
 	}
 	if cfg.StoredHeaders == nil {
 		cfg.StoredHeaders = DefaultStoredHeaders
@@ -253,7 +253,7 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 	for _, h := range cfg.StoredHeaders {
 		ch := http.CanonicalHeaderKey(h)
 		if ch == "Set-Cookie" {
-			errs = append(errs, errors.New("StoredHeaders lists Set-Cookie; a replay must never hand one client's cookie to another attempt, remove it"))
+			errs = append(errs, errors.New("invalid StoredHeaders: it lists Set-Cookie; a replay must never hand one client's cookie to another attempt, remove it"))
 			continue
 		}
 		s.storedHdrs = append(s.storedHdrs, ch)
@@ -271,10 +271,10 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 	case FlowClaimComplete:
 	case FlowSingleTx:
 		if _, ok := store.(SingleTxStore); !ok && store != nil {
-			errs = append(errs, fmt.Errorf("Flow is FlowSingleTx but the store (%T) does not implement idem.SingleTxStore; use a SQL store such as pgstore, or FlowClaimComplete", store))
+			errs = append(errs, fmt.Errorf("invalid Flow: FlowSingleTx needs an idem.SingleTxStore, and %T is not one; use pgstore, sqlitestore or mysqlstore, or FlowClaimComplete", store))
 		}
 	default:
-		errs = append(errs, fmt.Errorf("Flow %d is unknown; use FlowClaimComplete or FlowSingleTx", cfg.Flow))
+		errs = append(errs, fmt.Errorf("invalid Flow %d: unknown; use FlowClaimComplete or FlowSingleTx", cfg.Flow))
 	}
 	if store == nil && !validateOnly {
 		errs = append(errs, errors.New("store is nil; pass one, for example memstore.New(nil) or a SQL store"))
