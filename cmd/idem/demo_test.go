@@ -558,7 +558,7 @@ func TestDemoUsage(t *testing.T) {
 		{nil, []string{"demo", "--require-key=maybe"}, `invalid value "maybe" for flag -require-key; use true or false`},
 		{[]string{"IDEM_LEASE=soon"}, []string{"demo"}, `IDEM_LEASE="soon" is not a valid value for --lease`},
 		{[]string{"IDEM_REQUIRE_KEY=maybe"}, []string{"demo"}, `IDEM_REQUIRE_KEY="maybe" is not a valid value for --require-key; use true or false`},
-		{nil, []string{"demo", "--ttl", "1s", "--lease", "2s"}, "--ttl (1s) is shorter than --lease (2s)"},
+		{nil, []string{"demo", "--ttl", "1s", "--lease", "2s"}, "invalid --ttl 1s: shorter than --lease (2s)"},
 		{nil, []string{"demo", "--handler-delay", "-1s"}, "--handler-delay -1s is negative"},
 		{nil, []string{"demo", "--rate-limit", "-3"}, "--rate-limit -3 is negative"},
 		{nil, []string{"demo", "--db", "x://foo"}, `--db: unknown scheme "x"; use sqlite:PATH, postgres://… or mysql://…`},
