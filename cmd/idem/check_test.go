@@ -148,3 +148,24 @@ func TestCheckHelp(t *testing.T) {
 		t.Errorf("idem help does not list check:\n%s", out.String())
 	}
 }
+
+// TestCheckAgainstDemo points the built `idem check` at the built `idem demo`:
+// the reference service passes every case, the race five rounds in a row, with
+// the orders counted on the server.
+func TestCheckAgainstDemo(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	demo := startDemo(t, dir, nil, "--db", "sqlite:"+dir+"/demo.db", "--handler-delay", "30ms")
+	code, out, errOut := runIdem(t, dir, nil, "check", demo.URL+"/orders",
+		"--header", "Authorization: Bearer tenant-a",
+		"--tenant-b-header", "Authorization: Bearer tenant-b",
+		"--count-url", demo.URL+"/orders?cart_id={{marker}}",
+		"--concurrency", "30", "--rounds", "5")
+	if code != exitOK {
+		t.Fatalf("idem check against idem demo: exit %d\nstdout:\n%s\nstderr:\n%s\ndemo:\n%s", code, out, errOut, demo.output())
+	}
+	if !strings.Contains(out, "8 passed, 0 warnings, 0 failed") {
+		t.Errorf("want every case passed without warnings:\n%s", out)
+	}
+	t.Logf("report:\n%s", out)
+}
