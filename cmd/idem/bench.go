@@ -1,0 +1,187 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/idemkit/idem/internal/bench"
+)
+
+func init() {
+	register(&command{name: "bench", summary: "benchmark idem on each store against a bare handler and Fiber's middleware", run: runBench})
+}
+
+func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("idem bench", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	stores := fs.String("stores", strings.Join(bench.Stores, ","), "comma-separated stores to benchmark: "+strings.Join(bench.Stores, ", "))
+	duration := fs.Duration("duration", 3*time.Second, "measured time per cell (store × variant × clients), split over the rounds")
+	rounds := fs.Int("rounds", 3, "interleaved rounds per cell: each round runs every variant once, so drift hits all alike")
+	concurrency := fs.String("concurrency", "1,8,64", "comma-separated numbers of concurrent closed-loop clients")
+	fiber := fs.Bool("fiber", true, "also benchmark Fiber v2's idempotency middleware (in-memory storage) for comparison with memstore")
+	pool := fs.Int("pool", 32, "connection pool size for PostgreSQL and MySQL")
+	replayKeys := fs.Int("replay-keys", 512, "keys completed before the cells, which the replay case cycles through")
+	out := fs.String("out", filepath.Join("bench", "out"), "directory for results.md, results.json and throughput.svg")
+	pgURL := fs.String("postgres", benchEnv("IDEM_TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL URL (env IDEM_TEST_POSTGRES_URL)")
+	myDSN := fs.String("mysql", "root@tcp(127.0.0.1:3306)/test", "MySQL/MariaDB DSN, go-sql-driver/mysql form")
+	redisURL := fs.String("redis", benchEnv("IDEM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"), "Redis URL (env IDEM_TEST_REDIS_URL)")
+	growth := fs.Bool("growth", false, "also run the PostgreSQL growth benchmark: claim latency at growing table sizes, and during a janitor sweep")
+	growthSizes := fs.String("growth-sizes", "10000,1000000,10000000", "comma-separated record counts for --growth")
+	growthClaims := fs.Int("growth-claims", 3000, "claims timed at each size for --growth")
+	backlog := fs.Int("janitor-backlog", 1_000_000, "expired records the janitor deletes while claims are timed (--growth); negative skips it")
+	usage := func(w io.Writer) {
+		fmt.Fprintln(w, "Usage: idem bench [flags]")
+		fmt.Fprintln(w, "")
+		fmt.Fprintln(w, "Starts an orders service on 127.0.0.1 for each store, without idem (baseline) and with it")
+		fmt.Fprintln(w, "(first-time keys, replays, one hot key; PostgreSQL also single-transaction), drives it with")
+		fmt.Fprintln(w, "N closed-loop clients, and reports throughput, p50/p99 and the ratio to the baseline of the")
+		fmt.Fprintln(w, "same run, as a markdown table on stdout, results.json and throughput.svg in --out.")
+		fmt.Fprintln(w, "Exit 1 when a cell's counts are inconsistent (a replay that executed, a lost or doubled row).")
+		fmt.Fprintln(w, "")
+		fs.SetOutput(w)
+		fs.PrintDefaults()
+	}
+	fs.Usage = func() {} // Parse reports the bad flag; the full usage goes to stdout on --help only
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			usage(stdout)
+			return exitOK
+		}
+		fmt.Fprintln(stderr, "idem bench: run `idem bench --help` for the flags")
+		return exitUsage
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "idem bench: unexpected argument %q; all options are flags (see idem bench --help)\n", fs.Arg(0))
+		return exitUsage
+	}
+	cfg := bench.Config{
+		Duration: *duration, Rounds: *rounds, Fiber: *fiber, PoolSize: *pool, ReplayKeys: *replayKeys,
+		PostgresURL: *pgURL, MySQLDSN: *myDSN, RedisURL: *redisURL,
+		Growth: *growth, GrowthClaims: *growthClaims, JanitorBacklog: *backlog, Log: stderr,
+	}
+	if *backlog == 0 {
+		cfg.JanitorBacklog = -1
+	}
+	var err error
+	if cfg.Concurrency, err = benchInts(*concurrency); err != nil {
+		fmt.Fprintf(stderr, "idem bench: --concurrency: %v\n", err)
+		return exitUsage
+	}
+	if cfg.GrowthSizes, err = benchInts(*growthSizes); err != nil {
+		fmt.Fprintf(stderr, "idem bench: --growth-sizes: %v\n", err)
+		return exitUsage
+	}
+	for _, s := range strings.Split(*stores, ",") {
+		s = strings.TrimSpace(s)
+		if s == "" {
+			continue
+		}
+		known := false
+		for _, k := range bench.Stores {
+			known = known || k == s
+		}
+		if !known {
+			fmt.Fprintf(stderr, "idem bench: --stores: unknown store %q; use some of %s\n", s, strings.Join(bench.Stores, ","))
+			return exitUsage
+		}
+		cfg.Stores = append(cfg.Stores, s)
+	}
+	if len(cfg.Stores) == 0 && !cfg.Fiber && !cfg.Growth {
+		fmt.Fprintln(stderr, "idem bench: nothing to run; name at least one store with --stores")
+		return exitUsage
+	}
+	if len(cfg.Stores) == 0 {
+		cfg.Stores = []string{}
+	}
+	if *duration < 10*time.Millisecond || *rounds < 1 || *pool < 1 || *replayKeys < 1 {
+		fmt.Fprintln(stderr, "idem bench: --duration must be at least 10ms, --rounds, --pool and --replay-keys at least 1")
+		return exitUsage
+	}
+	if err := os.MkdirAll(*out, 0o755); err != nil {
+		fmt.Fprintf(stderr, "idem bench: create the output directory: %v\n", err)
+		return exitFailure
+	}
+	rep, err := bench.Run(ctx, cfg)
+	if rep != nil {
+		rep.Command = strings.TrimSpace("idem bench " + strings.Join(args, " "))
+		if werr := writeBenchOutputs(rep, *out, stdout); werr != nil {
+			fmt.Fprintf(stderr, "idem bench: %v\n", werr)
+			return exitFailure
+		}
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "idem bench: %v\n", err)
+		return exitFailure
+	}
+	if rep.Failed() {
+		fmt.Fprintln(stderr, "idem bench: some cells failed their consistency check (see the check column)")
+		return exitFailure
+	}
+	return exitOK
+}
+
+// writeBenchOutputs prints the markdown table and writes results.md,
+// results.json and throughput.svg into dir.
+func writeBenchOutputs(rep *bench.Report, dir string, stdout io.Writer) error {
+	if err := rep.WriteMarkdown(stdout); err != nil {
+		return err
+	}
+	files := []struct {
+		name  string
+		write func(io.Writer) error
+	}{
+		{"results.md", rep.WriteMarkdown},
+		{"results.json", rep.WriteJSON},
+		{"throughput.svg", rep.WriteSVG},
+	}
+	for _, f := range files {
+		path := filepath.Join(dir, f.name)
+		fh, err := os.Create(path)
+		if err != nil {
+			return fmt.Errorf("write %s: %w", path, err)
+		}
+		err = f.write(fh)
+		if cerr := fh.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			return fmt.Errorf("write %s: %w", path, err)
+		}
+	}
+	fmt.Fprintf(stdout, "\nWrote %s, %s and %s.\n", filepath.Join(dir, "results.md"), filepath.Join(dir, "results.json"), filepath.Join(dir, "throughput.svg"))
+	return nil
+}
+
+func benchInts(s string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		f = strings.TrimSpace(f)
+		if f == "" {
+			continue
+		}
+		n, err := strconv.Atoi(f)
+		if err != nil || n < 1 {
+			return nil, fmt.Errorf("%q is not a positive whole number", f)
+		}
+		out = append(out, n)
+	}
+	if len(out) == 0 {
+		return nil, errors.New("give at least one number")
+	}
+	return out, nil
+}
+
+func benchEnv(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}

@@ -1,0 +1,118 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"encoding/xml"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/idemkit/idem/internal/bench"
+)
+
+// TestBenchSmoke runs a tiny benchmark on memstore and Fiber and checks the
+// outputs and that the numbers mean what they say.
+func TestBenchSmoke(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	var stdout, stderr bytes.Buffer
+	code := run(context.Background(), []string{"bench", "--stores", "memory", "--duration", "200ms", "--concurrency", "1,2", "--replay-keys", "32", "--out", dir}, &stdout, &stderr)
+	if code != exitOK {
+		t.Fatalf("exit %d; stderr:\n%s\nstdout:\n%s", code, stderr.String(), stdout.String())
+	}
+	for _, s := range []string{"| target | variant | clients | req/s |", "| memory | first | 1 |", "| memory | replay | 2 |", "| fiber | hot key | 2 |"} {
+		if !strings.Contains(stdout.String(), s) {
+			t.Errorf("stdout lacks %q:\n%s", s, stdout.String())
+		}
+	}
+	b, err := os.ReadFile(filepath.Join(dir, "results.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rep bench.Report
+	if err := json.Unmarshal(b, &rep); err != nil {
+		t.Fatalf("results.json: %v", err)
+	}
+	// memory and fiber, 4 variants each, 2 concurrencies.
+	if len(rep.Results) != 16 {
+		t.Fatalf("results.json has %d results; want 16", len(rep.Results))
+	}
+	for _, r := range rep.Results {
+		name := fmt.Sprintf("%s/%s/%d", r.Target, r.Variant, r.Concurrency)
+		if r.Throughput <= 0 || r.Requests <= 0 || r.P50Micros <= 0 || r.P99Micros < r.P50Micros {
+			t.Errorf("%s: implausible numbers: %+v", name, r)
+		}
+		if r.Check != "" {
+			t.Errorf("%s: check failed: %s", name, r.Check)
+		}
+		switch r.Variant {
+		case bench.VariantFirst:
+			// Every request executed once: one row each, no replays.
+			if r.Executed != r.Requests || r.Rows != r.Requests || r.Replayed != 0 {
+				t.Errorf("%s: %d requests, %d executed, %d rows, %d replayed; want all executed, one row each", name, r.Requests, r.Executed, r.Rows, r.Replayed)
+			}
+		case bench.VariantReplay:
+			if r.Rows != 0 || r.Replayed != r.Requests {
+				t.Errorf("%s: %d requests, %d replayed, %d rows; want every answer a replay and no row", name, r.Requests, r.Replayed, r.Rows)
+			}
+			if r.Target == "memory" && r.Status["201 replayed"] != r.Requests {
+				t.Errorf("%s: %d answers carried Idempotent-Replayed: true; want %d", name, r.Status["201 replayed"], r.Requests)
+			}
+		case bench.VariantHot:
+			if r.Executed < 1 || r.Executed > r.Keys || r.Rows != r.Executed {
+				t.Errorf("%s: %d executed, %d rows for %d keys", name, r.Executed, r.Rows, r.Keys)
+			}
+		case bench.VariantBaseline:
+			if r.Rows != r.Requests || r.Ratio != 1 {
+				t.Errorf("%s: %d rows for %d requests, ratio %v", name, r.Rows, r.Requests, r.Ratio)
+			}
+		}
+	}
+	svg, err := os.ReadFile(filepath.Join(dir, "throughput.svg"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.HasPrefix(svg, []byte("<svg")) || !bytes.Contains(svg, []byte("polyline")) {
+		t.Errorf("throughput.svg does not look like a chart: %.200s", svg)
+	}
+	d := xml.NewDecoder(bytes.NewReader(svg))
+	for {
+		if _, err := d.Token(); err == io.EOF {
+			break
+		} else if err != nil {
+			t.Fatalf("throughput.svg is not well-formed: %v", err)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(dir, "results.md")); err != nil {
+		t.Error(err)
+	}
+}
+
+func TestBenchUsage(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		args []string
+		code int
+	}{
+		{[]string{"bench", "--help"}, exitOK},
+		{[]string{"bench", "--stores", "oracle"}, exitUsage},
+		{[]string{"bench", "--concurrency", "0"}, exitUsage},
+		{[]string{"bench", "--duration", "fast"}, exitUsage},
+		{[]string{"bench", "extra"}, exitUsage},
+	} {
+		var stdout, stderr bytes.Buffer
+		if code := run(context.Background(), c.args, &stdout, &stderr); code != c.code {
+			t.Errorf("%v: exit %d; want %d (stderr: %s)", c.args, code, c.code, stderr.String())
+		}
+	}
+	var stdout bytes.Buffer
+	run(context.Background(), []string{"bench", "--help"}, &stdout, io.Discard)
+	if !strings.Contains(stdout.String(), "--concurrency") && !strings.Contains(stdout.String(), "-concurrency") {
+		t.Errorf("--help does not list the flags:\n%s", stdout.String())
+	}
+}

@@ -1,0 +1,82 @@
+// Package bench is the harness behind `idem bench`: it measures what idem costs
+// on each store, against the same handler without idem, and against Fiber v2's
+// idempotency middleware.
+//
+// # What runs
+//
+// For each store (memory, sqlite, postgres, mysql, redis) Run starts an HTTP
+// server on 127.0.0.1 with one orders handler mounted three ways:
+//
+//	POST /bare/orders    the handler alone (the baseline)
+//	POST /idem/orders    idem.New(store, nil) in front of it (claim-then-complete)
+//	POST /single/orders  idem with Flow = FlowSingleTx (PostgreSQL only)
+//
+// The handler decodes {"item": "widget", "qty": 1}, inserts one order row and
+// answers 201 with the order as JSON and a Location header. For the SQL stores
+// the row goes into an orders table in the same database as the idempotency
+// records, inside idem's transaction (sqlitestore.Tx, pgstore.Tx, mysqlstore.Tx)
+// when there is one; for memory and redis, and for Fiber, into an in-process map.
+//
+// The variants, each a cell per number of clients:
+//
+//   - baseline: /bare/orders without a key;
+//   - first: a fresh key per request, so every request claims, executes and completes;
+//   - replay: cycling through Config.ReplayKeys keys completed before the cells, so
+//     every answer is a replay;
+//   - hot key: all clients send the same key, a new one every HotKeyEvery
+//     requests: one execution per key, the rest 409s (while it is in flight) and
+//     replays;
+//   - single-tx first: PostgreSQL's single-transaction flow with fresh keys.
+//
+// # Load
+//
+// The load generator is a closed loop of its own, in the same process: N
+// goroutines, each one client that sends its next request when the previous one
+// was answered, over kept-alive loopback connections. N is therefore the number
+// of requests in flight, which is what "N concurrent clients" means; an
+// open-loop (fixed-rate) generator would measure queueing at a chosen rate
+// instead. Throughput is answers per second; latency is measured per request by
+// the client, p50 and p99 by nearest rank over all requests of a cell.
+//
+// The machine is shared and noisy, so the result is the ratio to the baseline
+// measured in the same run, not absolute numbers: each cell's Duration is split
+// into Rounds slices, and round r runs every variant once, in an order rotated by
+// r, so that drift hits baseline and variants alike.
+//
+// # Honesty checks
+//
+// Before and after every slice the harness counts the rows in the orders table,
+// and it counts answers by status and by the Idempotent-Replayed header. A cell
+// fails its check (Result.Check, and `idem bench` exits 1) when the rows do not
+// equal the executed requests, when a replay executed the handler, when fresh
+// keys were answered 409 or replayed, when a hot key executed more than once, or
+// when any answer was an error. Fiber does not mark replays; for it a 2xx answer
+// that inserted no row counts as a replay.
+//
+// # Growth
+//
+// With Config.Growth, runGrowth bulk-loads complete records (INSERT … SELECT
+// FROM generate_series, 500 000 rows per statement, UUID keys spread over the key
+// space) into a dedicated pgstore table up to each of GrowthSizes, and times
+// store.Claim on fresh keys at each size, alternating every claim with one on a
+// reference table that keeps the smallest size, so that both are timed in the
+// same window. It then loads JanitorBacklog expired records and times claims
+// while idem.Janitor{BatchSize: 1000}.Sweep deletes them.
+//
+// # Tables and cleanup
+//
+// Every run uses names with a random suffix and removes them at the end:
+// idem_bench_<suffix> and orders_bench_<suffix> (PostgreSQL, MySQL, and the
+// SQLite file in a temporary directory), idem_bench_<suffix>_migrations (MySQL),
+// the Redis key prefix idembench_<suffix>:, and idem_growth_<suffix> and
+// idem_growth_ref_<suffix> for the growth run. A run killed with SIGKILL leaves
+// them behind; Redis records expire after an hour (the TTL the harness sets).
+//
+// # Limits
+//
+// Load generator and servers share the machine's CPUs, so on a small machine the
+// generator's own cost is part of every number (it is the same for baseline and
+// variants, which makes ratios conservative: they understate the middleware's
+// relative cost). The database servers are used as configured; commit latency
+// (fsync) dominates the SQL numbers.
+package bench

@@ -1,0 +1,292 @@
+package bench
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"time"
+
+	_ "github.com/go-sql-driver/mysql" // the MySQL/MariaDB driver the mysql target opens
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/memstore"
+	"github.com/idemkit/idem/mysqlstore"
+	"github.com/idemkit/idem/pgstore"
+	"github.com/idemkit/idem/redisstore"
+	"github.com/idemkit/idem/sqlitestore"
+	"github.com/idemkit/idem/sqlitestore/embedded"
+)
+
+// Variant names, as they appear in the report.
+const (
+	VariantBaseline = "baseline"        // the handler without idempotency middleware
+	VariantFirst    = "first"           // idempotency middleware, a fresh key per request
+	VariantReplay   = "replay"          // keys that completed before the cell: every answer is a replay
+	VariantHot      = "hot key"         // all clients send one key (a new one every HotKeyEvery requests)
+	VariantSingleTx = "single-tx first" // PostgreSQL, Flow = FlowSingleTx, fresh keys
+)
+
+// HotKeyEvery is how many requests of the hot-key case share one key before the
+// next key starts: each key is executed once and the rest are 409s (while it is
+// in flight) and replays.
+const HotKeyEvery = 100
+
+// keyKind says which keys a variant sends.
+type keyKind uint8
+
+const (
+	keysNone keyKind = iota
+	keysFresh
+	keysPool
+	keysHot
+)
+
+type variant struct {
+	name string
+	path string
+	keys keyKind
+}
+
+// target is one server under test: a store behind idem (or Fiber), its orders
+// backend, and the variants run against it.
+type target struct {
+	name     string
+	backend  backend
+	version  string // server version, for the report
+	store    string // what keeps the idempotency records
+	url      string // http://127.0.0.1:port
+	variants []variant
+	// replayHeader is false for Fiber, which does not mark replays: they are
+	// told apart from executions by counting rows.
+	replayHeader bool
+	close        func()
+}
+
+// idemConfig is the middleware configuration of every idem target: defaults,
+// except a TTL of one hour so that anything a crashed run leaves in Redis expires.
+func idemConfig(flow idem.Flow) *idem.Config {
+	return &idem.Config{TTL: time.Hour, Flow: flow}
+}
+
+// serveIdem starts an HTTP server on loopback with the bare handler on
+// /bare/orders, idem in front of it on /idem/orders and, when singleTx, idem in
+// the single-transaction flow on /single/orders.
+func serveIdem(t *target, store idem.Store, singleTx bool) error {
+	h := ordersHandler(t.backend)
+	mux := http.NewServeMux()
+	mux.Handle("POST /bare/orders", h)
+	mw, err := idem.New(store, idemConfig(idem.FlowClaimComplete))
+	if err != nil {
+		return err
+	}
+	mux.Handle("POST /idem/orders", mw(h))
+	t.variants = []variant{
+		{VariantBaseline, "/bare/orders", keysNone},
+		{VariantFirst, "/idem/orders", keysFresh},
+		{VariantReplay, "/idem/orders", keysPool},
+		{VariantHot, "/idem/orders", keysHot},
+	}
+	if singleTx {
+		smw, err := idem.New(store, idemConfig(idem.FlowSingleTx))
+		if err != nil {
+			return err
+		}
+		mux.Handle("POST /single/orders", smw(h))
+		t.variants = append(t.variants, variant{VariantSingleTx, "/single/orders", keysFresh})
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	go func() { _ = srv.Serve(ln) }()
+	t.url = "http://" + ln.Addr().String()
+	t.replayHeader = true
+	prev := t.close
+	t.close = func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(ctx)
+		if prev != nil {
+			prev()
+		}
+	}
+	return nil
+}
+
+// setupTarget prepares the store called name (memory, sqlite, postgres, mysql,
+// redis) with fresh tables or prefixes named after suffix, and starts its server.
+// A store that cannot be reached returns an errUnavailable.
+func setupTarget(ctx context.Context, name string, cfg *Config, suffix string) (*target, error) {
+	t := &target{name: name}
+	var store idem.Store
+	singleTx := false
+	switch name {
+	case "memory":
+		ms := memstore.New(nil)
+		t.close = func() { _ = ms.Close() }
+		t.backend, t.store, t.version = newMemBackend(), "memstore (in-process)", "—"
+		store = ms
+	case "sqlite":
+		dir, err := os.MkdirTemp("", "idem-bench-")
+		if err != nil {
+			return nil, err
+		}
+		db, err := embedded.Open(filepath.Join(dir, "bench.db"))
+		if err != nil {
+			_ = os.RemoveAll(dir)
+			return nil, unavailable("sqlite: %v", err)
+		}
+		t.close = func() { _ = db.Close(); _ = os.RemoveAll(dir) }
+		orders := "orders_bench_" + suffix
+		if _, err := db.ExecContext(ctx, "CREATE TABLE "+orders+" (id INTEGER PRIMARY KEY, item TEXT NOT NULL, qty INTEGER NOT NULL, created_at INTEGER NOT NULL DEFAULT (strftime('%s','now')))"); err != nil {
+			t.close()
+			return nil, err
+		}
+		st, err := sqlitestore.New(db, &sqlitestore.Config{Table: "idem_bench_" + suffix})
+		if err == nil {
+			err = st.Migrate(ctx)
+		}
+		if err != nil {
+			t.close()
+			return nil, err
+		}
+		_ = db.QueryRowContext(ctx, "SELECT sqlite_version()").Scan(&t.version)
+		t.version = "SQLite " + t.version + " (modernc.org/sqlite, WAL)"
+		t.backend, t.store = &sqliteBackend{db: db, table: orders}, "sqlitestore, temporary file"
+		store = st
+	case "postgres":
+		pc, err := pgxpool.ParseConfig(cfg.PostgresURL)
+		if err != nil {
+			return nil, fmt.Errorf("postgres: %w", err)
+		}
+		pc.MaxConns = int32(cfg.PoolSize)
+		pool, err := pgxpool.NewWithConfig(ctx, pc)
+		if err != nil {
+			return nil, unavailable("postgres: %v", err)
+		}
+		pctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+		err = pool.QueryRow(pctx, "SHOW server_version").Scan(&t.version)
+		cancel()
+		if err != nil {
+			pool.Close()
+			return nil, unavailable("postgres at %s: %v", pc.ConnConfig.Host, err)
+		}
+		t.version = "PostgreSQL " + t.version
+		records, orders := "idem_bench_"+suffix, "orders_bench_"+suffix
+		t.close = func() {
+			c, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			_, _ = pool.Exec(c, "DROP TABLE IF EXISTS "+records+", "+orders)
+			pool.Close()
+		}
+		if _, err := pool.Exec(ctx, "CREATE TABLE "+orders+" (id bigserial PRIMARY KEY, item text NOT NULL, qty integer NOT NULL, created_at timestamptz NOT NULL DEFAULT now())"); err != nil {
+			t.close()
+			return nil, err
+		}
+		st, err := pgstore.New(pool, &pgstore.Config{Table: records})
+		if err == nil {
+			err = st.Migrate(ctx)
+		}
+		if err != nil {
+			t.close()
+			return nil, err
+		}
+		t.backend, t.store = &pgBackend{pool: pool, table: orders}, "pgstore, same database"
+		store, singleTx = st, true
+	case "mysql":
+		db, err := sql.Open("mysql", cfg.MySQLDSN)
+		if err != nil {
+			return nil, fmt.Errorf("mysql: %w", err)
+		}
+		db.SetMaxOpenConns(cfg.PoolSize)
+		db.SetMaxIdleConns(cfg.PoolSize)
+		pctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+		err = db.QueryRowContext(pctx, "SELECT VERSION()").Scan(&t.version)
+		cancel()
+		if err != nil {
+			_ = db.Close()
+			return nil, unavailable("mysql: %v", err)
+		}
+		t.version = "MySQL/MariaDB " + t.version
+		records, orders := "idem_bench_"+suffix, "orders_bench_"+suffix
+		t.close = func() {
+			c, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			_, _ = db.ExecContext(c, "DROP TABLE IF EXISTS "+records+", "+records+"_migrations, "+orders)
+			_ = db.Close()
+		}
+		if _, err := db.ExecContext(ctx, "CREATE TABLE "+orders+" (id BIGINT AUTO_INCREMENT PRIMARY KEY, item VARCHAR(255) NOT NULL, qty INT NOT NULL, created_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) ENGINE=InnoDB"); err != nil {
+			t.close()
+			return nil, err
+		}
+		st, err := mysqlstore.New(db, &mysqlstore.Config{Table: records})
+		if err == nil {
+			err = st.Migrate(ctx)
+		}
+		if err != nil {
+			t.close()
+			return nil, err
+		}
+		t.backend, t.store = &mysqlBackend{db: db, table: orders}, "mysqlstore, same database"
+		store = st
+	case "redis":
+		opt, err := redis.ParseURL(cfg.RedisURL)
+		if err != nil {
+			return nil, fmt.Errorf("redis: %w", err)
+		}
+		rdb := redis.NewClient(opt)
+		pctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+		info, err := rdb.InfoMap(pctx, "server").Result()
+		cancel()
+		if err != nil {
+			_ = rdb.Close()
+			return nil, unavailable("redis at %s: %v", opt.Addr, err)
+		}
+		t.version = "Redis " + info["Server"]["redis_version"]
+		prefix := "idembench_" + suffix + ":"
+		t.close = func() {
+			c, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			iter := rdb.Scan(c, 0, prefix+"*", 1000).Iterator()
+			var batch []string
+			for iter.Next(c) {
+				batch = append(batch, iter.Val())
+				if len(batch) == 1000 {
+					rdb.Unlink(c, batch...)
+					batch = batch[:0]
+				}
+			}
+			if len(batch) > 0 {
+				rdb.Unlink(c, batch...)
+			}
+			_ = rdb.Close()
+		}
+		st, err := redisstore.New(rdb, &redisstore.Config{Prefix: prefix})
+		if err != nil {
+			t.close()
+			return nil, err
+		}
+		t.backend, t.store = newMemBackend(), "redisstore (not transactional)"
+		store = st
+	default:
+		return nil, fmt.Errorf("unknown store %q; use memory, sqlite, postgres, mysql or redis", name)
+	}
+	if err := serveIdem(t, store, singleTx); err != nil {
+		t.close()
+		return nil, err
+	}
+	return t, nil
+}
+
+func isUnavailable(err error) bool {
+	var u errUnavailable
+	return errors.As(err, &u)
+}
