@@ -17,6 +17,10 @@ import (
 // ReplayedHeader is set to "true" on every replayed answer.
 const ReplayedHeader = "Idempotent-Replayed"
 
+// replayedTrue is the value of ReplayedHeader, shared by every replay (net/http
+// only reads header values).
+var replayedTrue = []string{"true"}
+
 // New returns middleware that makes the wrapped handler idempotent under the
 // Idempotency-Key header, keeping records in store. A nil cfg means all defaults.
 // It returns an error, saying what to change, when cfg is invalid.
@@ -439,7 +443,7 @@ func (h *handler) replay(w http.ResponseWriter, req *request, rec *Record) {
 	for k, v := range resp.Header {
 		hdr[k] = v
 	}
-	hdr.Set(ReplayedHeader, "true")
+	hdr[ReplayedHeader] = replayedTrue
 	setContentLength(hdr, len(resp.Body))
 	w.WriteHeader(resp.Status)
 	_, _ = w.Write(resp.Body)
