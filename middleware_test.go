@@ -628,3 +628,34 @@ func TestConfigValidation(t *testing.T) {
 		t.Errorf("New modified the caller's Config or failed: %v %+v", err, cfg)
 	}
 }
+
+// TestFlushDoesNotLeakTheResponse: a handler that flushes (directly or through
+// http.ResponseController) must not send anything before the outcome is stored.
+func TestFlushDoesNotLeakTheResponse(t *testing.T) {
+	t.Parallel()
+	store := memstore.New(nil)
+	t.Cleanup(func() { _ = store.Close() })
+	mw, err := idem.New(store, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/plain")
+		if err := http.NewResponseController(w).Flush(); err != nil {
+			t.Errorf("Flush through ResponseController: %v", err)
+		}
+		w.(http.Flusher).Flush()
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprint(w, "created")
+		_ = http.NewResponseController(w).Flush()
+	})))
+	t.Cleanup(srv.Close)
+	b := &bundle{server: srv, client: &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}}
+	first := b.post(t, "k", "{}")
+	again := b.post(t, "k", "{}")
+	for _, a := range []answer{first, again} {
+		if a.status != 201 || string(a.body) != "created" {
+			t.Errorf("answer = %d %q, want 201 created (a flush must not send the default 200 early)", a.status, a.body)
+		}
+	}
+}

@@ -43,10 +43,17 @@ func (rw *recorder) Write(p []byte) (int, error) {
 	return rw.body.Write(p)
 }
 
-// Unwrap returns the underlying writer for http.ResponseController. Flushing
-// through it sends nothing early: the response is buffered until the outcome is
-// stored.
+// Unwrap returns the underlying writer, so that http.ResponseController can set
+// deadlines through the recorder. Flushing is answered by the recorder itself.
 func (rw *recorder) Unwrap() http.ResponseWriter { return rw.w }
+
+// Flush does nothing: the response is buffered until its outcome is stored (and
+// committed), and only then sent. It makes the recorder an http.Flusher, so that
+// http.ResponseController(w).Flush does not reach past it to the client.
+func (rw *recorder) Flush() {}
+
+// FlushError does nothing and returns nil; see Flush.
+func (rw *recorder) FlushError() error { return nil }
 
 func (rw *recorder) statusOrOK() int {
 	if rw.status == 0 {
