@@ -41,6 +41,8 @@ const (
 	// FlowSingleTx runs claim, handler and completion in one database transaction,
 	// with a transaction-scoped lock as the in-flight signal. It needs a
 	// SingleTxStore, and suits handlers whose side effects all live in that database.
+	// An in-flight record left by a crashed claim-then-complete request with the
+	// same key is taken over through Store.Claim once its lease lapsed.
 	FlowSingleTx
 )
 

@@ -323,8 +323,9 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 	r := req.r
 	now := h.NowFunc()
 	rw := req.recorder(w)
-	req.hctx = handlerContext{Context: r.Context(), rw: rw}
-	ctx, tx, rec, err := h.singleTx.BeginLocked(&req.hctx, req.scope, req.key, now)
+	// Not req.hctx: a driver may still watch this context after the transaction
+	// ended, and a takeover below hands req.hctx to the claim-then-complete flow.
+	ctx, tx, rec, err := h.singleTx.BeginLocked(&handlerContext{Context: r.Context(), rw: rw}, req.scope, req.key, now)
 	if errors.Is(err, ErrInFlight) {
 		h.inFlight(w, req, 0)
 		return
@@ -336,11 +337,18 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 	defer req.cctx.stop()
 	if rec != nil {
 		_ = tx.Rollback(req.cleanupContext())
-		if match, _ := sameRequest(req.fp, rec.Fingerprint, r, req.body); !match {
+		switch match, _ := sameRequest(req.fp, rec.Fingerprint, r, req.body); {
+		case !match:
 			h.mismatch(w, req, rec)
-		} else if rec.State == StateComplete {
+		case rec.State == StateComplete:
 			h.replay(w, req, rec)
-		} else {
+		case !rec.LeaseUntil.After(now):
+			// An in-flight record whose holder crashed: a claim-then-complete request
+			// with this key (before the route switched flows, or from another
+			// route). Take it over through the fenced claim, as that flow would,
+			// rather than answer 409 until the record expires.
+			h.serveClaim(w, req)
+		default:
 			h.inFlight(w, req, rec.LeaseUntil.Sub(now))
 		}
 		return
