@@ -40,7 +40,8 @@
 // lock on the key instead of writing a claim, and writes the record once,
 // already complete, just before the one COMMIT. It costs fewer round trips and
 // writes (BEGIN, the lookup and the lock are pipelined in one round trip; the
-// lock is tried only when no live record exists, so replays run side by side), and a
+// lock is tried only when no live record exists, so replays run side by side; the
+// record INSERT travels with COMMIT), and a
 // crash frees the key at once, because the lock dies with the connection. It holds
 // a connection and a transaction for the handler's whole run, so choose it for
 // short handlers whose effects all live in this database. Both flows may serve the
@@ -122,6 +123,18 @@
 // Complete, Release and Extend are compare-and-set on the lock token
 // (… WHERE scope = $1 AND key = $2 AND token = $3 AND state = 1) and return
 // idem.ErrLockLost when no row matched.
+//
+// Inside a request's transaction the last write costs no round trip of its own:
+// the fenced completion (claim-then-complete) and the record insert (single
+// transaction) are sent in one pipelined batch with COMMIT, wrapped as
+//
+//	WITH done AS (UPDATE … RETURNING 1) SELECT 1 / count(*) FROM done
+//
+// so that a write that matched no row raises division_by_zero, the transaction
+// aborts, the COMMIT behind it does nothing, and Tx.Commit returns
+// idem.ErrLockLost (LockedTx.Commit: idem.ErrInFlight). The pgx.Tx the handler
+// got from Tx is abandoned after that commit, its connection back in the pool: a
+// handler must not keep it past its return.
 //
 // # The janitor
 //

@@ -47,6 +47,7 @@ type Store struct {
 	claimSQL, selectSQL, getSQL, completeSQL, releaseSQL, extendSQL string
 	completeAndCommitSQL                                            string
 	deleteSQL, lockSQL, insertSQL                                   string
+	insertAndCommitSQL                                              string
 }
 
 var identRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
@@ -147,6 +148,10 @@ ON CONFLICT (scope, key) DO UPDATE SET
 	status = excluded.status, headers = excluded.headers, body = excluded.body,
 	body_omitted = excluded.body_omitted, ref = excluded.ref
 WHERE r.expires_at <= $14`
+	// insertAndCommitSQL is the record insert sent in one round trip with COMMIT:
+	// when a live record holds the key, 1/0 aborts the transaction and the COMMIT
+	// behind it is never executed.
+	s.insertAndCommitSQL = `WITH ins AS (` + s.insertSQL + ` RETURNING 1) SELECT 1 / count(*) FROM ins`
 }
 
 // maxClaimRounds bounds how often Claim retries when the record it lost to

@@ -15,7 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// querier is what *pgxpool.Pool, pgx.Tx and lockedTx have in common.
+// querier is what *pgxpool.Pool and pgx.Tx have in common.
 type querier interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row

@@ -276,10 +276,16 @@ func TestSingleTxStore(t *testing.T) {
 	}
 	blocked := *complete
 	blocked.Key = "claimed"
-	if err := tx.Insert(ctx30(t), &blocked); !errors.Is(err, idem.ErrInFlight) {
-		t.Fatalf("Insert over a live in-flight claim = %v, want ErrInFlight", err)
+	// The insert travels with COMMIT, so Commit is where ErrInFlight shows.
+	if err := tx.Insert(ctx30(t), &blocked); err != nil {
+		_ = tx.Rollback(ctx30(t))
+		t.Fatalf("Insert: %v", err)
 	}
+	err = tx.Commit(ctx30(t))
 	_ = tx.Rollback(ctx30(t))
+	if !errors.Is(err, idem.ErrInFlight) {
+		t.Fatalf("Commit of an insert over a live in-flight claim = %v, want ErrInFlight", err)
+	}
 	if got, err := s.Get(ctx30(t), "s", "claimed", now); err != nil || got.State != idem.StateInFlight || got.Token != "c" {
 		t.Fatalf("the in-flight claim was changed: %+v, %v", got, err)
 	}

@@ -69,32 +69,50 @@ func (t *claimTx) Complete(_ context.Context, scope, key, token string, resp *id
 
 // Commit sends the prepared completion and COMMIT in one round trip.
 func (t *claimTx) Commit(ctx context.Context) error {
-	if t.conn == nil {
+	return t.s.commitWith(ctx, &t.conn, t.tx, "complete", t.s.completeAndCommitSQL, t.completion, idem.ErrLockLost)
+}
+
+// commitWith commits tx, the transaction on *conn. When args is nil it is a plain
+// COMMIT. Otherwise it sends stmt (a statement that raises division_by_zero when
+// its write matched no row) and COMMIT in one pipelined batch, and returns
+// fenceErr, having committed nothing, when stmt raised. Once the transaction has
+// ended, the connection goes back to the pool and *conn becomes nil; when it is
+// still open (aborted), it is left to Rollback.
+//
+// The pgx.Tx handed to the handler is abandoned with its connection back in the
+// pool: handlers must not use it after they return.
+func (s *Store) commitWith(ctx context.Context, conn **pgxpool.Conn, tx pgx.Tx, op, stmt string, args []any, fenceErr error) error {
+	c := *conn
+	if c == nil {
 		return pgx.ErrTxClosed
 	}
-	if t.completion == nil {
-		err := t.tx.Commit(ctx)
-		t.release()
+	release := func() {
+		c.Release()
+		*conn = nil
+	}
+	if args == nil {
+		err := tx.Commit(ctx)
+		release()
 		if err != nil {
 			return fmt.Errorf("pgstore: commit: %w", err)
 		}
 		return nil
 	}
 	b := &pgx.Batch{}
-	b.Queue(t.s.completeAndCommitSQL, t.completion...)
+	b.Queue(stmt, args...)
 	b.Queue("commit")
-	br := t.conn.Conn().SendBatch(ctx, b)
-	_, completeErr := br.Exec()
+	br := c.Conn().SendBatch(ctx, b)
+	_, stmtErr := br.Exec()
 	_, commitErr := br.Exec()
 	closeErr := br.Close()
-	if t.conn.Conn().PgConn().TxStatus() != 'I' {
-		// The transaction is still open (aborted by the fence or by an error):
-		// leave it to Rollback.
+	if c.Conn().PgConn().TxStatus() != 'I' {
+		// The transaction is still open (aborted by stmt or by an error): leave it
+		// to Rollback.
 		switch {
-		case isDivisionByZero(completeErr):
-			return idem.ErrLockLost
-		case completeErr != nil:
-			return t.s.wrap("complete", completeErr)
+		case isDivisionByZero(stmtErr):
+			return fenceErr
+		case stmtErr != nil:
+			return s.wrap(op, stmtErr)
 		case commitErr != nil:
 			return fmt.Errorf("pgstore: commit: %w", commitErr)
 		case closeErr != nil:
@@ -103,12 +121,11 @@ func (t *claimTx) Commit(ctx context.Context) error {
 		return errors.New("pgstore: commit: the transaction is still open after COMMIT")
 	}
 	// The connection is idle again: the transaction ended (committed, unless the
-	// batch reports an error). The pgx.Tx handed to the handler is abandoned with
-	// its connection back in the pool; it must not be used after the handler.
-	t.release()
-	if err := errors.Join(completeErr, commitErr, closeErr); err != nil {
-		if isDivisionByZero(completeErr) {
-			return idem.ErrLockLost
+	// batch reports an error).
+	release()
+	if err := errors.Join(stmtErr, commitErr, closeErr); err != nil {
+		if isDivisionByZero(stmtErr) {
+			return fenceErr
 		}
 		return fmt.Errorf("pgstore: commit: %w", err)
 	}
@@ -116,25 +133,22 @@ func (t *claimTx) Commit(ctx context.Context) error {
 }
 
 // Rollback aborts the transaction; a no-op after Commit.
-func (t *claimTx) Rollback(ctx context.Context) error {
-	if t.conn == nil {
+func (t *claimTx) Rollback(ctx context.Context) error { return rollback(ctx, &t.conn, t.tx) }
+
+// rollback aborts tx, the transaction on *conn, and hands the connection back to
+// the pool (which closes it instead when a transaction is still open on it). It
+// is a no-op once *conn is nil.
+func rollback(ctx context.Context, conn **pgxpool.Conn, tx pgx.Tx) error {
+	if *conn == nil {
 		return nil
 	}
-	err := t.tx.Rollback(ctx)
-	t.release()
+	err := tx.Rollback(ctx)
+	(*conn).Release()
+	*conn = nil
 	if err != nil && !errors.Is(err, pgx.ErrTxClosed) {
 		return fmt.Errorf("pgstore: rollback: %w", err)
 	}
 	return nil
-}
-
-// release hands the connection back to the pool, which closes it instead when a
-// transaction is still open on it.
-func (t *claimTx) release() {
-	if t.conn != nil {
-		t.conn.Release()
-		t.conn = nil
-	}
 }
 
 // isDivisionByZero reports whether err is the error completeAndCommitSQL raises
@@ -181,11 +195,15 @@ func (s *Store) beginLocked(ctx context.Context, scope, key string, now time.Tim
 	b.BeginTx(pgx.TxOptions{})
 	b.Queue(s.lockSQL, s.lockKey(scope, key), []byte(scope), []byte(key), now)
 	b.Queue(s.getSQL, []byte(scope), []byte(key), now)
-	br := s.pool.SendBatch(ctx, b)
-	tx := br.Tx() // releases the connection when it ends, even if it never began
+	conn, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return ctx, nil, nil, s.wrap("begin locked transaction", err)
+	}
+	br := conn.Conn().SendBatch(ctx, b)
+	tx := br.Tx()
 	var locked, tried bool
 	rec := scanRecord{Record: &idem.Record{Scope: scope, Key: key}}
-	_, err := br.Exec()
+	_, err = br.Exec()
 	if err == nil {
 		err = br.QueryRow().Scan(&locked)
 		tried = err == nil
@@ -216,27 +234,31 @@ func (s *Store) beginLocked(ctx context.Context, scope, key string, now time.Tim
 		err = errVanished
 	}
 	if err != nil {
-		_ = tx.Rollback(context.WithoutCancel(ctx))
+		_ = rollback(context.WithoutCancel(ctx), &conn, tx)
 		return ctx, nil, nil, err
 	}
 	var out *idem.Record
 	if found {
 		out = rec.Record
 	}
-	return context.WithValue(ctx, txKey{}, tx), &lockedTx{s: s, tx: tx, now: now}, out, nil
+	return context.WithValue(ctx, txKey{}, tx), &lockedTx{s: s, conn: conn, tx: tx, now: now}, out, nil
 }
 
 // lockedTx is the idem.LockedTx of the single-transaction flow.
 type lockedTx struct {
-	s   *Store
-	tx  pgx.Tx
-	now time.Time // the clock reading BeginLocked judged expiry by
+	s    *Store
+	conn *pgxpool.Conn // nil once the transaction ended and the connection went back
+	tx   pgx.Tx
+	now  time.Time // the clock reading BeginLocked judged expiry by
+	// insert holds the arguments of the record insert that Commit sends.
+	insert []any
 }
 
-// Insert writes rec, replacing a record that expired at the time of BeginLocked.
-// It returns idem.ErrInFlight when a live record exists: a claim-then-complete
-// request holds (or completed) the key after the lookup.
-func (t *lockedTx) Insert(ctx context.Context, rec *idem.Record) error {
+// Insert prepares the insert of rec, which replaces a record that expired at the
+// time of BeginLocked; Commit sends it together with COMMIT in one round trip,
+// and returns idem.ErrInFlight, committing nothing, when a live record holds the
+// key (a claim-then-complete request claimed it after the lookup).
+func (t *lockedTx) Insert(_ context.Context, rec *idem.Record) error {
 	var (
 		status  *int32
 		hdr     []byte
@@ -253,30 +275,17 @@ func (t *lockedTx) Insert(ctx context.Context, rec *idem.Record) error {
 		}
 		body, omitted, ref = nullableBytes(r.Body, !r.BodyOmitted), r.BodyOmitted, refBytes(r.Ref)
 	}
-	tag, err := t.tx.Exec(ctx, t.s.insertSQL, []byte(rec.Scope), []byte(rec.Key), int16(rec.State),
+	t.insert = []any{[]byte(rec.Scope), []byte(rec.Key), int16(rec.State),
 		[]byte(rec.Fingerprint), rec.Token, rec.CreatedAt, rec.LeaseUntil, rec.ExpiresAt,
-		status, hdr, body, omitted, ref, t.now)
-	if err != nil {
-		return t.s.wrap("insert record", err)
-	}
-	if tag.RowsAffected() == 0 {
-		return idem.ErrInFlight
-	}
+		status, hdr, body, omitted, ref, t.now}
 	return nil
 }
 
-// Commit commits the transaction; the lock goes with it.
+// Commit sends the prepared insert and COMMIT in one round trip; the lock goes
+// with the transaction.
 func (t *lockedTx) Commit(ctx context.Context) error {
-	if err := t.tx.Commit(ctx); err != nil {
-		return fmt.Errorf("pgstore: commit: %w", err)
-	}
-	return nil
+	return t.s.commitWith(ctx, &t.conn, t.tx, "insert record", t.s.insertAndCommitSQL, t.insert, idem.ErrInFlight)
 }
 
 // Rollback aborts the transaction and frees the lock; a no-op after Commit.
-func (t *lockedTx) Rollback(ctx context.Context) error {
-	if err := t.tx.Rollback(ctx); err != nil && !errors.Is(err, pgx.ErrTxClosed) {
-		return fmt.Errorf("pgstore: rollback: %w", err)
-	}
-	return nil
-}
+func (t *lockedTx) Rollback(ctx context.Context) error { return rollback(ctx, &t.conn, t.tx) }
