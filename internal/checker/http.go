@@ -3,14 +3,13 @@ package checker
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
-	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/idemkit/idem/internal/racetest"
 )
 
 // maxBody is the most of an answer the checker reads.
@@ -86,80 +85,25 @@ func (c *checker) sendAs(ctx context.Context, key string, body []byte, header ht
 }
 
 // fire sends n identical requests, each on its own connection dialled before a
-// barrier, and releases them together. Each is sent exactly once: its client
-// gets the one pre-dialled connection and refuses to open another.
+// barrier, and releases them together (internal/racetest). Each is sent exactly
+// once: its client gets the one pre-dialled connection and refuses to open
+// another.
 func (c *checker) fire(ctx context.Context, n int, key string, body []byte) []*exchange {
-	out := make([]*exchange, n)
-	addr := c.o.target.Host
-	if c.o.target.Port() == "" {
-		port := "80"
-		if c.o.target.Scheme == "https" {
-			port = "443"
-		}
-		addr = net.JoinHostPort(c.o.target.Hostname(), port)
-	}
 	var dialled, answered atomic.Int64
 	stopProgress := c.progress(n, &dialled, &answered)
 	defer stopProgress()
-
-	start := make(chan struct{})
-	var ready, done sync.WaitGroup
-	for i := range out {
-		e := &exchange{key: key, body: body}
-		out[i] = e
-		ready.Add(1)
-		done.Add(1)
-		go func() {
-			defer done.Done()
-			defer answered.Add(1)
-			d := net.Dialer{Timeout: c.o.Timeout}
-			conn, err := d.DialContext(ctx, "tcp", addr)
-			if err != nil {
-				e.err = err
-				ready.Done()
-				return
-			}
-			dialled.Add(1)
-			var once sync.Once
-			client := &http.Client{
-				Timeout: c.o.Timeout,
-				Transport: &http.Transport{
-					DisableKeepAlives: true,
-					Protocols:         http1(),
-					DialContext: func(context.Context, string, string) (net.Conn, error) {
-						var got net.Conn
-						once.Do(func() { got = conn })
-						if got == nil {
-							return nil, errors.New("a second connection was asked for; the request would have been sent twice, so it was not")
-						}
-						return got, nil
-					},
-				},
-				CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
-			}
-			defer client.CloseIdleConnections()
-			r, err := c.request(ctx, key, body, c.o.Header)
-			if err != nil {
-				e.err = err
-				_ = conn.Close()
-				ready.Done()
-				return
-			}
-			ready.Done()
-			<-start
-			resp, err := client.Do(r)
-			if err != nil {
-				e.err = err
-				return
-			}
-			defer resp.Body.Close()
-			e.status, e.header = resp.StatusCode, resp.Header
-			e.resp, e.err = io.ReadAll(io.LimitReader(resp.Body, maxBody))
-		}()
+	results := racetest.FireContext(ctx, n, func(int) (*http.Request, error) {
+		return c.request(ctx, key, body, c.o.Header)
+	}, racetest.Options{
+		Timeout:    c.o.Timeout,
+		MaxBody:    maxBody,
+		OnDialled:  func() { dialled.Add(1) },
+		OnAnswered: func() { answered.Add(1) },
+	})
+	out := make([]*exchange, n)
+	for i, r := range results {
+		out[i] = &exchange{key: key, body: body, status: r.Status, header: r.Header, resp: r.Body, err: r.Err}
 	}
-	ready.Wait()
-	close(start)
-	done.Wait()
 	return out
 }
 
