@@ -7,10 +7,10 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"sort"
-	"strconv"
 	"strings"
 	"time"
+
+	"github.com/idemkit/idem/internal/migrations"
 )
 
 //go:embed migrations/*.sql
@@ -20,15 +20,7 @@ var migrationFiles embed.FS
 // NNN_name.up.sql and NNN_name.down.sql at the root of the FS. In them, {{table}}
 // stands for the records table, quoted with backticks; replace it when applying
 // them with another tool.
-var Migrations fs.FS = mustSub(migrationFiles, "migrations")
-
-func mustSub(f fs.FS, dir string) fs.FS {
-	sub, err := fs.Sub(f, dir)
-	if err != nil {
-		panic(err)
-	}
-	return sub
-}
+var Migrations fs.FS = migrations.Sub(migrationFiles, "migrations")
 
 // migrateLockWait is how long Migrate waits for a concurrent Migrate to finish.
 const migrateLockWait = 60 // seconds
@@ -40,24 +32,14 @@ type migration struct {
 }
 
 func loadMigrations() ([]migration, error) {
-	names, err := fs.Glob(Migrations, "*.up.sql")
+	files, err := migrations.Up(Migrations)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("mysqlstore: %w", err)
 	}
-	var ms []migration
-	for _, name := range names {
-		num, _, ok := strings.Cut(name, "_")
-		v, err := strconv.Atoi(num)
-		if !ok || err != nil || v <= 0 {
-			return nil, fmt.Errorf("mysqlstore: migration file %q does not start with a version number", name)
-		}
-		b, err := fs.ReadFile(Migrations, name)
-		if err != nil {
-			return nil, err
-		}
-		ms = append(ms, migration{version: v, name: strings.TrimSuffix(name, ".up.sql"), sql: string(b)})
+	ms := make([]migration, len(files))
+	for i, f := range files {
+		ms[i] = migration{version: f.Version, name: strings.TrimSuffix(f.Name, ".up.sql"), sql: f.SQL}
 	}
-	sort.Slice(ms, func(i, j int) bool { return ms[i].version < ms[j].version })
 	return ms, nil
 }
 

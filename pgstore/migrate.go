@@ -5,8 +5,9 @@ import (
 	"embed"
 	"fmt"
 	"io/fs"
-	"sort"
 	"strings"
+
+	"github.com/idemkit/idem/internal/migrations"
 )
 
 //go:embed migrations/*.sql
@@ -16,15 +17,7 @@ var migrationFiles embed.FS
 // 001_create.down.sql, …) for users of goose, golang-migrate or atlas. They are
 // written for the default table name, idem_records; Store.Migrate applies the up
 // files to the configured table.
-var Migrations fs.FS = mustSub(migrationFiles, "migrations")
-
-func mustSub(f fs.FS, dir string) fs.FS {
-	sub, err := fs.Sub(f, dir)
-	if err != nil {
-		panic(err)
-	}
-	return sub
-}
+var Migrations fs.FS = migrations.Sub(migrationFiles, "migrations")
 
 // migrateLockKey is the advisory lock that serialises Migrate calls (any table).
 const migrateLockKey = int64(0x6964656d_70676d67) // "idempgmg"
@@ -34,11 +27,10 @@ const migrateLockKey = int64(0x6964656d_70676d67) // "idempgmg"
 // which is written to be re-run, in one transaction under an advisory lock. The
 // table's schema must exist.
 func (s *Store) Migrate(ctx context.Context) error {
-	names, err := fs.Glob(Migrations, "*.up.sql")
+	files, err := migrations.Up(Migrations)
 	if err != nil {
-		return fmt.Errorf("pgstore: list migrations: %w", err)
+		return fmt.Errorf("pgstore: %w", err)
 	}
-	sort.Strings(names)
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("pgstore: migrate: %w", err)
@@ -47,13 +39,9 @@ func (s *Store) Migrate(ctx context.Context) error {
 	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", migrateLockKey); err != nil {
 		return fmt.Errorf("pgstore: migrate: take the migration lock: %w", err)
 	}
-	for _, name := range names {
-		b, err := fs.ReadFile(Migrations, name)
-		if err != nil {
-			return fmt.Errorf("pgstore: migrate: %w", err)
-		}
-		if _, err := tx.Exec(ctx, s.rewrite(string(b))); err != nil {
-			return fmt.Errorf("pgstore: migrate %s: apply %s: %w (does the schema exist, and may this role create tables in it?)", s.table, name, err)
+	for _, f := range files {
+		if _, err := tx.Exec(ctx, s.rewrite(f.SQL)); err != nil {
+			return fmt.Errorf("pgstore: migrate %s: apply %s: %w (does the schema exist, and may this role create tables in it?)", s.table, f.Name, err)
 		}
 	}
 	if err := tx.Commit(ctx); err != nil {

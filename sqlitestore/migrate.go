@@ -3,31 +3,21 @@ package sqlitestore
 import (
 	"context"
 	"embed"
-	"fmt"
 	"io/fs"
-	"path"
-	"slices"
-	"strconv"
 	"strings"
 	"time"
+
+	"github.com/idemkit/idem/internal/migrations"
 )
 
 //go:embed migrations/*.sql
-var migrations embed.FS
+var migrationFiles embed.FS
 
 // Migrations holds the schema migrations, NNN_name.up.sql and NNN_name.down.sql,
 // numbered from 001. They are templates: {{table}} stands for the quoted table
 // name (Config.Table) and {{name}} for the bare one. Migrate applies them; they
 // are exported for tools that manage schemas themselves.
-var Migrations fs.FS = mustSub(migrations, "migrations")
-
-func mustSub(f fs.FS, dir string) fs.FS {
-	sub, err := fs.Sub(f, dir)
-	if err != nil {
-		panic(err)
-	}
-	return sub
-}
+var Migrations fs.FS = migrations.Sub(migrationFiles, "migrations")
 
 // MigrationsTable is the table in which Migrate records the applied versions of
 // every records table in the database.
@@ -40,24 +30,14 @@ type migration struct {
 }
 
 func upMigrations() ([]migration, error) {
-	names, err := fs.Glob(Migrations, "*.up.sql")
+	files, err := migrations.Up(Migrations)
 	if err != nil {
 		return nil, err
 	}
-	var ms []migration
-	for _, n := range names {
-		num, _, ok := strings.Cut(n, "_")
-		v, err := strconv.Atoi(num)
-		if !ok || err != nil || v <= 0 {
-			return nil, fmt.Errorf("migration file %s is not named NNN_name.up.sql", n)
-		}
-		b, err := fs.ReadFile(Migrations, n)
-		if err != nil {
-			return nil, err
-		}
-		ms = append(ms, migration{version: v, name: path.Base(n), sql: string(b)})
+	ms := make([]migration, len(files))
+	for i, f := range files {
+		ms[i] = migration{version: f.Version, name: f.Name, sql: f.SQL}
 	}
-	slices.SortFunc(ms, func(a, b migration) int { return a.version - b.version })
 	return ms, nil
 }
 
