@@ -289,7 +289,7 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 		_ = tx.Rollback(cctx)
 		h.release(req, token)
 		rw.discardHeaders()
-		h.problem(w, req, EventReleased, nil, CodeResponseTooLarge, fmt.Sprintf("the response body (%d bytes) is larger than MaxStoredBody (%d) and could not be kept for replay, so nothing was committed; raise MaxStoredBody or configure a ReplayFunc", rw.body.Len(), h.MaxStoredBody), 0)
+		h.responseTooLarge(w, req, rw.body.Len())
 		return
 	}
 	if err := tx.Complete(cctx, req.scope, req.key, token, resp, h.NowFunc().Add(h.TTL)); err != nil {
@@ -372,7 +372,7 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 	if rw.body.Len() > h.MaxStoredBody && h.ReplayFunc == nil {
 		_ = tx.Rollback(cctx)
 		rw.discardHeaders()
-		h.problem(w, req, EventReleased, nil, CodeResponseTooLarge, fmt.Sprintf("the response body (%d bytes) is larger than MaxStoredBody (%d) and could not be kept for replay, so nothing was committed; raise MaxStoredBody or configure a ReplayFunc", rw.body.Len(), h.MaxStoredBody), 0)
+		h.responseTooLarge(w, req, rw.body.Len())
 		return
 	}
 	done := h.NowFunc()
@@ -464,6 +464,12 @@ func (h *handler) inFlight(w http.ResponseWriter, req *request, left time.Durati
 		secs = 1
 	}
 	h.problem(w, req, EventInFlight, nil, CodeKeyInUse, fmt.Sprintf("a request with this key is still being processed; retry after %d s with the same key and body", secs), secs)
+}
+
+// responseTooLarge answers a request whose transaction was rolled back because
+// its response could not be kept.
+func (h *handler) responseTooLarge(w http.ResponseWriter, req *request, size int) {
+	h.problem(w, req, EventReleased, nil, CodeResponseTooLarge, fmt.Sprintf("the response body (%d bytes) is larger than MaxStoredBody (%d) and could not be kept for replay, so nothing was committed; raise MaxStoredBody or configure a ReplayFunc", size, h.MaxStoredBody), 0)
 }
 
 func (h *handler) leaseLost(w http.ResponseWriter, req *request, err error) {
