@@ -272,7 +272,8 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 		resp.Body = rw.body.Bytes()
 	}
 	if tx == nil {
-		err := h.store.Complete(cctx, req.scope, req.key, token, resp, h.NowFunc().Add(h.TTL))
+		now := h.NowFunc()
+		err := h.store.Complete(cctx, req.scope, req.key, token, resp, now, now.Add(h.TTL))
 		switch {
 		case errors.Is(err, ErrLockLost):
 			// The handler's effects happened; the client hears what they were.
@@ -292,7 +293,8 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 		h.responseTooLarge(w, req, rw.body.Len())
 		return
 	}
-	if err := tx.Complete(cctx, req.scope, req.key, token, resp, h.NowFunc().Add(h.TTL)); err != nil {
+	now := h.NowFunc()
+	if err := tx.Complete(cctx, req.scope, req.key, token, resp, now, now.Add(h.TTL)); err != nil {
 		_ = tx.Rollback(cctx)
 		rw.discardHeaders()
 		if errors.Is(err, ErrLockLost) || errors.Is(context.Cause(ctx), ErrLockLost) {
@@ -557,7 +559,8 @@ func (req *request) renew() {
 	req.mu.Unlock()
 	h := req.h
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(req.r.Context()), h.Lease/3)
-	err := h.store.Extend(ctx, req.scope, req.key, req.token, h.NowFunc().Add(h.Lease))
+	now := h.NowFunc()
+	err := h.store.Extend(ctx, req.scope, req.key, req.token, now, now.Add(h.Lease))
 	cancel()
 	req.mu.Lock()
 	defer req.mu.Unlock()

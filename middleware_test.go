@@ -393,7 +393,7 @@ func TestLapsedLeaseIsTakenOver(t *testing.T) {
 	if a := b.post(t, "k", `{}`); a.status != 201 || a.header.Get(idem.ReplayedHeader) != "" {
 		t.Fatalf("after the lease lapsed: %d %s, want a fresh execution", a.status, a.body)
 	}
-	if err := b.store.Complete(context.Background(), "", "k", "crashed", &idem.Response{Status: 200}, now.Add(time.Hour)); !errors.Is(err, idem.ErrLockLost) {
+	if err := b.store.Complete(context.Background(), "", "k", "crashed", &idem.Response{Status: 200}, now, now.Add(time.Hour)); !errors.Is(err, idem.ErrLockLost) {
 		t.Errorf("the crashed holder's Complete: %v, want ErrLockLost", err)
 	}
 }

@@ -125,8 +125,9 @@ type Store interface {
 
 	// Complete stores resp and marks the record complete, with the given expiry, if
 	// and only if the record is in flight under token. Otherwise it returns
-	// ErrLockLost and changes nothing.
-	Complete(ctx context.Context, scope, key, token string, resp *Response, expiresAt time.Time) error
+	// ErrLockLost and changes nothing. now is the middleware's clock reading; a
+	// store with server-side expiry sets it to expiresAt − now from now on.
+	Complete(ctx context.Context, scope, key, token string, resp *Response, now, expiresAt time.Time) error
 
 	// Release deletes the in-flight record held under token, so that the next request
 	// with the key runs afresh. It returns ErrLockLost, changing nothing, when the
@@ -134,8 +135,12 @@ type Store interface {
 	Release(ctx context.Context, scope, key, token string) error
 
 	// Extend moves the lease deadline of the in-flight record held under token to
-	// leaseUntil. It returns ErrLockLost when the record is not in flight under token.
-	Extend(ctx context.Context, scope, key, token string, leaseUntil time.Time) error
+	// leaseUntil, and its expiry to leaseUntil when the expiry is earlier: a record
+	// whose lease is live never counts as expired, is never reclaimed and never
+	// deleted, however long its handler runs past the TTL. now is the middleware's
+	// clock reading (for stores with server-side expiry). It returns ErrLockLost
+	// when the record is not in flight under token.
+	Extend(ctx context.Context, scope, key, token string, now, leaseUntil time.Time) error
 
 	// Get returns the record for (scope, key). It returns ErrNotFound when there is
 	// none or when it expired (ExpiresAt <= now).
@@ -165,7 +170,7 @@ type Tx interface {
 	// the record is no longer in flight under token, and the caller rolls back.
 	// A store may instead defer the fenced write to Commit, sending both in one
 	// round trip; Commit then returns ErrLockLost and commits nothing.
-	Complete(ctx context.Context, scope, key, token string, resp *Response, expiresAt time.Time) error
+	Complete(ctx context.Context, scope, key, token string, resp *Response, now, expiresAt time.Time) error
 	// Commit commits the transaction. It returns ErrLockLost, having committed
 	// nothing, when a completion deferred to it found the fence broken.
 	Commit(ctx context.Context) error

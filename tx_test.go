@@ -41,7 +41,7 @@ func (s *fakeTxStore) BeginTx(ctx context.Context) (context.Context, idem.Tx, er
 	return context.WithValue(ctx, fakeTxKey{}, tx), tx, nil
 }
 
-func (tx *fakeTx) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, exp time.Time) error {
+func (tx *fakeTx) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, now, exp time.Time) error {
 	if tx.s.beforeDone != nil {
 		tx.s.beforeDone()
 	}
@@ -49,7 +49,7 @@ func (tx *fakeTx) Complete(ctx context.Context, scope, key, token string, resp *
 	if err != nil || rec.State != idem.StateInFlight || rec.Token != token {
 		return idem.ErrLockLost
 	}
-	tx.complete = func() error { return tx.s.Store.Complete(ctx, scope, key, token, resp, exp) }
+	tx.complete = func() error { return tx.s.Store.Complete(ctx, scope, key, token, resp, now, exp) }
 	return nil
 }
 

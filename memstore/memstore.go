@@ -139,7 +139,7 @@ func (s *Store) held(scope, key, token string) (*shard, *idem.Record) {
 }
 
 // Complete implements idem.Store.
-func (s *Store) Complete(_ context.Context, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
+func (s *Store) Complete(_ context.Context, scope, key, token string, resp *idem.Response, _, expiresAt time.Time) error {
 	sh, rec := s.held(scope, key, token)
 	defer sh.mu.Unlock()
 	if rec == nil {
@@ -165,7 +165,7 @@ func (s *Store) Release(_ context.Context, scope, key, token string) error {
 }
 
 // Extend implements idem.Store.
-func (s *Store) Extend(_ context.Context, scope, key, token string, leaseUntil time.Time) error {
+func (s *Store) Extend(_ context.Context, scope, key, token string, _, leaseUntil time.Time) error {
 	sh, rec := s.held(scope, key, token)
 	defer sh.mu.Unlock()
 	if rec == nil {
@@ -173,6 +173,9 @@ func (s *Store) Extend(_ context.Context, scope, key, token string, leaseUntil t
 	}
 	ext := *rec
 	ext.LeaseUntil = leaseUntil
+	if ext.ExpiresAt.Before(leaseUntil) {
+		ext.ExpiresAt = leaseUntil
+	}
 	sh.records[recordID{scope, key}] = &ext
 	return nil
 }

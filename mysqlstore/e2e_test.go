@@ -236,7 +236,7 @@ func TestFencing(t *testing.T) {
 				if _, err := mysqlstore.Tx(tctx).ExecContext(tctx, "INSERT INTO `"+orders+"` (item) VALUES ('taker')"); err != nil {
 					t.Fatal(err)
 				}
-				if err := tx.Complete(ctx, "", key, taker.Token, takerResp, later.Add(time.Hour)); err != nil {
+				if err := tx.Complete(ctx, "", key, taker.Token, takerResp, later, later.Add(time.Hour)); err != nil {
 					t.Fatalf("the taker's Complete: %v", err)
 				}
 				if err := tx.Commit(ctx); err != nil {

@@ -183,11 +183,11 @@ func TestExtendSameDeadline(t *testing.T) {
 		}
 		until := now.Add(2 * time.Minute)
 		for i := range 3 {
-			if err := s.Extend(ctx, req.Scope, req.Key, req.Token, until); err != nil {
+			if err := s.Extend(ctx, req.Scope, req.Key, req.Token, now, until); err != nil {
 				t.Fatalf("DSN%q: Extend #%d to the same deadline: %v", dsn, i+1, err)
 			}
 		}
-		if err := s.Extend(ctx, req.Scope, req.Key, "other", until); !errors.Is(err, idem.ErrLockLost) {
+		if err := s.Extend(ctx, req.Scope, req.Key, "other", now, until); !errors.Is(err, idem.ErrLockLost) {
 			t.Fatalf("DSN%q: Extend with another token = %v, want ErrLockLost", dsn, err)
 		}
 		// A claim that loses changes nothing, and is reported as lost even where
@@ -324,10 +324,10 @@ func TestTxRollbackAfterCommit(t *testing.T) {
 		t.Fatal("Tx(ctx) is nil inside BeginTx's context")
 	}
 	resp := &idem.Response{Status: 201, Body: []byte("x")}
-	if err := tx.Complete(ctx, req.Scope, req.Key, "wrong", resp, now.Add(time.Hour)); !errors.Is(err, idem.ErrLockLost) {
+	if err := tx.Complete(ctx, req.Scope, req.Key, "wrong", resp, now, now.Add(time.Hour)); !errors.Is(err, idem.ErrLockLost) {
 		t.Fatalf("Complete with a wrong token in the tx = %v, want ErrLockLost", err)
 	}
-	if err := tx.Complete(ctx, req.Scope, req.Key, req.Token, resp, now.Add(time.Hour)); err != nil {
+	if err := tx.Complete(ctx, req.Scope, req.Key, req.Token, resp, now, now.Add(time.Hour)); err != nil {
 		t.Fatal(err)
 	}
 	// Not visible outside before Commit.
@@ -364,7 +364,7 @@ func TestResponseLargerThanPacket(t *testing.T) {
 	if _, claimed, err := s.Claim(ctx, req); err != nil || !claimed {
 		t.Fatalf("Claim = %v, %v", claimed, err)
 	}
-	err := s.Complete(ctx, req.Scope, req.Key, req.Token, &idem.Response{Status: 200, Body: make([]byte, max+1)}, now.Add(time.Hour))
+	err := s.Complete(ctx, req.Scope, req.Key, req.Token, &idem.Response{Status: 200, Body: make([]byte, max+1)}, now, now.Add(time.Hour))
 	if err == nil || errors.Is(err, idem.ErrLockLost) {
 		t.Fatalf("Complete with a body over max_allowed_packet = %v, want a store error", err)
 	}
@@ -373,7 +373,7 @@ func TestResponseLargerThanPacket(t *testing.T) {
 		t.Fatalf("after the failed Complete Get = %+v, %v; want in flight", rec, err)
 	}
 	// The store still works (the driver may have dropped the connection).
-	if err := s.Complete(ctx, req.Scope, req.Key, req.Token, &idem.Response{Status: 200, Body: []byte("ok")}, now.Add(time.Hour)); err != nil {
+	if err := s.Complete(ctx, req.Scope, req.Key, req.Token, &idem.Response{Status: 200, Body: []byte("ok")}, now, now.Add(time.Hour)); err != nil {
 		t.Fatalf("Complete after the failure: %v", err)
 	}
 }

@@ -151,7 +151,7 @@ func newQueries(t string) queries {
 		release: "DELETE FROM " + t + " WHERE `scope` = ? AND `key` = ? AND `token` = ? AND `state` = 1",
 		// renewals always changes, so extending to the same deadline twice still
 		// counts as one affected row without clientFoundRows.
-		extend: "UPDATE " + t + " SET `lease_until` = ?, `renewals` = `renewals` + 1" +
+		extend: "UPDATE " + t + " SET `lease_until` = ?, `expires_at` = GREATEST(`expires_at`, ?), `renewals` = `renewals` + 1" +
 			" WHERE `scope` = ? AND `key` = ? AND `token` = ? AND `state` = 1",
 		get: "SELECT " + columns + " FROM " + t + " WHERE `scope` = ? AND `key` = ? AND `expires_at` > ?",
 		// Ordering by the whole index entry (the secondary index carries the primary
@@ -373,7 +373,7 @@ func claimable(rec *idem.Record, req idem.ClaimRequest) bool {
 }
 
 // Complete implements idem.Store: a compare-and-set on token and state.
-func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
+func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, _, expiresAt time.Time) error {
 	args, err := completeArgs(scope, key, token, resp, expiresAt)
 	if err != nil {
 		return err
@@ -416,8 +416,8 @@ func (s *Store) Release(ctx context.Context, scope, key, token string) error {
 
 // Extend implements idem.Store: it moves the lease only while the record is in
 // flight under token.
-func (s *Store) Extend(ctx context.Context, scope, key, token string, leaseUntil time.Time) error {
-	return s.execFenced(ctx, s.q.extend, leaseUntil.UnixMicro(), []byte(scope), []byte(key), []byte(token))
+func (s *Store) Extend(ctx context.Context, scope, key, token string, _, leaseUntil time.Time) error {
+	return s.execFenced(ctx, s.q.extend, leaseUntil.UnixMicro(), leaseUntil.UnixMicro(), []byte(scope), []byte(key), []byte(token))
 }
 
 // execFenced runs a compare-and-set statement and turns "no row matched" into

@@ -55,7 +55,7 @@ type txn struct {
 }
 
 // Complete implements idem.Tx: the fenced UPDATE, inside the transaction.
-func (t *txn) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
+func (t *txn) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, _, expiresAt time.Time) error {
 	args, err := completeArgs(scope, key, token, resp, expiresAt)
 	if err != nil {
 		return err

@@ -134,7 +134,7 @@ WHERE scope = $1 AND key = $2 AND token = $3 AND state = 1`
 	// transaction aborts, and the COMMIT queued behind it is never executed.
 	s.completeAndCommitSQL = `WITH done AS (` + s.completeSQL + ` RETURNING 1) SELECT 1 / count(*) FROM done`
 	s.releaseSQL = `DELETE FROM ` + t + ` WHERE scope = $1 AND key = $2 AND token = $3 AND state = 1`
-	s.extendSQL = `UPDATE ` + t + ` SET lease_until = $4 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 1`
+	s.extendSQL = `UPDATE ` + t + ` SET lease_until = $4, expires_at = GREATEST(expires_at, $4) WHERE scope = $1 AND key = $2 AND token = $3 AND state = 1`
 	s.deleteSQL = `DELETE FROM ` + t + ` WHERE ctid = ANY(ARRAY(
 	SELECT ctid FROM ` + t + ` WHERE expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED
 )) AND expires_at <= $1`
@@ -235,7 +235,7 @@ func (s *Store) claimOnce(ctx context.Context, dest []any, args ...any) error {
 }
 
 // Complete implements idem.Store.
-func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
+func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, _, expiresAt time.Time) error {
 	return s.complete(ctx, s.pool, scope, key, token, resp, expiresAt)
 }
 
@@ -280,7 +280,7 @@ func (s *Store) Release(ctx context.Context, scope, key, token string) error {
 }
 
 // Extend implements idem.Store.
-func (s *Store) Extend(ctx context.Context, scope, key, token string, leaseUntil time.Time) error {
+func (s *Store) Extend(ctx context.Context, scope, key, token string, _, leaseUntil time.Time) error {
 	tag, err := s.pool.Exec(ctx, s.extendSQL, []byte(scope), []byte(key), token, leaseUntil)
 	if err != nil {
 		return s.wrap("extend", err)

@@ -159,7 +159,7 @@ func TestReplayTakesNoLock(t *testing.T) {
 	if _, claimed, err := s.Claim(ctx30(t), req); err != nil || !claimed {
 		t.Fatalf("Claim: %v %v", claimed, err)
 	}
-	if err := s.Complete(ctx30(t), "s", "k", "t1", &idem.Response{Status: 201, Body: []byte("done")}, now.Add(time.Hour)); err != nil {
+	if err := s.Complete(ctx30(t), "s", "k", "t1", &idem.Response{Status: 201, Body: []byte("done")}, now, now.Add(time.Hour)); err != nil {
 		t.Fatal(err)
 	}
 	locker, err := db.pool.Begin(ctx30(t))
@@ -189,7 +189,7 @@ func TestHeaderBytesRoundTrip(t *testing.T) {
 	if _, claimed, err := s.Claim(ctx30(t), req); err != nil || !claimed {
 		t.Fatalf("Claim: %v %v", claimed, err)
 	}
-	if err := s.Complete(ctx30(t), "s", "k", "t1", &idem.Response{Status: 200, Header: h}, now.Add(time.Hour)); err != nil {
+	if err := s.Complete(ctx30(t), "s", "k", "t1", &idem.Response{Status: 200, Header: h}, now, now.Add(time.Hour)); err != nil {
 		t.Fatal(err)
 	}
 	rec, err := s.Get(ctx30(t), "s", "k", now)
@@ -315,7 +315,7 @@ func TestTxStoreRollbackAfterCommit(t *testing.T) {
 	}
 	// The fenced completion travels with COMMIT: a completion of an absent record
 	// turns the commit into ErrLockLost, and Rollback then ends the transaction.
-	if err := tx.Complete(ctx30(t), "s", "absent", "t", &idem.Response{Status: 200}, time.Now().Add(time.Hour)); err != nil {
+	if err := tx.Complete(ctx30(t), "s", "absent", "t", &idem.Response{Status: 200}, time.Now(), time.Now().Add(time.Hour)); err != nil {
 		t.Fatalf("Tx.Complete: %v", err)
 	}
 	err = tx.Commit(ctx30(t))
@@ -339,7 +339,7 @@ func TestTxStoreRollbackAfterCommit(t *testing.T) {
 	if _, err := pgstore.Tx(ctx).Exec(ctx, "SELECT 1"); err != nil {
 		t.Fatal(err)
 	}
-	if err := tx.Complete(ctx30(t), "s", "k", "t", &idem.Response{Status: 201, Body: []byte("ok")}, now.Add(time.Hour)); err != nil {
+	if err := tx.Complete(ctx30(t), "s", "k", "t", &idem.Response{Status: 201, Body: []byte("ok")}, now, now.Add(time.Hour)); err != nil {
 		t.Fatalf("Tx.Complete: %v", err)
 	}
 	if err := tx.Commit(ctx30(t)); err != nil {

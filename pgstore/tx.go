@@ -58,7 +58,7 @@ type claimTx struct {
 }
 
 // Complete prepares the fenced completion; Commit sends it.
-func (t *claimTx) Complete(_ context.Context, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
+func (t *claimTx) Complete(_ context.Context, scope, key, token string, resp *idem.Response, _, expiresAt time.Time) error {
 	args, err := completeArgs(scope, key, token, resp, expiresAt)
 	if err != nil {
 		return err

@@ -105,7 +105,7 @@ func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record,
 
 // Complete implements idem.Store: one fenced Lua script stores resp, marks the
 // record complete and moves its Redis expiry to expiresAt.
-func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
+func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, _, expiresAt time.Time) error {
 	if resp == nil {
 		return errors.New("redisstore: Complete needs a non-nil *idem.Response")
 	}
@@ -132,7 +132,7 @@ func (s *Store) Release(ctx context.Context, scope, key, token string) error {
 }
 
 // Extend implements idem.Store: one fenced Lua script moves the lease deadline.
-func (s *Store) Extend(ctx context.Context, scope, key, token string, leaseUntil time.Time) error {
+func (s *Store) Extend(ctx context.Context, scope, key, token string, _, leaseUntil time.Time) error {
 	n, err := extendScript.Run(ctx, s.client, []string{s.recordKey(scope, key)}, token, ms(leaseUntil)).Int()
 	return fenced("extend", n, err)
 }

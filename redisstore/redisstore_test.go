@@ -212,7 +212,7 @@ func TestSchema(t *testing.T) {
 	wantExpiry(req.ExpiresAt)
 	expires := now.Add(2 * time.Hour)
 	resp := &idem.Response{Status: 201, Header: http.Header{"Location": {"/o/1"}}, Body: []byte("{}"), Ref: "o1"}
-	if err := tb.store.Complete(ctx, "s", "k", req.Token, resp, expires); err != nil {
+	if err := tb.store.Complete(ctx, "s", "k", req.Token, resp, now, expires); err != nil {
 		t.Fatal(err)
 	}
 	wantExpiry(expires)

@@ -92,7 +92,7 @@ func TestFencedCompletion(t *testing.T) {
 		t.Fatal(err)
 	}
 	resp := &idem.Response{Status: http.StatusCreated, Header: http.Header{"Content-Type": {"application/json"}}, Body: []byte(`{"item":"from-taker"}`)}
-	if err := tx.Complete(tctx, "", key, taker.Token, resp, later.Add(time.Hour)); err != nil {
+	if err := tx.Complete(tctx, "", key, taker.Token, resp, later, later.Add(time.Hour)); err != nil {
 		t.Fatalf("the taker's completion: %v", err)
 	}
 	if err := tx.Commit(tctx); err != nil {

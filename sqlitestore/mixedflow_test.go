@@ -51,7 +51,7 @@ func TestSingleTxTakesOverLapsedClaim(t *testing.T) {
 	if n := countOrders(t, db); n != 1 {
 		t.Fatalf("%d orders, want 1", n)
 	}
-	if err := store.Complete(context.Background(), "", "k", "crashed", &idem.Response{Status: 200}, time.Now().Add(time.Hour)); err == nil {
+	if err := store.Complete(context.Background(), "", "k", "crashed", &idem.Response{Status: 200}, time.Now(), time.Now().Add(time.Hour)); err == nil {
 		t.Fatal("the crashed request could still complete after the takeover")
 	}
 }

@@ -143,7 +143,7 @@ RETURNING created_at`,
 		stmtComplete: `UPDATE ` + t + ` SET state = 2, expires_at = ?, status = ?, headers = ?, body = ?, body_omitted = ?, ref = ?
 WHERE scope = ? AND key = ? AND token = ? AND state = 1`,
 		stmtRelease:       `DELETE FROM ` + t + ` WHERE scope = ? AND key = ? AND token = ? AND state = 1`,
-		stmtExtend:        `UPDATE ` + t + ` SET lease_until = ? WHERE scope = ? AND key = ? AND token = ? AND state = 1`,
+		stmtExtend:        `UPDATE ` + t + ` SET lease_until = ?1, expires_at = MAX(expires_at, ?1) WHERE scope = ? AND key = ? AND token = ? AND state = 1`,
 		stmtDeleteExpired: `DELETE FROM ` + t + ` WHERE rowid IN (SELECT rowid FROM ` + t + ` WHERE expires_at <= ? LIMIT ?)`,
 		stmtInsert: `INSERT INTO ` + t + ` AS r (scope, key, state, fingerprint, token, created_at, lease_until, expires_at, status, headers, body, body_omitted, ref)
 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
@@ -386,7 +386,7 @@ func (s *Store) complete(ctx context.Context, tx *sql.Tx, scope, key, token stri
 }
 
 // Complete implements idem.Store.
-func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
+func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, _, expiresAt time.Time) error {
 	unlock, err := s.gate.lock(ctx, s.lockTimeout)
 	if err != nil {
 		return wrap("complete", err)
@@ -408,7 +408,7 @@ func (s *Store) Release(ctx context.Context, scope, key, token string) error {
 // Extend implements idem.Store. It waits for the write lock like every write, so
 // it cannot renew a lease while a transaction holds the lock (see "Leases and the
 // one writer" in the package documentation).
-func (s *Store) Extend(ctx context.Context, scope, key, token string, leaseUntil time.Time) error {
+func (s *Store) Extend(ctx context.Context, scope, key, token string, _, leaseUntil time.Time) error {
 	unlock, err := s.gate.lock(ctx, s.lockTimeout)
 	if err != nil {
 		return wrap("extend", err)

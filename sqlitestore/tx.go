@@ -69,7 +69,7 @@ type storeTx struct {
 func (t *storeTx) done() { t.once.Do(t.unlock) }
 
 // Complete implements idem.Tx: the fenced completion, inside the transaction.
-func (t *storeTx) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
+func (t *storeTx) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, _, expiresAt time.Time) error {
 	return t.s.complete(ctx, t.tx, scope, key, token, resp, expiresAt)
 }
 

@@ -281,7 +281,7 @@ func testCompleteAndReplay(t *testing.T, s idem.Store) {
 	mustClaim(t, s, req)
 	resp := &idem.Response{Status: 201, Header: http.Header{"Content-Type": {"application/json"}, "Location": {"/orders/1"}}, Body: []byte(`{"id":1}`)}
 	expires := now.Add(2 * longTTL)
-	if err := s.Complete(ctxFor(t), f.scope, f.key, req.Token, resp, expires); err != nil {
+	if err := s.Complete(ctxFor(t), f.scope, f.key, req.Token, resp, now, expires); err != nil {
 		t.Fatalf("Complete: %v", err)
 	}
 	for _, rec := range []*idem.Record{
@@ -300,9 +300,9 @@ func testCompleteAndReplay(t *testing.T, s idem.Store) {
 		}
 		checkResponse(t, rec.Response, resp)
 	}
-	wantLockLost(t, "Complete of a complete record", s.Complete(ctxFor(t), f.scope, f.key, req.Token, resp, expires))
+	wantLockLost(t, "Complete of a complete record", s.Complete(ctxFor(t), f.scope, f.key, req.Token, resp, now, expires))
 	wantLockLost(t, "Release of a complete record", s.Release(ctxFor(t), f.scope, f.key, req.Token))
-	wantLockLost(t, "Extend of a complete record", s.Extend(ctxFor(t), f.scope, f.key, req.Token, now.Add(time.Hour)))
+	wantLockLost(t, "Extend of a complete record", s.Extend(ctxFor(t), f.scope, f.key, req.Token, now, now.Add(time.Hour)))
 	if rec := mustGet(t, s, f, now); rec.State != idem.StateComplete {
 		t.Fatalf("after rejected calls State = %v, want complete", rec.State)
 	}
@@ -376,7 +376,7 @@ func testRoundTrip(t *testing.T, s idem.Store) {
 			now := time.Now()
 			req := f.claim("v1:rt", now, time.Minute, longTTL)
 			mustClaim(t, s, req)
-			if err := s.Complete(ctxFor(t), f.scope, f.key, req.Token, tc.resp, now.Add(longTTL)); err != nil {
+			if err := s.Complete(ctxFor(t), f.scope, f.key, req.Token, tc.resp, now, now.Add(longTTL)); err != nil {
 				t.Fatalf("Complete: %v", err)
 			}
 			checkResponse(t, mustGet(t, s, f, now).Response, tc.resp)
@@ -398,9 +398,9 @@ func testStaleToken(t *testing.T, s idem.Store) {
 	mustClaim(t, s, req)
 	ctx := ctxFor(t)
 	resp := &idem.Response{Status: 200, Body: []byte("no")}
-	wantLockLost(t, "Complete with a stale token", s.Complete(ctx, f.scope, f.key, "not-the-token", resp, now.Add(longTTL)))
+	wantLockLost(t, "Complete with a stale token", s.Complete(ctx, f.scope, f.key, "not-the-token", resp, now, now.Add(longTTL)))
 	wantLockLost(t, "Release with a stale token", s.Release(ctx, f.scope, f.key, "not-the-token"))
-	wantLockLost(t, "Extend with a stale token", s.Extend(ctx, f.scope, f.key, "not-the-token", now.Add(time.Hour)))
+	wantLockLost(t, "Extend with a stale token", s.Extend(ctx, f.scope, f.key, "not-the-token", now, now.Add(time.Hour)))
 	checkInFlight(t, mustGet(t, s, f, now), req)
 }
 
@@ -409,9 +409,9 @@ func testAbsentRecord(t *testing.T, s idem.Store) {
 	now := time.Now()
 	ctx := ctxFor(t)
 	wantNotFound(t, s, f, now)
-	wantLockLost(t, "Complete of an absent record", s.Complete(ctx, f.scope, f.key, "tok", &idem.Response{Status: 200}, now.Add(longTTL)))
+	wantLockLost(t, "Complete of an absent record", s.Complete(ctx, f.scope, f.key, "tok", &idem.Response{Status: 200}, now, now.Add(longTTL)))
 	wantLockLost(t, "Release of an absent record", s.Release(ctx, f.scope, f.key, "tok"))
-	wantLockLost(t, "Extend of an absent record", s.Extend(ctx, f.scope, f.key, "tok", now.Add(time.Hour)))
+	wantLockLost(t, "Extend of an absent record", s.Extend(ctx, f.scope, f.key, "tok", now, now.Add(time.Hour)))
 	wantNotFound(t, s, f, now)
 }
 
@@ -424,7 +424,7 @@ func testRelease(t *testing.T, s idem.Store) {
 		t.Fatalf("Release: %v", err)
 	}
 	wantNotFound(t, s, f, now)
-	wantLockLost(t, "Complete after Release", s.Complete(ctxFor(t), f.scope, f.key, req.Token, &idem.Response{Status: 200}, now.Add(longTTL)))
+	wantLockLost(t, "Complete after Release", s.Complete(ctxFor(t), f.scope, f.key, req.Token, &idem.Response{Status: 200}, now, now.Add(longTTL)))
 	again := f.claim("v1:different", now, time.Minute, longTTL)
 	checkInFlight(t, mustClaim(t, s, again), again)
 }
@@ -435,12 +435,12 @@ func testExtend(t *testing.T, s idem.Store) {
 	req := f.claim("v1:ext", now, shortLease, longTTL)
 	mustClaim(t, s, req)
 	newLease := now.Add(time.Minute)
-	if err := s.Extend(ctxFor(t), f.scope, f.key, req.Token, newLease); err != nil {
+	if err := s.Extend(ctxFor(t), f.scope, f.key, req.Token, now, newLease); err != nil {
 		t.Fatalf("Extend: %v", err)
 	}
 	// Extending to the same deadline again still matches the record (a SQL store
 	// must count matched rows, not changed ones).
-	if err := s.Extend(ctxFor(t), f.scope, f.key, req.Token, newLease); err != nil {
+	if err := s.Extend(ctxFor(t), f.scope, f.key, req.Token, now, newLease); err != nil {
 		t.Fatalf("Extend to the same deadline twice: %v", err)
 	}
 	if rec := mustGet(t, s, f, now); !sameTime(rec.LeaseUntil, newLease) {
@@ -451,7 +451,7 @@ func testExtend(t *testing.T, s idem.Store) {
 	if rec.Token != req.Token {
 		t.Errorf("extended claim was taken over: token %q, want %q", rec.Token, req.Token)
 	}
-	if err := s.Complete(ctxFor(t), f.scope, f.key, req.Token, &idem.Response{Status: 200}, time.Now().Add(longTTL)); err != nil {
+	if err := s.Complete(ctxFor(t), f.scope, f.key, req.Token, &idem.Response{Status: 200}, now, time.Now().Add(longTTL)); err != nil {
 		t.Fatalf("Complete after Extend: %v", err)
 	}
 }
@@ -471,11 +471,11 @@ func testLapsedTakeover(t *testing.T, s idem.Store) {
 	}
 	ctx := ctxFor(t)
 	resp := &idem.Response{Status: 201, Body: []byte("first")}
-	wantLockLost(t, "Complete by the holder whose lease lapsed", s.Complete(ctx, f.scope, f.key, first.Token, resp, now.Add(longTTL)))
-	wantLockLost(t, "Extend by the holder whose lease lapsed", s.Extend(ctx, f.scope, f.key, first.Token, now.Add(time.Hour)))
+	wantLockLost(t, "Complete by the holder whose lease lapsed", s.Complete(ctx, f.scope, f.key, first.Token, resp, now, now.Add(longTTL)))
+	wantLockLost(t, "Extend by the holder whose lease lapsed", s.Extend(ctx, f.scope, f.key, first.Token, now, now.Add(time.Hour)))
 	wantLockLost(t, "Release by the holder whose lease lapsed", s.Release(ctx, f.scope, f.key, first.Token))
 	resp.Body = []byte("second")
-	if err := s.Complete(ctx, f.scope, f.key, second.Token, resp, now.Add(longTTL)); err != nil {
+	if err := s.Complete(ctx, f.scope, f.key, second.Token, resp, now, now.Add(longTTL)); err != nil {
 		t.Fatalf("Complete by the taker: %v", err)
 	}
 	checkResponse(t, mustGet(t, s, f, now).Response, resp)
@@ -539,7 +539,7 @@ func testExpiredReclaimed(t *testing.T, s idem.Store) {
 		now := time.Now()
 		req := f.claim("v1:old", now, time.Minute, ttl)
 		mustClaim(t, s, req)
-		if err := s.Complete(ctx, f.scope, f.key, req.Token, &idem.Response{Status: 201, Body: []byte("old")}, now.Add(ttl)); err != nil {
+		if err := s.Complete(ctx, f.scope, f.key, req.Token, &idem.Response{Status: 201, Body: []byte("old")}, now, now.Add(ttl)); err != nil {
 			t.Fatalf("Complete: %v", err)
 		}
 		time.Sleep(ttl + 50*time.Millisecond)
@@ -551,7 +551,7 @@ func testExpiredReclaimed(t *testing.T, s idem.Store) {
 		if !sameTime(rec.CreatedAt, later) {
 			t.Errorf("CreatedAt of a reclaimed record = %v, want %v (the expired record is replaced whole)", rec.CreatedAt, later)
 		}
-		wantLockLost(t, "Complete with the expired record's token", s.Complete(ctx, f.scope, f.key, req.Token, &idem.Response{Status: 200}, later.Add(longTTL)))
+		wantLockLost(t, "Complete with the expired record's token", s.Complete(ctx, f.scope, f.key, req.Token, &idem.Response{Status: 200}, now, later.Add(longTTL)))
 	})
 	t.Run("in flight", func(t *testing.T) {
 		f := newFixture(t)
@@ -588,12 +588,12 @@ func testScopeIsolation(t *testing.T, s idem.Store) {
 		rb := b.claim("v1:b", now, time.Minute, longTTL)
 		mustClaim(t, s, ra)
 		mustClaim(t, s, rb)
-		if err := s.Complete(ctxFor(t), a.scope, a.key, ra.Token, &idem.Response{Status: 201, Body: []byte("a")}, now.Add(longTTL)); err != nil {
+		if err := s.Complete(ctxFor(t), a.scope, a.key, ra.Token, &idem.Response{Status: 201, Body: []byte("a")}, now, now.Add(longTTL)); err != nil {
 			t.Fatalf("Complete in scope %q: %v", a.scope, err)
 		}
 		checkInFlight(t, mustGet(t, s, b, now), rb)
 		wantLockLost(t, fmt.Sprintf("Complete of (%q, %q) with the token of (%q, %q)", b.scope, b.key, a.scope, a.key),
-			s.Complete(ctxFor(t), b.scope, b.key, ra.Token, &idem.Response{Status: 200}, now.Add(longTTL)))
+			s.Complete(ctxFor(t), b.scope, b.key, ra.Token, &idem.Response{Status: 200}, now, now.Add(longTTL)))
 		if got := mustGet(t, s, a, now); got.State != idem.StateComplete || string(got.Response.Body) != "a" {
 			t.Errorf("record (%q, %q) = %+v, want complete with body a", a.scope, a.key, got)
 		}
@@ -615,7 +615,7 @@ func testJanitor(t *testing.T, s idem.Store) {
 		req := f.claim("v1:j", now, ttl, ttl)
 		mustClaim(t, s, req)
 		if i%2 == 0 { // half complete, half left in flight
-			if err := s.Complete(ctx, f.scope, f.key, req.Token, &idem.Response{Status: 200}, now.Add(ttl)); err != nil {
+			if err := s.Complete(ctx, f.scope, f.key, req.Token, &idem.Response{Status: 200}, now, now.Add(ttl)); err != nil {
 				t.Fatalf("Complete: %v", err)
 			}
 		}
@@ -626,7 +626,7 @@ func testJanitor(t *testing.T, s idem.Store) {
 		req := f.claim("v1:j", now, time.Minute, longTTL)
 		mustClaim(t, s, req)
 		if i%2 == 0 {
-			if err := s.Complete(ctx, f.scope, f.key, req.Token, &idem.Response{Status: 200}, now.Add(longTTL)); err != nil {
+			if err := s.Complete(ctx, f.scope, f.key, req.Token, &idem.Response{Status: 200}, now, now.Add(longTTL)); err != nil {
 				t.Fatalf("Complete: %v", err)
 			}
 		}

@@ -83,7 +83,7 @@ func roundTrip(t *testing.T, h *dbopen.Handle) {
 	if err != nil || !claimed {
 		t.Fatalf("Claim: claimed=%v err=%v", claimed, err)
 	}
-	if err := h.Store.Complete(ctx, "s", key, "tok", &idem.Response{Status: 201, Body: []byte("{}")}, now.Add(time.Hour)); err != nil {
+	if err := h.Store.Complete(ctx, "s", key, "tok", &idem.Response{Status: 201, Body: []byte("{}")}, now, now.Add(time.Hour)); err != nil {
 		t.Fatal(err)
 	}
 	rec, err := h.Store.Get(ctx, "s", key, time.Now())

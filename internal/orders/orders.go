@@ -24,8 +24,16 @@ const DefaultTable = "orders"
 // MaxCartID is the longest cart_id accepted, in bytes.
 const MaxCartID = 255
 
-// ListLimit is the most orders GET /orders returns.
-const ListLimit = 1000
+// MaxTenant is the longest tenant accepted, in bytes (the orders table keeps it
+// in a VARCHAR(255) on MySQL).
+const MaxTenant = 255
+
+// DefaultPageSize is how many orders one GET /orders page holds unless ?limit=
+// says otherwise; MaxPageSize is the largest ?limit= accepted.
+const (
+	DefaultPageSize = 100
+	MaxPageSize     = 1000
+)
 
 // Order is one order as the API shows it.
 type Order struct {
@@ -55,8 +63,7 @@ type Service struct {
 	cfg    Config
 	insert string
 	getOne string
-	byCart string
-	all    string
+	cols   string
 }
 
 var identRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
@@ -87,10 +94,8 @@ func New(b Backend, cfg *Config) (*Service, error) {
 	}
 	t := s.cfg.Table
 	s.insert = "INSERT INTO " + t + " (id, tenant, cart_id, total_cents, created_at) VALUES (?, ?, ?, ?, ?)"
-	cols := "SELECT id, cart_id, total_cents, created_at FROM " + t
-	s.getOne = cols + " WHERE tenant = ? AND id = ?"
-	s.byCart = cols + " WHERE tenant = ? AND cart_id = ? ORDER BY created_at, id LIMIT " + strconv.Itoa(ListLimit)
-	s.all = cols + " WHERE tenant = ? ORDER BY created_at, id LIMIT " + strconv.Itoa(ListLimit)
+	s.cols = "SELECT id, cart_id, total_cents, created_at FROM " + t
+	s.getOne = s.cols + " WHERE tenant = ? AND id = ?"
 	return s, nil
 }
 
