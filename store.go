@@ -41,6 +41,15 @@ var (
 	// ErrInFlight is returned by SingleTxStore.BeginLocked when another transaction
 	// holds the key right now.
 	ErrInFlight = errors.New("idem: key is in flight in another request")
+	// ErrTxAborted is returned, wrapped, by Tx.Complete, Tx.Commit, LockedTx.Insert
+	// and LockedTx.Commit when the database had already ended the handler's
+	// transaction: a statement in it failed and aborted it (PostgreSQL), or it was
+	// rolled back as a deadlock victim (MySQL). None of its writes commit, the
+	// completion included; the store must make sure that no statement sent after
+	// the abort committed either. The middleware then keeps the handler's answer
+	// on its own when it is an error answer (status >= 400), and otherwise
+	// releases the key and answers 500 (idempotency_transaction_aborted).
+	ErrTxAborted = errors.New("idem: the database aborted the handler's transaction; none of its writes were committed")
 )
 
 // Response is the outcome of one execution, as kept in a complete record.
@@ -88,8 +97,13 @@ type Record struct {
 
 // ClaimRequest is what the middleware asks of Store.Claim.
 type ClaimRequest struct {
-	Scope       string
-	Key         string
+	// Scope is the stored form of the request's scope (see StoredScope): valid
+	// UTF-8 without control characters, at most MaxStoredScopeLength bytes.
+	Scope string
+	// Key is the parsed key: 1 to MaxKeyLengthLimit bytes of visible ASCII.
+	Key string
+	// Fingerprint is the request's fingerprint with its version prefix (at most
+	// a few hundred bytes of visible ASCII).
 	Fingerprint string
 	// Token is the fresh random lock token of this claim.
 	Token string
