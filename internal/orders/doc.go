@@ -7,16 +7,30 @@
 //	POST /orders        {"cart_id": "c_42", "total_cents": 1900}
 //	                    → 201, Location: /orders/{id},
 //	                      {"id": "ord_…", "cart_id": "c_42", "total_cents": 1900, "created_at": "…"}
-//	GET  /orders/{id}   → 200 the order, or 404 (also for another tenant's order)
-//	GET  /orders        → 200 {"orders": […]} of the caller's tenant; ?cart_id= filters
+//	GET  /orders/{id}   → 200 the order, or 404 (also for another tenant's order,
+//	                      and for anything that is not an order id)
+//	GET  /orders        → 200 {"orders": […], "next": "/orders?after=…&limit=…"} of the
+//	                      caller's tenant, oldest first; ?cart_id= filters, ?limit=
+//	                      (1–1000, default 100) sizes the page, ?after=ID continues
+//	                      after that order; "next" (and a Link rel="next" header) is
+//	                      there only when more orders follow
 //	GET  /healthz       → 200 {"status":"ok"} when the database answers, else 503
+//
+// What the service stores or compares with stored text is checked first, the
+// same on every database: a cart_id is 1–255 bytes of UTF-8 without control
+// characters or leading/trailing white space (MySQL's utf8mb4_bin ignores
+// trailing spaces in comparisons); a tenant likewise, and Authenticate accepts
+// only RFC 6750 bearer tokens (letters, digits, -._~+/ and = padding) of at most
+// 255 bytes. A bad query parameter is a 400 "invalid_query"; a bad token a 401.
+// Answers and messages repeat at most 64 bytes of a client's value (Quote).
 //
 // Invalid JSON, unknown fields, a missing or empty cart_id, or a total_cents that
 // is missing, negative or not a whole number get 400 application/problem+json
 // (code "invalid_order"). The HANDLER writes that answer, behind idem, so it is
 // stored and replayed like any other outcome: a retry of a bad request gets the
 // same 400 without running again. Other codes: "order_not_found" (404),
-// "unauthorized" (401, from Authenticate, in front of idem, never bound to a key),
+// "invalid_query" (400), "unauthorized" (401, from Authenticate, in front of idem,
+// never bound to a key),
 // "order_not_saved" (500), "request_cancelled" (503), "database_unavailable" and
 // "database_error". Each problem's type is idem.ProblemTypeBase + code.
 //
@@ -46,6 +60,6 @@
 //
 // # Limits
 //
-// GET /orders returns at most ListLimit orders. The tenant is trusted as given:
+// GET /orders returns at most MaxPageSize orders per page. The tenant is trusted as given:
 // Authenticate is demo-only and verifies nothing.
 package orders

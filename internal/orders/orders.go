@@ -10,10 +10,12 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"regexp"
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/idemkit/idem"
 )
@@ -23,6 +25,9 @@ const DefaultTable = "orders"
 
 // MaxCartID is the longest cart_id accepted, in bytes.
 const MaxCartID = 255
+
+// MaxBody is the largest POST /orders body read, in bytes.
+const MaxBody = 1 << 20
 
 // MaxTenant is the longest tenant accepted, in bytes (the orders table keeps it
 // in a VARCHAR(255) on MySQL).
@@ -144,8 +149,22 @@ type createRequest struct {
 	TotalCents json.RawMessage `json:"total_cents"`
 }
 
+// tenant returns the request's tenant, or answers 401 and returns ok false
+// when it cannot be stored (see checkText).
+func (s *Service) tenant(w http.ResponseWriter, r *http.Request) (tenant string, ok bool) {
+	tenant = s.cfg.TenantFunc(r)
+	if msg := checkText("the tenant", tenant, MaxTenant); msg != "" {
+		WriteProblem(w, http.StatusUnauthorized, "unauthorized", msg+"; in the demo the tenant is the bearer token")
+		return "", false
+	}
+	return tenant, true
+}
+
 func (s *Service) create(w http.ResponseWriter, r *http.Request) {
-	tenant := s.cfg.TenantFunc(r)
+	tenant, ok := s.tenant(w, r)
+	if !ok {
+		return
+	}
 	cartID, total, msg := parseCreate(r.Body)
 	if msg != "" {
 		WriteProblem(w, http.StatusBadRequest, "invalid_order", msg)
@@ -189,9 +208,15 @@ func (s *Service) create(w http.ResponseWriter, r *http.Request) {
 // parseCreate validates a POST /orders body. msg is empty when it is valid.
 func parseCreate(body io.Reader) (cartID string, total int64, msg string) {
 	const example = `; send {"cart_id": "c_42", "total_cents": 1900}`
-	raw, err := io.ReadAll(io.LimitReader(body, 1<<20))
+	raw, err := io.ReadAll(io.LimitReader(body, MaxBody+1))
 	if err != nil {
 		return "", 0, "the request body could not be read: " + err.Error()
+	}
+	if len(raw) > MaxBody {
+		return "", 0, fmt.Sprintf("the body is larger than %d bytes", MaxBody) + example
+	}
+	if !utf8.Valid(raw) {
+		return "", 0, "the body is not valid UTF-8" + example
 	}
 	dec := json.NewDecoder(bytes.NewReader(raw))
 	dec.DisallowUnknownFields()
@@ -208,18 +233,18 @@ func parseCreate(body io.Reader) (cartID string, total int64, msg string) {
 	if err := json.Unmarshal(req.CartID, &cartID); err != nil {
 		return "", 0, "cart_id must be a string" + example
 	}
-	if cartID == "" {
-		return "", 0, "cart_id is empty" + example
-	}
-	if len(cartID) > MaxCartID {
-		return "", 0, fmt.Sprintf("cart_id is %d bytes long; the most is %d", len(cartID), MaxCartID)
+	if msg := checkText("cart_id", cartID, MaxCartID); msg != "" {
+		if cartID == "" {
+			msg += example
+		}
+		return "", 0, msg
 	}
 	if len(req.TotalCents) == 0 || string(req.TotalCents) == "null" {
 		return "", 0, "total_cents is missing" + example
 	}
 	total, err = strconv.ParseInt(string(req.TotalCents), 10, 64)
 	if err != nil {
-		return "", 0, "total_cents must be a whole number of cents, got " + string(req.TotalCents) + example
+		return "", 0, "total_cents must be a whole number of cents, got " + Quote(string(req.TotalCents)) + example
 	}
 	if total < 0 {
 		return "", 0, fmt.Sprintf("total_cents is %d; it cannot be negative", total)
@@ -228,44 +253,146 @@ func parseCreate(body io.Reader) (cartID string, total int64, msg string) {
 }
 
 func (s *Service) get(w http.ResponseWriter, r *http.Request) {
-	tenant := s.cfg.TenantFunc(r)
+	tenant, ok := s.tenant(w, r)
+	if !ok {
+		return
+	}
 	id := r.PathValue("id")
+	if !idRE.MatchString(id) {
+		WriteProblem(w, http.StatusNotFound, "order_not_found", fmt.Sprintf("%s is not an order id; order ids are %s", Quote(id), idShape))
+		return
+	}
 	list, err := s.query(r.Context(), s.getOne, tenant, id)
 	if err != nil {
 		WriteProblem(w, http.StatusInternalServerError, "database_error", "the order could not be read: "+err.Error())
 		return
 	}
 	if len(list) == 0 {
-		WriteProblem(w, http.StatusNotFound, "order_not_found", fmt.Sprintf("there is no order %q for this tenant", id))
+		WriteProblem(w, http.StatusNotFound, "order_not_found", fmt.Sprintf("there is no order %s for this tenant", id))
 		return
 	}
 	writeJSON(w, http.StatusOK, list[0])
 }
 
+// Page is one page of GET /orders.
+type Page struct {
+	// Orders are the orders of the page, oldest first.
+	Orders []Order `json:"orders"`
+	// Next is the URL path and query of the next page; empty on the last page.
+	Next string `json:"next,omitempty"`
+}
+
+// PageQuery selects a page of a tenant's orders.
+type PageQuery struct {
+	// CartID keeps only the orders of this cart when not empty.
+	CartID string
+	// After is the id of the last order of the previous page; empty for the
+	// first page.
+	After string
+	// Limit is the most orders the page holds; 0 means DefaultPageSize.
+	Limit int
+}
+
+// errBadQuery marks a PageQuery that names an order the tenant does not have.
+var errBadQuery = errors.New("orders: bad query")
+
 func (s *Service) list(w http.ResponseWriter, r *http.Request) {
-	tenant := s.cfg.TenantFunc(r)
-	var (
-		list []Order
-		err  error
-	)
-	if q := r.URL.Query(); q.Has("cart_id") {
-		list, err = s.query(r.Context(), s.byCart, tenant, q.Get("cart_id"))
-	} else {
-		list, err = s.query(r.Context(), s.all, tenant)
+	tenant, ok := s.tenant(w, r)
+	if !ok {
+		return
+	}
+	q := r.URL.Query()
+	var pq PageQuery
+	if q.Has("cart_id") {
+		pq.CartID = q.Get("cart_id")
+		if msg := checkText("cart_id", pq.CartID, MaxCartID); msg != "" {
+			WriteProblem(w, http.StatusBadRequest, "invalid_query", msg)
+			return
+		}
+	}
+	if q.Has("after") {
+		pq.After = q.Get("after")
+		if !idRE.MatchString(pq.After) {
+			WriteProblem(w, http.StatusBadRequest, "invalid_query", fmt.Sprintf("after=%s is not an order id; pass the id of the last order of the previous page (%s), or follow \"next\"", Quote(pq.After), idShape))
+			return
+		}
+	}
+	if q.Has("limit") {
+		n, err := strconv.Atoi(q.Get("limit"))
+		if err != nil || n < 1 || n > MaxPageSize {
+			WriteProblem(w, http.StatusBadRequest, "invalid_query", fmt.Sprintf("limit=%s is not a whole number from 1 to %d", Quote(q.Get("limit")), MaxPageSize))
+			return
+		}
+		pq.Limit = n
+	}
+	page, err := s.Page(r.Context(), tenant, pq)
+	if errors.Is(err, errBadQuery) {
+		WriteProblem(w, http.StatusBadRequest, "invalid_query", fmt.Sprintf("after=%s names no order of this tenant; pass the id of the last order of the previous page, or follow \"next\"", pq.After))
+		return
 	}
 	if err != nil {
 		WriteProblem(w, http.StatusInternalServerError, "database_error", "the orders could not be read: "+err.Error())
 		return
 	}
-	if list == nil {
-		list = []Order{}
+	if page.Next != "" {
+		page.Next = r.URL.Path + "?" + page.Next
+		w.Header().Set("Link", "<"+page.Next+`>; rel="next"`)
 	}
-	writeJSON(w, http.StatusOK, map[string][]Order{"orders": list})
+	writeJSON(w, http.StatusOK, page)
 }
 
-// Orders returns the orders of tenant for cartID, oldest first (at most ListLimit).
+// Page returns one page of tenant's orders, oldest first (ties broken by id).
+// Page.Next is the query string of the next page ("after=…&limit=…", with
+// cart_id when filtered), empty on the last page. A PageQuery.After that names
+// no order of the tenant is an error.
+func (s *Service) Page(ctx context.Context, tenant string, pq PageQuery) (Page, error) {
+	limit := pq.Limit
+	if limit <= 0 {
+		limit = DefaultPageSize
+	}
+	limit = min(limit, MaxPageSize)
+	where := " WHERE tenant = ?"
+	args := []any{tenant}
+	if pq.CartID != "" {
+		where += " AND cart_id = ?"
+		args = append(args, pq.CartID)
+	}
+	if pq.After != "" {
+		prev, err := s.query(ctx, s.getOne, tenant, pq.After)
+		if err != nil {
+			return Page{}, err
+		}
+		if len(prev) == 0 {
+			return Page{}, fmt.Errorf("%w: after=%s names no order of the tenant", errBadQuery, pq.After)
+		}
+		at := s.timeArg(prev[0].CreatedAt)
+		where += " AND (created_at > ? OR (created_at = ? AND id > ?))"
+		args = append(args, at, at, pq.After)
+	}
+	list, err := s.query(ctx, s.cols+where+" ORDER BY created_at, id LIMIT "+strconv.Itoa(limit+1), args...)
+	if err != nil {
+		return Page{}, err
+	}
+	p := Page{Orders: list}
+	if p.Orders == nil {
+		p.Orders = []Order{}
+	}
+	if len(list) > limit {
+		p.Orders = list[:limit]
+		next := url.Values{"after": {list[limit-1].ID}, "limit": {strconv.Itoa(limit)}}
+		if pq.CartID != "" {
+			next.Set("cart_id", pq.CartID)
+		}
+		p.Next = next.Encode()
+	}
+	return p, nil
+}
+
+// Orders returns the first page (at most DefaultPageSize) of tenant's orders for
+// cartID, oldest first.
 func (s *Service) Orders(ctx context.Context, tenant, cartID string) ([]Order, error) {
-	return s.query(ctx, s.byCart, tenant, cartID)
+	p, err := s.Page(ctx, tenant, PageQuery{CartID: cartID})
+	return p.Orders, err
 }
 
 func (s *Service) query(ctx context.Context, q string, args ...any) ([]Order, error) {
@@ -366,6 +493,11 @@ func Authenticate(next http.Handler) http.Handler {
 		if !ok || !strings.EqualFold(scheme, "Bearer") || token == "" {
 			w.Header().Set("WWW-Authenticate", `Bearer realm="idem demo"`)
 			WriteProblem(w, http.StatusUnauthorized, "unauthorized", `send "Authorization: Bearer <tenant>"; in the demo the token is the tenant name, for example "Authorization: Bearer t1"`)
+			return
+		}
+		if len(token) > MaxTenant || !b64token(token) {
+			w.Header().Set("WWW-Authenticate", `Bearer realm="idem demo", error="invalid_token"`)
+			WriteProblem(w, http.StatusUnauthorized, "unauthorized", fmt.Sprintf("the bearer token (%d bytes) is not 1 to %d characters of letters, digits and -._~+/ (then = padding); in the demo the token is the tenant name, for example \"Authorization: Bearer t1\"", len(token), MaxTenant))
 			return
 		}
 		next.ServeHTTP(w, r.WithContext(idem.WithScope(r.Context(), token)))
