@@ -33,6 +33,15 @@
 //   - returned as they are: every other answer — 2xx, 400, 422 and other 4xx, 500,
 //     501. A 422 idempotency_key_reused means the key was used for a different
 //     request: a bug in the caller, which a retry cannot fix.
+//   - not retried either: a request body whose reader fails (ErrBodyUnreadable),
+//     even when req.GetBody could make a new one. The request never reached the
+//     server whole, so nothing ran, and the reader's error is the caller's to
+//     see at once, not after MaxAttempts resends of the same broken source.
+//
+// A server that sends the headers of a retryable answer and then stalls its body
+// does not hold the caller: that body (64 KiB of it at most) must arrive within
+// AttemptTimeout, or MaxRetryBodyWait when there is none, or the attempt is
+// abandoned, its connection closed, and retried.
 //
 // The wait before a retry is the answer's Retry-After (seconds or HTTP-date),
 // capped at MaxRetryAfter, or else capped exponential backoff with full jitter: a

@@ -40,6 +40,16 @@ func retryableResponse(resp *http.Response) (bool, problem) {
 	return false, problem{}
 }
 
+// maybeRetryable reports whether an answer of this status may be retried,
+// which retryableResponse decides, reading the body when it must.
+func maybeRetryable(status int) bool {
+	switch status {
+	case http.StatusTooManyRequests, http.StatusBadGateway, http.StatusServiceUnavailable, http.StatusGatewayTimeout, http.StatusConflict:
+		return true
+	}
+	return false
+}
+
 // readProblem parses the problem in resp's body when its Content-Type is JSON.
 // With keep, the bytes read are put back in front of the rest of the body.
 func readProblem(resp *http.Response, keep bool) problem {
@@ -82,6 +92,9 @@ func retryableErr(err error) bool {
 	var hostErr x509.HostnameError
 	var invalidCert x509.CertificateInvalidError
 	if errors.As(err, &certErr) || errors.As(err, &unknownAuth) || errors.As(err, &hostErr) || errors.As(err, &invalidCert) {
+		return false
+	}
+	if errors.Is(err, ErrBodyUnreadable) {
 		return false
 	}
 	msg := err.Error()

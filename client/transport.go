@@ -46,7 +46,12 @@ var DefaultMethods = []string{http.MethodPost, http.MethodPatch}
 // MaxRetryAfter; otherwise the wait is capped exponential backoff with full
 // jitter. Never retried: 400, 422, every other 4xx, 500, 501 and every other
 // status — they are returned as responses — nor errors that a resend cannot fix
-// (TLS certificate errors, an unsupported URL scheme, an unreadable body).
+// (TLS certificate errors, an unsupported URL scheme, a request body whose reader
+// fails, with or without GetBody: ErrBodyUnreadable).
+//
+// The body of an answer that may be retried is read (64 KiB at most) within
+// AttemptTimeout, or MaxRetryBodyWait when that is 0; an answer whose body
+// stalls longer is abandoned — its connection closed — and retried.
 //
 // Retries stop after MaxAttempts, at once when the request context is cancelled,
 // and before a wait that would end after the context's deadline. Then RoundTrip
@@ -84,8 +89,11 @@ type Transport struct {
 
 	// AttemptTimeout bounds each attempt until its response headers arrive; an
 	// attempt that takes longer is abandoned and retried (the request may have been
-	// carried out; the retry will learn its outcome). Zero means no limit beyond
-	// the request context. Defaults to 0.
+	// carried out; the retry will learn its outcome). It also bounds, afresh from
+	// the headers, the reading of the body of an answer that may be retried (409,
+	// 429, 502, 503, 504). Zero means no limit beyond the request context for the
+	// headers, and MaxRetryBodyWait for such a body. The body of a final answer
+	// is the caller's to read: bound it with the request context. Defaults to 0.
 	AttemptTimeout time.Duration
 
 	// KeyFunc makes the key of an operation that brings none. Keys must be unique
@@ -194,8 +202,22 @@ func (s *settings) keyed(method string) bool {
 }
 
 // ErrAttemptTimeout is wrapped by the error of an attempt abandoned after
-// Transport.AttemptTimeout (RetryError.Err); check it with errors.Is.
+// Transport.AttemptTimeout, or because the body of an answer to retry stalled
+// (RetryError.Err); check it with errors.Is.
 var ErrAttemptTimeout = errors.New("idem/client: attempt timed out")
+
+// ErrBodyUnreadable is wrapped, together with the reader's own error, by the
+// error of an attempt whose request body failed to read (RetryError.Err). Such
+// an attempt is not retried: the request never reached the server whole, so
+// nothing was carried out, and a resend — even from req.GetBody — would read
+// the same broken source.
+var ErrBodyUnreadable = errors.New("idem/client: reading the request body failed")
+
+// MaxRetryBodyWait bounds the wait for the body of an answer that may be
+// retried (409, 429, 502, 503, 504) when Transport.AttemptTimeout is 0: the
+// Transport reads up to 64 KiB of it for the problem code and to reuse the
+// connection, and abandons the attempt, and retries, when that takes longer.
+const MaxRetryBodyWait = 5 * time.Second
 
 // RoundTrip sends req as one operation: with one idempotency key, and as many
 // attempts as it takes to get a final answer, within MaxAttempts and the request
@@ -243,21 +265,29 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	for attempt := 1; ; attempt++ {
 		areq := req.WithContext(context.WithValue(ctx, attemptCtx{}, attempt))
 		areq.Header = header.Clone()
-		if areq.Body, err = bodies.next(attempt); err != nil {
+		first, err := bodies.next(attempt)
+		if err != nil {
 			rerr.Err = fmt.Errorf("rewinding the request body for attempt %d (req.GetBody failed): %w", attempt, err)
 			rerr.Status, rerr.Code, rerr.Detail, rerr.RetryAfter = 0, "", "", 0
 			return nil, rerr
+		}
+		var body *watchedBody
+		if first != nil && first != http.NoBody {
+			body = &watchedBody{rc: first}
+			areq.Body = body
+		} else {
+			areq.Body = first
 		}
 		if bodies.getBody != nil {
 			areq.GetBody = bodies.getBody
 			areq.ContentLength = bodies.length
 		}
-		var cancel context.CancelCauseFunc
+		// Every attempt has its own context, so that it can be abandoned: after
+		// AttemptTimeout, or when the body of an answer to retry stalls.
+		actx, cancel := context.WithCancelCause(areq.Context())
+		areq = areq.WithContext(actx)
 		var timer *time.Timer
 		if s.attemptTimeout > 0 {
-			var actx context.Context
-			actx, cancel = context.WithCancelCause(areq.Context())
-			areq = areq.WithContext(actx)
 			timer = time.AfterFunc(s.attemptTimeout, func() { cancel(ErrAttemptTimeout) })
 		}
 		resp, err := s.base.RoundTrip(areq)
@@ -267,7 +297,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			if timedOut && err == nil {
 				// The answer came just as the attempt timed out: its body is already
 				// cut off by the cancelled context, so the attempt counts as failed.
-				drainClose(resp.Body)
+				abandon(resp.Body)
 				resp, err = nil, context.Cause(areq.Context())
 			}
 		}
@@ -275,13 +305,17 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 
 		var wait time.Duration
 		if err != nil {
-			if cancel != nil {
-				cancel(nil)
-			}
+			cancel(nil)
 			rerr.Status, rerr.Code, rerr.Detail, rerr.RetryAfter = 0, "", "", 0
 			rerr.Err = err
 			if ctx.Err() != nil {
 				rerr.Stop = ctx.Err()
+				return nil, rerr
+			}
+			if berr := body.failure(); berr != nil && !timedOut {
+				// The caller's body failed: the request never reached the server
+				// whole, and a resend would read the same broken source.
+				rerr.Err = fmt.Errorf("%w on attempt %d (nothing complete was sent; fix the body's reader): %w", ErrBodyUnreadable, attempt, berr)
 				return nil, rerr
 			}
 			if timedOut {
@@ -294,21 +328,32 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			if resp.Request == nil {
 				resp.Request = areq
 			}
-			retry, p := retryableResponse(resp)
-			if !retry {
-				if cancel != nil {
-					resp.Body = &cancelOnClose{ReadCloser: resp.Body, cancel: cancel}
-				}
+			if !maybeRetryable(resp.StatusCode) {
+				resp.Body = &cancelOnClose{ReadCloser: resp.Body, cancel: cancel}
 				return resp, nil
 			}
-			drainClose(resp.Body)
-			if cancel != nil {
-				cancel(nil)
+			bound := s.attemptTimeout
+			if bound == 0 {
+				bound = MaxRetryBodyWait
 			}
-			rerr.Err = nil
+			retry, p, stalled := judgeBounded(resp, bound, cancel)
 			rerr.Status, rerr.Code, rerr.Detail = resp.StatusCode, p.Code, p.Detail
 			ra, ok := parseRetryAfter(resp.Header.Get("Retry-After"), time.Now())
 			rerr.RetryAfter = ra
+			switch {
+			case stalled:
+				rerr.Err = fmt.Errorf("%w: the body of a %d answer did not arrive within %v (the attempt was abandoned)", ErrAttemptTimeout, resp.StatusCode, bound)
+				if ctx.Err() != nil {
+					rerr.Stop = ctx.Err()
+					return nil, rerr
+				}
+			case !retry:
+				resp.Body = &cancelOnClose{ReadCloser: resp.Body, cancel: cancel}
+				return resp, nil
+			default:
+				cancel(nil)
+				rerr.Err = nil
+			}
 			if ok && ra > 0 {
 				wait = min(ra, s.maxRetryAfter)
 			} else {
@@ -330,6 +375,46 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			return nil, rerr
 		}
 	}
+}
+
+// judgeBounded decides whether resp, an answer of a status that may be retried,
+// is to be retried, reading at most maxProblemBody of its body for the problem
+// code and draining what is left of a retried answer. The reading runs on its
+// own goroutine and may take at most bound: a body that stalls longer is
+// abandoned (the attempt's context is cancelled with ErrAttemptTimeout, which
+// makes net/http close the connection, and the body is closed) and stalled is
+// true; the answer is then to be retried whatever its status, as the server's
+// idempotency makes that safe.
+func judgeBounded(resp *http.Response, bound time.Duration, cancel context.CancelCauseFunc) (retry bool, p problem, stalled bool) {
+	type verdict struct {
+		retry bool
+		p     problem
+	}
+	body := resp.Body
+	done := make(chan verdict, 1)
+	go func() {
+		r, p := retryableResponse(resp)
+		if r {
+			drainClose(resp.Body)
+		}
+		done <- verdict{r, p}
+	}()
+	tm := time.NewTimer(bound)
+	defer tm.Stop()
+	select {
+	case v := <-done:
+		return v.retry, v.p, false
+	case <-tm.C:
+		cancel(ErrAttemptTimeout)
+		abandon(body)
+		return true, problem{}, true
+	}
+}
+
+// abandon closes body without waiting for it: a body that ignores its
+// cancelled context must not hold the caller.
+func abandon(body io.ReadCloser) {
+	go func() { _ = body.Close() }()
 }
 
 // backoff returns the full-jitter wait before retry n (0 for the first retry): a
@@ -424,6 +509,39 @@ func closeBody(req *http.Request) {
 func drainClose(body io.ReadCloser) {
 	_, _ = io.CopyN(io.Discard, body, 64<<10)
 	_ = body.Close()
+}
+
+// watchedBody is the request body of one attempt; it notes the first read
+// error of the caller's reader, which Base may see on another goroutine.
+type watchedBody struct {
+	rc  io.ReadCloser
+	mu  sync.Mutex
+	err error
+}
+
+func (w *watchedBody) Read(p []byte) (int, error) {
+	n, err := w.rc.Read(p)
+	if err != nil && err != io.EOF {
+		w.mu.Lock()
+		if w.err == nil {
+			w.err = err
+		}
+		w.mu.Unlock()
+	}
+	return n, err
+}
+
+func (w *watchedBody) Close() error { return w.rc.Close() }
+
+// failure returns the first read error of the caller's reader, nil for none
+// (or for no body).
+func (w *watchedBody) failure() error {
+	if w == nil {
+		return nil
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.err
 }
 
 // cancelOnClose ends an attempt's context when the caller closes the body.
