@@ -39,7 +39,7 @@
 //	  `expires_at`   BIGINT            NOT NULL,
 //	  `renewals`     BIGINT UNSIGNED   NOT NULL DEFAULT 0,
 //	  `status`       SMALLINT UNSIGNED NULL,
-//	  `headers`      MEDIUMBLOB        NULL,      -- JSON object of string arrays
+//	  `headers`      MEDIUMBLOB        NULL,      -- JSON object of string arrays, or binary (below)
 //	  `body`         LONGBLOB          NULL,
 //	  `body_omitted` TINYINT(1)        NOT NULL DEFAULT 0,
 //	  `ref`          BLOB              NULL,
@@ -50,7 +50,12 @@
 // scope and key are VARBINARY, so they compare byte for byte: "ABC" and "abc",
 // "k" and "k ", "straße" and "strasse" are different keys whatever the server's
 // collation (a utf8mb4 _ci column would merge them, and two clients' operations
-// with them). The user needs SELECT, INSERT, UPDATE and DELETE on the table, and
+// with them). headers holds the stored response headers as a JSON object of
+// string arrays when every name and value is valid UTF-8, as earlier versions
+// wrote them; otherwise in a binary encoding that keeps every byte (the byte 0x01,
+// then the number of names, and for each the name and its values, every number an
+// unsigned varint and every string its length and bytes), so that a Location
+// with a Latin-1 file name replays byte for byte. The user needs SELECT, INSERT, UPDATE and DELETE on the table, and
 // CREATE to run Migrate.
 //
 // # The claim
@@ -61,20 +66,26 @@
 //	INSERT INTO t (scope, key, state, fingerprint, token, created_at, lease_until, expires_at)
 //	VALUES (:scope, :key, 1, :fp, :token, :now, :lease, :expires)
 //	ON DUPLICATE KEY UPDATE
-//	  token       = IF(expires_at <= :now OR (state = 1 AND lease_until <= :now AND fingerprint = :fp), :token, token),
-//	  created_at  = IF(token = :token AND expires_at <= :now, :now, created_at),
-//	  state       = IF(token = :token, 1, state),
-//	  fingerprint = IF(token = :token, :fp, fingerprint),
-//	  lease_until = IF(token = :token, :lease, lease_until),
-//	  expires_at  = IF(token = :token, :expires, expires_at),
+//	  token       = IF(C, :token, token),
+//	  created_at  = IF((token = :token OR C) AND expires_at <= :now, :now, created_at),
+//	  state       = IF(token = :token OR C, 1, state),
+//	  fingerprint = IF(token = :token OR C, :fp, fingerprint),
+//	  lease_until = IF(token = :token OR C, :lease, lease_until),
+//	  expires_at  = IF(token = :token OR C, :expires, expires_at),
 //	  …           -- renewals, status, headers, body, body_omitted, ref reset likewise
+//
+//	-- where C = expires_at <= :now OR (state = 1 AND lease_until <= :now AND fingerprint = :fp)
 //
 // An absent key is inserted; a present one is replaced when it expired, or taken
 // over when it is in flight with a lapsed lease and the same fingerprint (keeping
-// created_at); otherwise nothing changes. MySQL applies the assignments left to
-// right, each seeing the columns the earlier ones changed, so the condition is
-// evaluated once, first, on the untouched row, and decides whether our fresh random
-// token goes in; every later assignment asks only whether the token is ours now.
+// created_at); otherwise nothing changes. The statement means the same whatever
+// order the server applies the assignments in. MySQL (and MariaDB by default)
+// apply them left to right, each seeing the columns the earlier ones changed: C is
+// evaluated first on the untouched row and decides whether our fresh random token
+// goes in, and every later assignment finds "token = :token" true exactly when it
+// did. MariaDB under sql_mode SIMULTANEOUS_ASSIGNMENT (part of sql_mode=ORACLE)
+// shows every assignment the old row, where our token never is, and C itself
+// decides each one. The conformance suite runs under both.
 // In the same transaction, still holding the row lock, the row is read back
 // (SELECT … FOR UPDATE): the claim succeeded exactly when the stored token is ours,
 // and otherwise the row is the record as it was when the claim was decided.

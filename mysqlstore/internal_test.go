@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"net/http"
 	"testing"
 	"time"
 
@@ -111,5 +112,38 @@ func TestRealDeadlockIsRetryable(t *testing.T) {
 	}
 	if !retryable(fmt.Errorf("mysqlstore: %w", deadlock)) {
 		t.Fatal("a wrapped deadlock is not retryable")
+	}
+}
+
+// Stored headers round-trip in both encodings; a corrupt binary value is an
+// error, never a panic.
+func TestHeaderEncoding(t *testing.T) {
+	t.Parallel()
+	for _, h := range []http.Header{
+		nil,
+		{"Location": {"/orders/1"}, "X-Empty": {}, "X-Tags": {"<a>", "&"}},
+		{"Location": {"/files/caf\xe9.pdf"}, "X-Empty": {}, "\xffname": {"", "\x00"}},
+	} {
+		b, err := encodeHeaders(h)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if utf8Header(h) != (len(b) == 0 || b[0] == '{') {
+			t.Errorf("headers %q encoded as %q: want JSON exactly when all of it is UTF-8", h, b)
+		}
+		got, err := decodeHeaders(b)
+		if err != nil || fmt.Sprintf("%q", got) != fmt.Sprintf("%q", h) {
+			t.Errorf("decode(encode(%q)) = %q, %v", h, got, err)
+		}
+		if len(b) > 0 && b[0] == binaryHeaders {
+			for i := 1; i < len(b); i++ {
+				if _, err := decodeHeaders(b[:i]); err == nil {
+					t.Errorf("decoding %q, truncated to %d bytes, succeeded", b, i)
+				}
+			}
+		}
+	}
+	if _, err := decodeHeaders([]byte{binaryHeaders, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01}); err == nil {
+		t.Error("a huge count decoded")
 	}
 }

@@ -3,7 +3,6 @@ package mysqlstore
 import (
 	"context"
 	"database/sql"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -109,6 +108,15 @@ func quote(ident string) string { return "`" + ident + "`" }
 // columns is the column list every read selects, in the order scanRecord expects.
 const columns = "`scope`, `key`, `state`, `fingerprint`, `token`, `created_at`, `lease_until`, `expires_at`, `status`, `headers`, `body`, `body_omitted`, `ref`"
 
+// claimCond is the claim condition on an existing row: expired, or in flight
+// under a lapsed lease with the same fingerprint. Parameters: now, now, fingerprint.
+const claimCond = "(`expires_at` <= ? OR (`state` = 1 AND `lease_until` <= ? AND `fingerprint` = ?))"
+
+// claimOurs is true, in each assignment after the token's, exactly when the claim
+// succeeded, whatever the server's assignment semantics (see the claim query).
+// Parameters: token, now, now, fingerprint.
+const claimOurs = "(`token` = ? OR " + claimCond + ")"
+
 type queries struct {
 	claim, claimRead, complete, release, extend, get, deleteExpired string
 	lockedRead, lockedDelete, lockedInsert                          string
@@ -116,31 +124,35 @@ type queries struct {
 
 func newQueries(t string) queries {
 	return queries{
-		// The claim is decided by this one statement (see the package doc). MySQL and
-		// MariaDB evaluate ON DUPLICATE KEY UPDATE assignments left to right, and each
-		// later assignment sees the columns already changed by the earlier ones. So
-		// the takeover condition, which reads expires_at, state, lease_until and
-		// fingerprint, is evaluated exactly once, in the FIRST assignment, on the
-		// untouched row: it swaps in our fresh random token or keeps the old one.
-		// Every later assignment asks only "is the token ours now?", which is true
-		// exactly when the condition held. created_at is assigned before expires_at
-		// changes, so it can still tell a reclaimed expired record (new created_at)
-		// from a taken-over lapsed lease (created_at kept).
+		// The claim is decided by this one statement (see the package doc). MySQL
+		// applies ON DUPLICATE KEY UPDATE assignments left to right, each seeing the
+		// columns already changed by the earlier ones; MariaDB does too, except under
+		// sql_mode SIMULTANEOUS_ASSIGNMENT (part of sql_mode=ORACLE), where every
+		// assignment sees the old row. The statement gives the same result either
+		// way: the claim condition C reads expires_at, state, lease_until and
+		// fingerprint, and every assignment asks "token = ours OR C". With the old
+		// row in view, C is the decision itself (our token is fresh and random, so
+		// it is never in the old row). Left to right, token is assigned first, from
+		// C on the untouched row, so "token = ours" is true for every later
+		// assignment exactly when the claim succeeds; when it fails nothing changes,
+		// and C, read again on the unchanged row, stays false. created_at is
+		// assigned before expires_at, so it tells a reclaimed expired record (new
+		// created_at) from a taken-over lapsed lease (created_at kept) in both.
 		claim: "INSERT INTO " + t + " (`scope`, `key`, `state`, `fingerprint`, `token`, `created_at`, `lease_until`, `expires_at`)" +
 			" VALUES (?, ?, 1, ?, ?, ?, ?, ?)" +
 			" ON DUPLICATE KEY UPDATE" +
-			" `token` = IF(`expires_at` <= ? OR (`state` = 1 AND `lease_until` <= ? AND `fingerprint` = ?), ?, `token`)," +
-			" `created_at` = IF(`token` = ? AND `expires_at` <= ?, ?, `created_at`)," +
-			" `state` = IF(`token` = ?, 1, `state`)," +
-			" `fingerprint` = IF(`token` = ?, ?, `fingerprint`)," +
-			" `lease_until` = IF(`token` = ?, ?, `lease_until`)," +
-			" `expires_at` = IF(`token` = ?, ?, `expires_at`)," +
-			" `renewals` = IF(`token` = ?, 0, `renewals`)," +
-			" `status` = IF(`token` = ?, NULL, `status`)," +
-			" `headers` = IF(`token` = ?, NULL, `headers`)," +
-			" `body` = IF(`token` = ?, NULL, `body`)," +
-			" `body_omitted` = IF(`token` = ?, 0, `body_omitted`)," +
-			" `ref` = IF(`token` = ?, NULL, `ref`)",
+			" `token` = IF(" + claimCond + ", ?, `token`)," +
+			" `created_at` = IF(" + claimOurs + " AND `expires_at` <= ?, ?, `created_at`)," +
+			" `state` = IF(" + claimOurs + ", 1, `state`)," +
+			" `fingerprint` = IF(" + claimOurs + ", ?, `fingerprint`)," +
+			" `lease_until` = IF(" + claimOurs + ", ?, `lease_until`)," +
+			" `expires_at` = IF(" + claimOurs + ", ?, `expires_at`)," +
+			" `renewals` = IF(" + claimOurs + ", 0, `renewals`)," +
+			" `status` = IF(" + claimOurs + ", NULL, `status`)," +
+			" `headers` = IF(" + claimOurs + ", NULL, `headers`)," +
+			" `body` = IF(" + claimOurs + ", NULL, `body`)," +
+			" `body_omitted` = IF(" + claimOurs + ", 0, `body_omitted`)," +
+			" `ref` = IF(" + claimOurs + ", NULL, `ref`)",
 		// Read back under the row lock the INSERT took; FOR UPDATE makes it a current
 		// read whatever the isolation level.
 		claimRead: "SELECT " + columns + " FROM " + t + " WHERE `scope` = ? AND `key` = ? FOR UPDATE",
@@ -334,15 +346,16 @@ func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record,
 		return nil, false, s.wrap(err)
 	}
 
-	args := []any{
-		scope, key, fp, tok, now, lease, exp, // VALUES
-		now, now, fp, tok, // token
-		tok, now, now, // created_at
-		tok,     // state
-		tok, fp, // fingerprint
-		tok, lease, // lease_until
-		tok, exp, // expires_at
-		tok, tok, tok, tok, tok, tok, // renewals, status, headers, body, body_omitted, ref
+	ours := []any{tok, now, now, fp}                    // claimOurs
+	args := []any{scope, key, fp, tok, now, lease, exp} // VALUES
+	args = append(args, now, now, fp, tok)              // token
+	args = append(append(args, ours...), now, now)      // created_at
+	args = append(args, ours...)                        // state
+	args = append(append(args, ours...), fp)            // fingerprint
+	args = append(append(args, ours...), lease)         // lease_until
+	args = append(append(args, ours...), exp)           // expires_at
+	for range 6 {                                       // renewals, status, headers, body, body_omitted, ref
+		args = append(args, ours...)
 	}
 	var rec *idem.Record
 	err = retry(ctx, func() error {
@@ -385,12 +398,9 @@ func completeArgs(scope, key, token string, resp *idem.Response, expiresAt time.
 	if resp == nil {
 		return nil, errors.New("mysqlstore: Complete was given a nil *idem.Response")
 	}
-	var hdr []byte
-	if len(resp.Header) > 0 {
-		var err error
-		if hdr, err = json.Marshal(resp.Header); err != nil {
-			return nil, fmt.Errorf("mysqlstore: encoding response headers: %w", err)
-		}
+	hdr, err := encodeHeaders(resp.Header)
+	if err != nil {
+		return nil, err
 	}
 	var body, ref []byte
 	if resp.Body != nil {
@@ -504,11 +514,11 @@ func scanRecord(row *sql.Row) (*idem.Record, error) {
 	rec.CreatedAt, rec.LeaseUntil, rec.ExpiresAt = time.UnixMicro(created), time.UnixMicro(lease), time.UnixMicro(expires)
 	if rec.State == idem.StateComplete {
 		resp := &idem.Response{Status: int(status.Int32), Body: body, BodyOmitted: omitted, Ref: string(ref)}
-		if len(hdr) > 0 {
-			if err := json.Unmarshal(hdr, &resp.Header); err != nil {
-				return nil, fmt.Errorf("stored headers of (%q, %q) are not valid JSON: %w", rec.Scope, rec.Key, err)
-			}
+		h, err := decodeHeaders(hdr)
+		if err != nil {
+			return nil, fmt.Errorf("mysqlstore: stored headers of (%q, %q): %w", rec.Scope, rec.Key, err)
 		}
+		resp.Header = h
 		rec.Response = resp
 	}
 	return &rec, nil
