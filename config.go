@@ -16,6 +16,8 @@ const (
 	DefaultTTL            = 24 * time.Hour
 	DefaultMaxRequestBody = 1 << 20
 	DefaultMaxStoredBody  = 1 << 20
+	DefaultCleanupTimeout = 10 * time.Second
+	DefaultHandlerTimeout = time.Minute
 )
 
 // DefaultMethods are the methods that carry a key unless Config.Methods says
@@ -70,6 +72,7 @@ type Config struct {
 	KeyOptional bool
 
 	// MaxKeyLength is the longest key accepted, in bytes; longer keys get 400.
+	// It may be lowered, not raised: every store indexes keys of up to 255 bytes.
 	// Defaults to 255.
 	MaxKeyLength int
 
@@ -80,7 +83,7 @@ type Config struct {
 	ScopeFunc func(r *http.Request) string
 
 	// FingerprintFunc computes the request fingerprint compared on every retry.
-	// Defaults to FingerprintV1 (method, path and body, SHA-256).
+	// Defaults to FingerprintV2 (method, escaped path and body, SHA-256).
 	FingerprintFunc FingerprintFunc
 
 	// Lease is how long a claim stays in flight without renewal. The middleware
@@ -133,6 +136,15 @@ type Config struct {
 	// (complete, release, commit), which do not stop when the client disconnects.
 	// Defaults to 10 seconds.
 	CleanupTimeout time.Duration
+	// HandlerTimeout bounds how long the handler of a claimed request runs. Once a
+	// request holds its key, its operation runs to its end whatever the client
+	// does: the handler's context keeps the request's values but not the client's
+	// cancellation, so a client that hangs up or times out does not abort the work
+	// (or roll back its transaction), and its retry hears the stored outcome. The
+	// handler's context ends HandlerTimeout after the handler started, or when the
+	// lease is lost (context.Cause is then ErrLockLost). A negative value sets no
+	// deadline. Defaults to 1 minute.
+	HandlerTimeout time.Duration
 }
 
 // EventKind names a decision of the middleware.
@@ -172,7 +184,7 @@ type Event struct {
 }
 
 // Observer receives events. Observe is called synchronously on the request's
-// goroutine and must not block.
+// goroutine (never from the lease renewal) and must not block.
 type Observer interface {
 	Observe(ctx context.Context, e Event)
 }
@@ -220,14 +232,14 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 	var errs []error
 	if cfg.MaxKeyLength == 0 {
 		cfg.MaxKeyLength = DefaultMaxKeyLength
-	} else if cfg.MaxKeyLength < 0 {
-		errs = append(errs, fmt.Errorf("invalid MaxKeyLength %d: use a positive number or 0 for the default %d", cfg.MaxKeyLength, DefaultMaxKeyLength))
+	} else if cfg.MaxKeyLength < 0 || cfg.MaxKeyLength > DefaultMaxKeyLength {
+		errs = append(errs, fmt.Errorf("invalid MaxKeyLength %d: use 1 to %d (the longest key every store indexes), or 0 for the default", cfg.MaxKeyLength, DefaultMaxKeyLength))
 	}
 	if cfg.ScopeFunc == nil {
 		cfg.ScopeFunc = ScopeFromContext
 	}
 	if cfg.FingerprintFunc == nil {
-		cfg.FingerprintFunc = FingerprintV1
+		cfg.FingerprintFunc = FingerprintV2
 	}
 	if cfg.Lease == 0 {
 		cfg.Lease = DefaultLease
@@ -267,7 +279,12 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 		cfg.NowFunc = time.Now
 	}
 	if cfg.CleanupTimeout == 0 {
-		cfg.CleanupTimeout = 10 * time.Second
+		cfg.CleanupTimeout = DefaultCleanupTimeout
+	} else if cfg.CleanupTimeout < 0 {
+		errs = append(errs, fmt.Errorf("invalid CleanupTimeout %v: use a positive duration, or 0 for the default %v", cfg.CleanupTimeout, DefaultCleanupTimeout))
+	}
+	if cfg.HandlerTimeout == 0 {
+		cfg.HandlerTimeout = DefaultHandlerTimeout
 	}
 	switch cfg.Flow {
 	case FlowClaimComplete:

@@ -3,6 +3,7 @@ package idem
 import (
 	"crypto/sha256"
 	"encoding/hex"
+	"io"
 	"net/http"
 	"strings"
 )
@@ -14,39 +15,57 @@ import (
 // algorithm rather than reported as false mismatches.
 type FingerprintFunc func(r *http.Request, body []byte) string
 
-// fingerprintV1Version is the prefix of FingerprintV1's results.
-const fingerprintV1Version = "v1"
+// Versions of the built-in fingerprints: the prefixes of their results.
+const (
+	fingerprintV1Version = "v1"
+	fingerprintV2Version = "v2"
+)
 
-// FingerprintV1 is the default fingerprint: "v1:" followed by the hex SHA-256 of
-// the method, the URL path and the body, each separated so that no two requests
-// share an input. The query string, headers and scope are not part of it (the scope
-// is part of the record's identity already).
+// FingerprintV2 is the default fingerprint: "v2:" followed by the hex SHA-256 of
+// the method, the escaped URL path (as sent: /files/a%2Fb and /files/a/b differ,
+// as the router tells them apart) and the body, each length-prefixed so that no
+// two requests share an input. The query string, headers and scope are not part
+// of it (the scope is part of the record's identity already).
+func FingerprintV2(r *http.Request, body []byte) string {
+	return fingerprint(fingerprintV2Version, r.Method, r.URL.EscapedPath(), body)
+}
+
+// FingerprintV1 is the fingerprint of idem's first releases: like FingerprintV2,
+// but over the decoded URL path, so that /files/a%2Fb and /files/a/b count as
+// one request. Records stored under it are still compared with it.
 func FingerprintV1(r *http.Request, body []byte) string {
+	return fingerprint(fingerprintV1Version, r.Method, r.URL.Path, body)
+}
+
+func fingerprint(version, method, path string, body []byte) string {
 	h := sha256.New()
 	var lenBuf [8]byte
-	writeField := func(s []byte) {
-		n := uint64(len(s))
+	writeLen := func(n int) {
 		for i := range lenBuf {
-			lenBuf[i] = byte(n >> (56 - 8*i))
+			lenBuf[i] = byte(uint64(n) >> (56 - 8*i))
 		}
 		h.Write(lenBuf[:])
-		h.Write(s)
 	}
-	writeField([]byte(r.Method))
-	writeField([]byte(r.URL.Path))
-	writeField(body)
+	writeLen(len(method))
+	io.WriteString(h, method)
+	writeLen(len(path))
+	io.WriteString(h, path)
+	writeLen(len(body))
+	h.Write(body)
 	var sum [sha256.Size]byte
 	h.Sum(sum[:0])
-	var out [len(fingerprintV1Version) + 1 + 2*sha256.Size]byte
-	copy(out[:], fingerprintV1Version+":")
-	hex.Encode(out[len(fingerprintV1Version)+1:], sum[:])
-	return string(out[:])
+	out := make([]byte, len(version)+1+2*sha256.Size)
+	copy(out, version)
+	out[len(version)] = ':'
+	hex.Encode(out[len(version)+1:], sum[:])
+	return string(out)
 }
 
 // knownFingerprints maps algorithm versions to their functions, so that a record
 // stored under an older version is compared with the algorithm that wrote it.
 var knownFingerprints = map[string]FingerprintFunc{
 	fingerprintV1Version: FingerprintV1,
+	fingerprintV2Version: FingerprintV2,
 }
 
 // fingerprintVersion returns the version prefix of fp ("v1" for "v1:ab…").

@@ -58,3 +58,26 @@ func FuzzFingerprint(f *testing.F) {
 		}
 	})
 }
+
+func TestFingerprintV2EscapedPath(t *testing.T) {
+	t.Parallel()
+	fp := func(f idem.FingerprintFunc, target string) string {
+		return f(httptest.NewRequest("POST", target, nil), []byte("{}"))
+	}
+	encoded, decoded := fp(idem.FingerprintV2, "/files/a%2Fb"), fp(idem.FingerprintV2, "/files/a/b")
+	if !strings.HasPrefix(encoded, "v2:") || len(encoded) != 3+64 {
+		t.Fatalf("fingerprint %q: want v2: and 64 hex digits", encoded)
+	}
+	if encoded == decoded {
+		t.Error("v2: /files/a%2Fb and /files/a/b share a fingerprint; ServeMux routes them apart")
+	}
+	// v1 kept its algorithm, so records stored under it still match.
+	if fp(idem.FingerprintV1, "/files/a%2Fb") != fp(idem.FingerprintV1, "/files/a/b") {
+		t.Error("v1 changed: it fingerprints the decoded path")
+	}
+	// Computed by the first release's FingerprintV1.
+	const v1Orders = "v1:7756cef74c3f61dc03eaca49f27dff490bb6ac85c8866ef8c8f05c4219a9f21a"
+	if got := fp(idem.FingerprintV1, "/orders"); got != v1Orders {
+		t.Errorf("FingerprintV1(POST /orders {}) = %s, want the first release's %s", got, v1Orders)
+	}
+}

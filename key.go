@@ -21,9 +21,11 @@ var ErrInvalidKey = errors.New("idem: invalid idempotency key")
 //   - the bare form Stripe documents: 8e03978e-40d5-43e8.
 //
 // Leading and trailing spaces are ignored. The key itself must be 1 to maxLen
-// characters of visible ASCII (0x21–0x7E); a bare key may not contain a double
-// quote. Structured-field parameters (";a=1") are not accepted. Errors wrap
-// ErrInvalidKey and say what is wrong.
+// characters of visible ASCII (0x21–0x7E). A bare key is an RFC 9651 token:
+// letters, digits and !#$%&'*+-.^_`|~:/ (unlike a token it may start with a
+// digit, as UUIDs do); other characters need the quoted form. Lists ("a", "b" or
+// a, b — two header lines a proxy folded into one) and structured-field
+// parameters (;a=1) are refused. Errors wrap ErrInvalidKey and say what is wrong.
 func ParseKey(value string, maxLen int) (string, error) {
 	v := strings.Trim(value, " \t")
 	if v == "" {
@@ -40,11 +42,13 @@ func ParseKey(value string, maxLen int) (string, error) {
 		key = v
 		for i := 0; i < len(v); i++ {
 			c := v[i]
-			if c == '"' {
-				return "", fmt.Errorf("%w: a double quote at position %d; quote the whole key as an RFC 9651 string (\"…\") or leave quotes out", ErrInvalidKey, i)
-			}
-			if c < 0x21 || c > 0x7e {
+			switch {
+			case c == ',':
+				return "", fmt.Errorf("%w: a comma at position %d; the header holds a list (two header lines folded into one?), send exactly one key", ErrInvalidKey, i)
+			case c < 0x21 || c > 0x7e:
 				return "", fmt.Errorf("%w: byte 0x%02x at position %d is not visible ASCII", ErrInvalidKey, c, i)
+			case !tokenChar[c]:
+				return "", fmt.Errorf("%w: %q at position %d is not allowed in a bare key (an RFC 9651 token); send the key as a quoted string (\"…\") to use it", ErrInvalidKey, c, i)
 			}
 		}
 	}
@@ -90,3 +94,18 @@ func parseSfString(v string) (string, error) {
 	}
 	return "", fmt.Errorf("%w: the opening quote is never closed", ErrInvalidKey)
 }
+
+// tokenChar reports the characters of an RFC 9651 sf-token: RFC 9110's tchar,
+// ':' and '/'.
+var tokenChar = func() (t [256]bool) {
+	for c := '0'; c <= '9'; c++ {
+		t[c] = true
+	}
+	for c := 'a'; c <= 'z'; c++ {
+		t[c], t[c-'a'+'A'] = true, true
+	}
+	for _, c := range "!#$%&'*+-.^_`|~:/" {
+		t[c] = true
+	}
+	return t
+}()

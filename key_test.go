@@ -19,10 +19,10 @@ func TestParseKey(t *testing.T) {
 		{"8e03978e-40d5-43e8-bc93-6894a57f9324", "8e03978e-40d5-43e8-bc93-6894a57f9324"},
 		{`"a\"b"`, `a"b`},
 		{`"a\\b"`, `a\b`},
-		{`a\b`, `a\b`},
 		{long, long},
 		{`"` + long + `"`, long},
-		{"!~{}:*", "!~{}:*"},
+		{"!#$%&'*+-.^_`|~:/", "!#$%&'*+-.^_`|~:/"},
+		{`"!~{}:*;,=?"`, "!~{}:*;,=?"},
 	}
 	for _, tc := range valid {
 		got, err := idem.ParseKey(tc.in, idem.DefaultMaxKeyLength)
@@ -33,6 +33,8 @@ func TestParseKey(t *testing.T) {
 	invalid := []string{
 		"", "   ", `""`, `"`, `"abc`, `abc"`, `a"bc`, `"ab"c"`, `"abc";p=1`, `"a\b"`, `"a\`,
 		"a b", `"a b"`, "ab\x00", "ab\x7f", "k\u00fc", "a, b", long + "k", `"` + long + `k"`,
+		// A bare key is a token: no parameters, no lists, no delimiters.
+		"abc;p=1", "k1, k2", "k1,k2", `"k1", "k2"`, `a\b`, "!~{}:*", "a=b", "(a)", "a@b", "a?b", "[a]", "<a>",
 	}
 	for _, in := range invalid {
 		if got, err := idem.ParseKey(in, idem.DefaultMaxKeyLength); !errors.Is(err, idem.ErrInvalidKey) {
@@ -73,10 +75,17 @@ func FuzzParseKey(f *testing.F) {
 		if again, err := idem.ParseKey(quote(key), idem.DefaultMaxKeyLength); err != nil || again != key {
 			t.Fatalf("quoted form %s of %q parsed as %q, %v", quote(key), key, again, err)
 		}
-		if !strings.Contains(key, `"`) {
+		if isToken(key) {
 			if again, err := idem.ParseKey(key, idem.DefaultMaxKeyLength); err != nil || again != key {
 				t.Fatalf("bare form of %q parsed as %q, %v", key, again, err)
 			}
 		}
+	})
+}
+
+// isToken reports whether key may be sent bare: only RFC 9651 token characters.
+func isToken(key string) bool {
+	return !strings.ContainsFunc(key, func(r rune) bool {
+		return !strings.ContainsRune("!#$%&'*+-.^_`|~:/0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ", r)
 	})
 }

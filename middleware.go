@@ -10,16 +10,13 @@ import (
 	"io"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 )
 
 // ReplayedHeader is set to "true" on every replayed answer.
 const ReplayedHeader = "Idempotent-Replayed"
-
-// replayedTrue is the value of ReplayedHeader, shared by every replay (net/http
-// only reads header values).
-var replayedTrue = []string{"true"}
 
 // New returns middleware that makes the wrapped handler idempotent under the
 // Idempotency-Key header, keeping records in store. A nil cfg means all defaults.
@@ -70,12 +67,12 @@ type request struct {
 	rw         recorder
 	hctx       handlerContext
 	cctx       cleanupContext
-	cctxUsed   bool
+	spilled    bool // the outcome was stored early and the response streamed
 	renewal
 }
 
 func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	if !h.keyed[r.Method] {
+	if !h.isKeyed(r.Method) {
 		h.next.ServeHTTP(w, r)
 		return
 	}
@@ -109,13 +106,28 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 		return
 	}
-	req.scope = h.ScopeFunc(r)
+	req.scope = StoredScope(h.ScopeFunc(r))
 	req.fp = h.FingerprintFunc(r, req.body)
 	if h.Flow == FlowSingleTx {
 		h.serveSingleTx(w, req)
 		return
 	}
 	h.serveClaim(w, req)
+}
+
+// isKeyed reports whether requests with method carry a key. Methods are matched
+// without regard to case: a route registered without a method pattern runs its
+// handler for "post" as for "POST", so both must be protected.
+func (m *middleware) isKeyed(method string) bool {
+	if m.keyed[method] {
+		return true
+	}
+	for i := 0; i < len(method); i++ {
+		if c := method[i]; 'a' <= c && c <= 'z' {
+			return m.keyed[strings.ToUpper(method)]
+		}
+	}
+	return false
 }
 
 var errBodyTooLarge = errors.New("body too large")
@@ -220,19 +232,35 @@ func (h *handler) serveClaim(w http.ResponseWriter, req *request) {
 func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 	r := req.r
 	rw := req.recorder(w)
-	cancelCtx, cancel := context.WithCancelCause(r.Context())
+	// The handler's context: the request's values, not the client's cancellation
+	// (a claimed operation runs to its end), HandlerTimeout, and ErrLockLost as the
+	// cause when the lease is lost.
+	base, cancel := context.WithCancelCause(context.WithoutCancel(r.Context()))
 	defer cancel(nil)
-	req.hctx = handlerContext{Context: cancelCtx, rw: rw}
+	var hctx context.Context = base
+	if h.HandlerTimeout > 0 {
+		var stop context.CancelFunc
+		hctx, stop = context.WithTimeout(base, h.HandlerTimeout)
+		defer stop()
+	}
+	req.hctx = handlerContext{Context: hctx, rw: rw}
 	var ctx context.Context = &req.hctx
 	var tx Tx
 	if h.txStore != nil {
 		var err error
 		ctx, tx, err = h.txStore.BeginTx(ctx)
 		if err != nil {
-			h.release(req, token)
-			h.storeFailed(w, req, "begin transaction", err)
+			cctx := req.freshCleanup()
+			defer req.cctx.stop()
+			relErr := h.releaseKey(cctx, req, token)
+			h.problem(w, req, EventStoreError, fmt.Errorf("begin transaction: %w", err), CodeStoreUnavailable,
+				"the idempotency store could not start a transaction, so the request was not executed; "+retryNote(relErr), retrySeconds(relErr, h.Lease))
 			return
 		}
+	}
+	rw.limited, rw.limit = h.ReplayFunc == nil, h.MaxStoredBody
+	if tx == nil {
+		rw.spill = req.spillOutcome
 	}
 	req.startRenewal(token, cancel)
 	settled := false
@@ -242,82 +270,170 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 		}
 		// The handler panicked: leave nothing behind, then let the panic go on.
 		req.stopRenewal()
+		cctx := req.freshCleanup()
 		if tx != nil {
-			_ = tx.Rollback(req.cleanupContext())
+			_ = tx.Rollback(cctx)
 		}
-		h.release(req, token)
+		if !req.spilled {
+			h.observe(req, Event{Kind: EventReleased, Err: h.releaseKey(cctx, req, token)})
+		}
 		req.cctx.stop()
 	}()
 	h.next.ServeHTTP(rw, r.WithContext(ctx))
 	settled = true
 	req.stopRenewal()
 
-	cctx := req.cleanupContext()
+	cctx := req.freshCleanup()
 	defer req.cctx.stop()
+	if req.spilled {
+		return // too large to keep: stored without its body and streamed already
+	}
 	status := rw.statusOrOK()
 	if !h.KeepFunc(status) {
 		if tx != nil {
 			_ = tx.Rollback(cctx)
 		}
-		h.release(req, token)
+		h.observe(req, Event{Kind: EventReleased, Status: status, Err: h.releaseKey(cctx, req, token)})
 		rw.send()
 		return
 	}
-	resp := &Response{Status: status, Header: h.storedHeader(w.Header()), Ref: rw.ref}
-	tooLarge := rw.body.Len() > h.MaxStoredBody
-	switch {
-	case h.ReplayFunc != nil || tooLarge:
-		resp.BodyOmitted = true
-	default:
-		resp.Body = rw.body.Bytes()
-	}
+	resp := h.response(w, rw)
 	if tx == nil {
 		now := h.NowFunc()
 		err := h.store.Complete(cctx, req.scope, req.key, token, resp, now, now.Add(h.TTL))
+		h.observeCompletion(req, status, err)
+		rw.send() // the handler's effects happened; the client hears what they were
+		return
+	}
+	if rw.overLimit() {
+		_ = tx.Rollback(cctx)
+		relErr := h.releaseKey(cctx, req, token)
+		rw.discardHeaders()
+		h.responseTooLarge(w, req, rw.size, relErr)
+		return
+	}
+	now := h.NowFunc()
+	err := tx.Complete(cctx, req.scope, req.key, token, resp, now, now.Add(h.TTL))
+	committing := err == nil
+	if committing {
+		err = tx.Commit(cctx)
+	}
+	if err == nil {
+		h.observe(req, Event{Kind: EventExecuted, Status: status})
+		rw.send()
+		return
+	}
+	_ = tx.Rollback(cctx)
+	switch {
+	case h.lockLost(err, req):
+		rw.discardHeaders()
+		h.leaseLost(w, req, err)
+	case errors.Is(err, ErrTxAborted):
+		h.txAborted(w, req, resp, err, func() error { return h.storeAborted(cctx, req, token, resp) }, func() error { return h.releaseKey(cctx, req, token) })
+	case hctx.Err() != nil && !committing:
+		relErr := h.releaseKey(cctx, req, token)
+		rw.discardHeaders()
+		h.problem(w, req, EventStoreError, fmt.Errorf("complete: %w", err), CodeCommitFailed,
+			fmt.Sprintf("the handler ran past HandlerTimeout (%v), so its transaction was rolled back and nothing was committed; ", h.HandlerTimeout)+retryNote(relErr), retrySeconds(relErr, h.Lease))
+	case !committing:
+		relErr := h.releaseKey(cctx, req, token)
+		rw.discardHeaders()
+		h.problem(w, req, EventStoreError, fmt.Errorf("complete: %w", err), CodeStoreUnavailable,
+			"the idempotency store failed while storing the outcome, so the transaction was rolled back and nothing was committed; "+retryNote(relErr), retrySeconds(relErr, h.Lease))
+	default:
+		// The commit's outcome is unknown: if it went through, the record is complete
+		// and the release below changes nothing.
+		relErr := h.releaseKey(cctx, req, token)
+		rw.discardHeaders()
+		h.problem(w, req, EventStoreError, fmt.Errorf("commit: %w", err), CodeCommitFailed, commitFailedDetail(relErr), retrySeconds(relErr, h.Lease))
+	}
+}
+
+// spillOutcome is the recorder's spill in the claim-then-complete flow without a
+// transaction: the response outgrew MaxStoredBody, so its outcome is stored now,
+// without the body (retries get idempotency_response_too_large), and the rest of
+// the response streams to the client. It runs on the handler's goroutine.
+func (req *request) spillOutcome() {
+	h, rw := req.h, &req.rw
+	req.stopRenewal()
+	req.spilled = true
+	cctx := req.freshCleanup()
+	status := rw.statusOrOK()
+	if !h.KeepFunc(status) {
+		h.observe(req, Event{Kind: EventReleased, Status: status, Err: h.releaseKey(cctx, req, req.token)})
+		return
+	}
+	resp := &Response{Status: status, Header: h.storedHeader(rw.w.Header()), Ref: rw.ref, BodyOmitted: true}
+	now := h.NowFunc()
+	err := h.store.Complete(cctx, req.scope, req.key, req.token, resp, now, now.Add(h.TTL))
+	h.observeCompletion(req, status, err)
+}
+
+// response is the outcome to store for the handler's answer in rw.
+func (h *handler) response(w http.ResponseWriter, rw *recorder) *Response {
+	resp := &Response{Status: rw.statusOrOK(), Header: h.storedHeader(w.Header()), Ref: rw.ref}
+	if h.ReplayFunc != nil || rw.overLimit() {
+		resp.BodyOmitted = true
+	} else {
+		resp.Body = rw.body.Bytes()
+	}
+	return resp
+}
+
+// observeCompletion reports the outcome of a completion outside a transaction.
+func (h *handler) observeCompletion(req *request, status int, err error) {
+	switch {
+	case err == nil:
+		h.observe(req, Event{Kind: EventExecuted, Status: status})
+	case h.lockLost(err, req):
+		h.observe(req, Event{Kind: EventLeaseLost, Status: status, Err: err})
+	default:
+		h.observe(req, Event{Kind: EventStoreError, Status: status, Err: fmt.Errorf("complete: %w", err)})
+	}
+}
+
+// lockLost reports whether err, or the end of the handler's context, means the
+// request's lease was lost: the one predicate for every completion and commit.
+func (h *handler) lockLost(err error, req *request) bool {
+	return errors.Is(err, ErrLockLost) || (req.hctx.Context != nil && errors.Is(context.Cause(req.hctx.Context), ErrLockLost))
+}
+
+// storeAborted keeps the handler's answer of a request whose transaction the
+// database aborted, fenced by token, outside the transaction.
+func (h *handler) storeAborted(ctx context.Context, req *request, token string, resp *Response) error {
+	now := h.NowFunc()
+	return h.store.Complete(ctx, req.scope, req.key, token, resp, now, now.Add(h.TTL))
+}
+
+// txAborted answers a request whose transaction the database had aborted, so
+// that none of its writes committed. An error answer of the handler (a failed
+// statement it caught and answered 4xx for) is the true outcome: it is kept with
+// keep and sent, and a retry hears it again. A success answer is not true — the
+// writes it reports were rolled back — so the key is given up with release and
+// the client hears that nothing happened.
+func (h *handler) txAborted(w http.ResponseWriter, req *request, resp *Response, cause error, keep, release func() error) {
+	rw := &req.rw
+	if resp.Status >= http.StatusBadRequest {
+		err := keep()
 		switch {
-		case errors.Is(err, ErrLockLost):
-			// The handler's effects happened; the client hears what they were.
-			h.observe(req, Event{Kind: EventLeaseLost, Status: status, Err: err})
-		case err != nil:
-			h.observe(req, Event{Kind: EventStoreError, Status: status, Err: fmt.Errorf("complete: %w", err)})
+		case err == nil:
+			h.observe(req, Event{Kind: EventExecuted, Status: resp.Status, Err: cause})
+		case h.lockLost(err, req):
+			rw.discardHeaders()
+			h.leaseLost(w, req, err)
+			return
 		default:
-			h.observe(req, Event{Kind: EventExecuted, Status: status})
+			// Nothing was committed, so giving the key up is safe: a retry runs afresh.
+			_ = release()
+			h.observe(req, Event{Kind: EventStoreError, Status: resp.Status, Err: fmt.Errorf("keep the answer of an aborted transaction: %w", err)})
 		}
 		rw.send()
 		return
 	}
-	if tooLarge && h.ReplayFunc == nil {
-		_ = tx.Rollback(cctx)
-		h.release(req, token)
-		rw.discardHeaders()
-		h.responseTooLarge(w, req, rw.body.Len())
-		return
-	}
-	now := h.NowFunc()
-	if err := tx.Complete(cctx, req.scope, req.key, token, resp, now, now.Add(h.TTL)); err != nil {
-		_ = tx.Rollback(cctx)
-		rw.discardHeaders()
-		if errors.Is(err, ErrLockLost) || errors.Is(context.Cause(ctx), ErrLockLost) {
-			h.leaseLost(w, req, err)
-			return
-		}
-		h.release(req, token)
-		h.storeFailed(w, req, "complete", err)
-		return
-	}
-	if err := tx.Commit(cctx); err != nil {
-		_ = tx.Rollback(cctx)
-		rw.discardHeaders()
-		if errors.Is(err, ErrLockLost) { // a store that checks the fence as part of the commit
-			h.leaseLost(w, req, err)
-			return
-		}
-		h.release(req, token)
-		h.problem(w, req, EventStoreError, err, CodeCommitFailed, "the transaction could not be committed, so nothing was stored and the key was released; retry with the same key", 1)
-		return
-	}
-	h.observe(req, Event{Kind: EventExecuted, Status: status})
-	rw.send()
+	relErr := release()
+	rw.discardHeaders()
+	h.problem(w, req, EventReleased, cause, CodeTxAborted,
+		fmt.Sprintf("the database rolled the handler's transaction back (a statement in it failed, or it was chosen as a deadlock victim) although the handler answered %d, so nothing was committed; ", resp.Status)+retryNote(relErr), 0)
 }
 
 // serveSingleTx is the single-transaction flow.
@@ -325,9 +441,15 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 	r := req.r
 	now := h.NowFunc()
 	rw := req.recorder(w)
+	var hctx context.Context = context.WithoutCancel(r.Context())
+	if h.HandlerTimeout > 0 {
+		var stop context.CancelFunc
+		hctx, stop = context.WithTimeout(hctx, h.HandlerTimeout)
+		defer stop()
+	}
 	// Not req.hctx: a driver may still watch this context after the transaction
 	// ended, and a takeover below hands req.hctx to the claim-then-complete flow.
-	ctx, tx, rec, err := h.singleTx.BeginLocked(&handlerContext{Context: r.Context(), rw: rw}, req.scope, req.key, now)
+	ctx, tx, rec, err := h.singleTx.BeginLocked(&handlerContext{Context: hctx, rw: rw}, req.scope, req.key, now)
 	if errors.Is(err, ErrInFlight) {
 		h.inFlight(w, req, 0)
 		return
@@ -338,7 +460,7 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 	}
 	defer req.cctx.stop()
 	if rec != nil {
-		_ = tx.Rollback(req.cleanupContext())
+		_ = tx.Rollback(req.freshCleanup())
 		switch match, _ := sameRequest(req.fp, rec.Fingerprint, r, req.body); {
 		case !match:
 			h.mismatch(w, req, rec)
@@ -355,72 +477,127 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 		}
 		return
 	}
+	rw.limited, rw.limit = h.ReplayFunc == nil, h.MaxStoredBody
 	settled := false
 	defer func() {
 		if !settled {
-			_ = tx.Rollback(req.cleanupContext())
+			_ = tx.Rollback(req.freshCleanup())
 		}
 	}()
 	h.next.ServeHTTP(rw, r.WithContext(ctx))
 	settled = true
 
-	cctx := req.cleanupContext()
+	cctx := req.freshCleanup()
 	status := rw.statusOrOK()
 	if !h.KeepFunc(status) {
 		_ = tx.Rollback(cctx)
+		h.observe(req, Event{Kind: EventReleased, Status: status})
 		rw.send()
 		return
 	}
-	if rw.body.Len() > h.MaxStoredBody && h.ReplayFunc == nil {
+	if rw.overLimit() {
 		_ = tx.Rollback(cctx)
 		rw.discardHeaders()
-		h.responseTooLarge(w, req, rw.body.Len())
+		h.responseTooLarge(w, req, rw.size, nil)
 		return
 	}
 	done := h.NowFunc()
-	resp := &Response{Status: status, Header: h.storedHeader(w.Header()), Ref: rw.ref}
-	if h.ReplayFunc != nil {
-		resp.BodyOmitted = true
-	} else {
-		resp.Body = rw.body.Bytes()
-	}
+	resp := h.response(w, rw)
 	rec = &Record{
 		Scope: req.scope, Key: req.key, State: StateComplete, Fingerprint: req.fp,
 		Token: newToken(), CreatedAt: now, LeaseUntil: done, ExpiresAt: done.Add(h.TTL), Response: resp,
 	}
-	if err := tx.Insert(cctx, rec); err != nil {
-		_ = tx.Rollback(cctx)
+	err = tx.Insert(cctx, rec)
+	inserting := err == nil
+	if inserting {
+		err = tx.Commit(cctx)
+	}
+	if err == nil {
+		h.observe(req, Event{Kind: EventExecuted, Status: status})
+		rw.send()
+		return
+	}
+	_ = tx.Rollback(cctx) // frees the lock of a store that did not on a failed commit
+	switch {
+	case errors.Is(err, ErrInFlight): // a claim-then-complete request holds the key
 		rw.discardHeaders()
-		if errors.Is(err, ErrInFlight) {
-			h.inFlight(w, req, 0)
-			return
-		}
+		h.inFlight(w, req, 0)
+	case errors.Is(err, ErrTxAborted):
+		h.txAborted(w, req, resp, err, func() error { return h.claimAndKeep(cctx, req, resp) }, func() error { return nil })
+	case hctx.Err() != nil && !inserting:
+		rw.discardHeaders()
+		h.problem(w, req, EventStoreError, fmt.Errorf("insert record: %w", err), CodeCommitFailed,
+			fmt.Sprintf("the handler ran past HandlerTimeout (%v), so its transaction was rolled back and nothing was committed; retry with the same key", h.HandlerTimeout), 1)
+	case !inserting:
+		rw.discardHeaders()
 		h.storeFailed(w, req, "insert record", err)
-		return
-	}
-	if err := tx.Commit(cctx); err != nil {
-		_ = tx.Rollback(cctx) // frees the lock of a store that did not on a failed commit
+	default:
 		rw.discardHeaders()
-		if errors.Is(err, ErrInFlight) { // a store that writes the record as part of the commit
-			h.inFlight(w, req, 0)
-			return
-		}
-		h.problem(w, req, EventStoreError, err, CodeCommitFailed, "the transaction could not be committed, so nothing was stored; retry with the same key", 1)
-		return
+		h.problem(w, req, EventStoreError, fmt.Errorf("commit: %w", err), CodeCommitFailed, commitFailedDetail(nil), 1)
 	}
-	h.observe(req, Event{Kind: EventExecuted, Status: status})
-	rw.send()
 }
 
-// storedHeader copies the allow-listed headers out of h.
+// claimAndKeep keeps resp as the outcome of a single-transaction request whose
+// transaction the database aborted: it claims the key outside the transaction
+// and completes the claim. When another request holds the key by now, nothing
+// is kept and the answer still goes to this client.
+func (h *handler) claimAndKeep(ctx context.Context, req *request, resp *Response) error {
+	now := h.NowFunc()
+	claim := ClaimRequest{
+		Scope: req.scope, Key: req.key, Fingerprint: req.fp, Token: newToken(),
+		Now: now, LeaseUntil: now.Add(h.Lease), ExpiresAt: now.Add(h.TTL),
+	}
+	_, claimed, err := h.store.Claim(ctx, claim)
+	if err != nil || !claimed {
+		return err
+	}
+	return h.store.Complete(ctx, req.scope, req.key, claim.Token, resp, now, now.Add(h.TTL))
+}
+
+// retryNote ends a problem detail with what a retry will meet, given the error
+// of releasing the key.
+func retryNote(relErr error) string {
+	if relErr == nil {
+		return "the key was released: retry with the same key"
+	}
+	return "the key could not be released either (the store failed), so retries with the same key get 409 until its lease lapses and then run afresh"
+}
+
+// retrySeconds is the Retry-After of a problem after which the key was released
+// (1 s), or could not be (the lease).
+func retrySeconds(relErr error, lease time.Duration) int {
+	if relErr == nil {
+		return 1
+	}
+	return max(1, int((lease+time.Second-1)/time.Second))
+}
+
+// commitFailedDetail explains a commit whose outcome is unknown.
+func commitFailedDetail(relErr error) string {
+	d := "the transaction's commit failed, so whether it took effect is not known here: if it did, a retry with the same key gets its stored outcome; if not, the retry runs the operation again"
+	if relErr != nil {
+		d += " (after the lease lapses: the key could not be released either)"
+	}
+	return d + "; retry with the same key"
+}
+
+// storedHeader copies the allow-listed headers out of src, into storage of its
+// own: middleware outside idem may change the header map after the handler.
 func (h *handler) storedHeader(src http.Header) http.Header {
-	var out http.Header
+	n := 0
 	for _, name := range h.storedHdrs {
-		if v, ok := src[name]; ok {
-			if out == nil {
-				out = make(http.Header, len(h.storedHdrs))
-			}
-			out[name] = v // the handler is done with its header map; the values are not changed after this
+		n += len(src[name])
+	}
+	if n == 0 {
+		return nil
+	}
+	out := make(http.Header, len(h.storedHdrs))
+	vals := make([]string, 0, n)
+	for _, name := range h.storedHdrs {
+		if v, ok := src[name]; ok && len(v) > 0 {
+			start := len(vals)
+			vals = append(vals, v...)
+			out[name] = vals[start:len(vals):len(vals)]
 		}
 	}
 	return out
@@ -450,10 +627,20 @@ func (h *handler) replay(w http.ResponseWriter, req *request, rec *Record) {
 		rw.send()
 		return
 	}
-	for k, v := range resp.Header {
-		hdr[k] = v
+	// The stored values are shared by every replay and must not reach a header
+	// map that outer middleware may change: copy them, into one allocation.
+	n := 1
+	for _, v := range resp.Header {
+		n += len(v)
 	}
-	hdr[ReplayedHeader] = replayedTrue
+	vals := make([]string, 0, n)
+	for k, v := range resp.Header {
+		start := len(vals)
+		vals = append(vals, v...)
+		hdr[k] = vals[start:len(vals):len(vals)]
+	}
+	vals = append(vals, "true")
+	hdr[ReplayedHeader] = vals[len(vals)-1 : len(vals) : len(vals)]
 	setContentLength(hdr, len(resp.Body))
 	w.WriteHeader(resp.Status)
 	_, _ = w.Write(resp.Body)
@@ -470,8 +657,12 @@ func (h *handler) inFlight(w http.ResponseWriter, req *request, left time.Durati
 
 // responseTooLarge answers a request whose transaction was rolled back because
 // its response could not be kept.
-func (h *handler) responseTooLarge(w http.ResponseWriter, req *request, size int) {
-	h.problem(w, req, EventReleased, nil, CodeResponseTooLarge, fmt.Sprintf("the response body (%d bytes) is larger than MaxStoredBody (%d) and could not be kept for replay, so nothing was committed; raise MaxStoredBody or configure a ReplayFunc", size, h.MaxStoredBody), 0)
+func (h *handler) responseTooLarge(w http.ResponseWriter, req *request, size int, relErr error) {
+	d := fmt.Sprintf("the response body (%d bytes) is larger than MaxStoredBody (%d) and could not be kept for replay, so nothing was committed; raise MaxStoredBody or configure a ReplayFunc", size, h.MaxStoredBody)
+	if relErr != nil {
+		d += " (the key could not be released: retries get 409 until its lease lapses)"
+	}
+	h.problem(w, req, EventReleased, relErr, CodeResponseTooLarge, d, 0)
 }
 
 func (h *handler) leaseLost(w http.ResponseWriter, req *request, err error) {
@@ -508,33 +699,35 @@ func (h *handler) observe(req *request, e Event) {
 // recorder returns the request's recorder, writing to w.
 func (req *request) recorder(w http.ResponseWriter) *recorder {
 	req.rw = recorder{w: w, scope: req.scope, key: req.key}
+	req.rw.snapshotHeaders()
 	return &req.rw
 }
 
-// cleanupContext returns the context for store calls after the handler: it
-// carries the request's values but does not end when the client goes away, only
-// CleanupTimeout after its first use.
-func (req *request) cleanupContext() context.Context {
-	if !req.cctxUsed {
-		req.cctxUsed = true
-		req.cctx.init(req.r.Context(), req.h.NowFunc().Add(req.h.CleanupTimeout))
-	}
+// freshCleanup returns the context for the store calls of the phase that starts
+// now (after the handler, or a rollback before a takeover): it carries the
+// request's values, does not end when the client goes away, and ends
+// CleanupTimeout from now on the wall clock.
+func (req *request) freshCleanup() context.Context {
+	req.cctx.reset(req.r.Context(), req.h.CleanupTimeout)
 	return &req.cctx
 }
 
-// release gives the key up so that the next request runs afresh.
-func (h *handler) release(req *request, token string) {
-	err := h.store.Release(req.cleanupContext(), req.scope, req.key, token)
+// releaseKey gives the key up so that the next request runs afresh. A record no
+// longer in flight under token (taken over, or completed after all) is nothing
+// to undo.
+func (h *handler) releaseKey(ctx context.Context, req *request, token string) error {
+	err := h.store.Release(ctx, req.scope, req.key, token)
 	if errors.Is(err, ErrLockLost) {
-		err = nil // someone took over, or the commit went through after all: nothing to undo
+		return nil
 	}
-	h.observe(req, Event{Kind: EventReleased, Err: err})
+	return err
 }
 
 // renewal extends a claim's lease every Lease/3 while its handler runs, and
-// cancels the handler's context when the lease turns out to be lost. Transient
-// store errors are not a lost lease: renewal keeps trying, and the fenced
-// completion has the last word. It is embedded in request.
+// cancels the handler's context with ErrLockLost when the lease turns out to be
+// lost (the completion then reports it). Transient store errors are not a lost
+// lease: renewal keeps trying, and the fenced completion has the last word. It is
+// embedded in request.
 type renewal struct {
 	token  string
 	cancel context.CancelCauseFunc
@@ -570,7 +763,6 @@ func (req *request) renew() {
 	if errors.Is(err, ErrLockLost) {
 		req.done = true
 		req.cancel(ErrLockLost)
-		h.observe(req, Event{Kind: EventLeaseLost, Err: err})
 		return
 	}
 	req.timer.Reset(h.Lease / 3)
@@ -580,7 +772,9 @@ func (req *request) stopRenewal() {
 	req.mu.Lock()
 	req.done = true
 	req.mu.Unlock()
-	req.timer.Stop()
+	if req.timer != nil {
+		req.timer.Stop()
+	}
 }
 
 // setContentLength sets Content-Length for bodies net/http would otherwise send

@@ -383,7 +383,7 @@ func TestLapsedLeaseIsTakenOver(t *testing.T) {
 	req := httptest.NewRequest("POST", "/orders", nil)
 	now := clk.Now()
 	if _, claimed, err := b.store.Claim(context.Background(), idem.ClaimRequest{
-		Key: "k", Fingerprint: idem.FingerprintV1(req, []byte(`{}`)), Token: "crashed",
+		Key: "k", Fingerprint: idem.FingerprintV2(req, []byte(`{}`)), Token: "crashed",
 		Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour),
 	}); !claimed || err != nil {
 		t.Fatalf("Claim: %v %v", claimed, err)
@@ -449,7 +449,7 @@ func TestLostLeaseCancelsHandler(t *testing.T) {
 	req := httptest.NewRequest("POST", "/x", nil)
 	later := time.Now().Add(time.Hour)
 	if _, claimed, err := store.Claim(context.Background(), idem.ClaimRequest{
-		Key: "k", Fingerprint: idem.FingerprintV1(req, []byte("{}")), Token: "taker",
+		Key: "k", Fingerprint: idem.FingerprintV2(req, []byte("{}")), Token: "taker",
 		Now: later, LeaseUntil: later.Add(time.Hour), ExpiresAt: later.Add(time.Hour),
 	}); !claimed || err != nil {
 		t.Fatalf("takeover: %v %v", claimed, err)

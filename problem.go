@@ -24,6 +24,7 @@ const (
 	CodeCommitFailed     = "idempotency_commit_failed"
 	CodeResponseTooLarge = "idempotency_response_too_large"
 	CodeReplayFailed     = "idempotency_replay_failed"
+	CodeTxAborted        = "idempotency_transaction_aborted"
 )
 
 // Problem is an RFC 9457 problem details object with idem's extension member
@@ -52,6 +53,7 @@ var problemTitles = map[string]struct {
 	CodeCommitFailed:     {http.StatusServiceUnavailable, "Transaction could not be committed"},
 	CodeResponseTooLarge: {http.StatusInternalServerError, "Response too large to keep for replay"},
 	CodeReplayFailed:     {http.StatusInternalServerError, "Stored outcome could not be replayed"},
+	CodeTxAborted:        {http.StatusInternalServerError, "The database rolled back the handler's transaction"},
 }
 
 // NewProblem returns the problem for code, one of the Code constants, with the

@@ -3,13 +3,20 @@ package idem
 import (
 	"bytes"
 	"context"
+	"maps"
 	"net/http"
 )
 
 // recorder is the ResponseWriter the handler of a claimed request writes to. It
 // buffers the whole response, so that nothing reaches the client before the
 // outcome is stored (and, with a TxStore, committed). Headers go straight into the
-// real writer's header map, which is sent only when the outcome is settled.
+// real writer's header map, which is sent only when the outcome is settled; what
+// middleware outside idem had put there before is kept aside (outer), so that a
+// problem answer written instead of the handler's keeps it.
+//
+// A body larger than limit is not buffered past it: the recorder either spills
+// (spill stores the outcome without its body and the rest streams to the client)
+// or, when spill is nil, counts and discards the rest.
 type recorder struct {
 	w       http.ResponseWriter
 	status  int
@@ -18,7 +25,22 @@ type recorder struct {
 	key     string
 	ref     string
 	written bool
+
+	outer   http.Header // a shallow copy of the writer's header map before the handler ran
+	limited bool        // limit applies
+	limit   int
+	size    int // bytes the handler wrote
+	mode    recorderMode
+	spill   func() // stores the outcome early; the recorder then streams
 }
+
+type recorderMode uint8
+
+const (
+	buffering  recorderMode = iota
+	discarding              // over the limit, nothing more is kept
+	streaming               // over the limit, spilled: writes go to the client
+)
 
 type recorderKey struct{}
 
@@ -35,25 +57,54 @@ func (rw *recorder) WriteHeader(status int) {
 	rw.status = status
 }
 
-// Write buffers p.
+// Write buffers p, up to the limit.
 func (rw *recorder) Write(p []byte) (int, error) {
 	if !rw.written {
 		rw.WriteHeader(http.StatusOK)
 	}
+	rw.size += len(p)
+	switch rw.mode {
+	case streaming:
+		return rw.w.Write(p)
+	case discarding:
+		return len(p), nil
+	}
+	if rw.limited && rw.size > rw.limit {
+		if rw.spill != nil {
+			rw.spill()
+			rw.w.WriteHeader(rw.statusOrOK())
+			_, _ = rw.w.Write(rw.body.Bytes())
+			rw.body = bytes.Buffer{}
+			rw.mode = streaming
+			return rw.w.Write(p)
+		}
+		rw.mode = discarding
+		rw.body = bytes.Buffer{}
+		return len(p), nil
+	}
 	return rw.body.Write(p)
 }
+
+// overLimit reports whether the handler wrote more than the limit.
+func (rw *recorder) overLimit() bool { return rw.mode != buffering }
 
 // Unwrap returns the underlying writer, so that http.ResponseController can set
 // deadlines through the recorder. Flushing is answered by the recorder itself.
 func (rw *recorder) Unwrap() http.ResponseWriter { return rw.w }
 
-// Flush does nothing: the response is buffered until its outcome is stored (and
-// committed), and only then sent. It makes the recorder an http.Flusher, so that
-// http.ResponseController(w).Flush does not reach past it to the client.
-func (rw *recorder) Flush() {}
+// Flush does nothing while the response is buffered until its outcome is stored
+// (and committed); it makes the recorder an http.Flusher, so that
+// http.ResponseController(w).Flush does not reach past it to the client. Once a
+// response too large to keep streams, Flush flushes it.
+func (rw *recorder) Flush() { _ = rw.FlushError() }
 
-// FlushError does nothing and returns nil; see Flush.
-func (rw *recorder) FlushError() error { return nil }
+// FlushError is Flush, reporting the error of a streaming flush.
+func (rw *recorder) FlushError() error {
+	if rw.mode == streaming {
+		return http.NewResponseController(rw.w).Flush()
+	}
+	return nil
+}
 
 func (rw *recorder) statusOrOK() int {
 	if rw.status == 0 {
@@ -62,17 +113,32 @@ func (rw *recorder) statusOrOK() int {
 	return rw.status
 }
 
-// send writes the buffered response to the client.
+// send writes the buffered response to the client; a streaming response has
+// been sent already.
 func (rw *recorder) send() {
+	if rw.mode == streaming {
+		return
+	}
 	setContentLength(rw.w.Header(), rw.body.Len())
 	rw.w.WriteHeader(rw.statusOrOK())
 	_, _ = rw.w.Write(rw.body.Bytes())
 }
 
+// snapshotHeaders keeps aside what is in the writer's header map before the
+// handler runs.
+func (rw *recorder) snapshotHeaders() {
+	if h := rw.w.Header(); len(h) > 0 {
+		rw.outer = maps.Clone(h)
+	}
+}
+
 // discardHeaders removes what the handler put in the header map, before idem
-// writes a problem instead of the handler's answer.
+// writes a problem instead of the handler's answer; what outer middleware had
+// set (CORS, request IDs) stays.
 func (rw *recorder) discardHeaders() {
-	clear(rw.w.Header())
+	h := rw.w.Header()
+	clear(h)
+	maps.Copy(h, rw.outer)
 }
 
 // SetRef records a reference to the resource the handler created (an order ID, a

@@ -2,7 +2,11 @@ package idem
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"net/http"
+	"strings"
+	"unicode/utf8"
 )
 
 type scopeKey struct{}
@@ -25,4 +29,49 @@ func ScopeFrom(ctx context.Context) string {
 // all share the scope "".
 func ScopeFromContext(r *http.Request) string {
 	return ScopeFrom(r.Context())
+}
+
+// MaxStoredScopeLength is the longest scope a store is given as it is. Longer
+// scopes, and scopes that are not printable UTF-8, are stored as their digest
+// (see StoredScope), so that any scope works in every store.
+const MaxStoredScopeLength = 128
+
+// scopeDigestPrefix starts the stored form of a scope that is kept as a digest.
+const scopeDigestPrefix = "sha256:"
+
+// StoredScope returns the form of scope that the middleware hands to the store
+// and to the Observer: scope itself when it is at most MaxStoredScopeLength bytes
+// of valid UTF-8 without control characters, otherwise "sha256:" and the hex
+// SHA-256 of scope (71 bytes). A scope that itself starts with "sha256:" is
+// always digested, so two different scopes never share a stored form. Tools
+// that look records up by scope (idem inspect) apply it too.
+func StoredScope(scope string) string {
+	if len(scope) <= MaxStoredScopeLength && printable(scope) && !strings.HasPrefix(scope, scopeDigestPrefix) {
+		return scope
+	}
+	sum := sha256.Sum256([]byte(scope))
+	var out [len(scopeDigestPrefix) + 2*sha256.Size]byte
+	copy(out[:], scopeDigestPrefix)
+	hex.Encode(out[len(scopeDigestPrefix):], sum[:])
+	return string(out[:])
+}
+
+// printable reports whether s is valid UTF-8 without C0 or C1 control characters.
+func printable(s string) bool {
+	for i := 0; i < len(s); {
+		c := s[i]
+		if c < utf8.RuneSelf {
+			if c < 0x20 || c == 0x7f {
+				return false
+			}
+			i++
+			continue
+		}
+		r, size := utf8.DecodeRuneInString(s[i:])
+		if r == utf8.RuneError || (r >= 0x80 && r <= 0x9f) {
+			return false
+		}
+		i += size
+	}
+	return true
 }

@@ -11,6 +11,7 @@ import (
 	"context"
 	"hash/maphash"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/idemkit/idem"
@@ -24,7 +25,10 @@ type Config struct {
 	// A negative value starts no janitor (call DeleteExpired yourself).
 	// Defaults to one minute.
 	JanitorInterval time.Duration
-	// NowFunc is the janitor's clock. Defaults to time.Now.
+	// NowFunc is the janitor's clock. Defaults to the latest clock reading the
+	// middleware passed to the store (its Config.NowFunc), so that the janitor
+	// never runs ahead of the clock the records were written by; before any
+	// reading it deletes nothing.
 	NowFunc func() time.Time
 }
 
@@ -33,6 +37,7 @@ type Config struct {
 // Store keeps the *idem.Response passed to Complete without copying it and hands
 // out the same *idem.Record to every reader: callers must not modify either.
 type Store struct {
+	latest atomic.Int64 // the latest clock reading passed in, in Unix nanoseconds
 	seed   maphash.Seed
 	shards [shardCount]shard
 	stop   context.CancelFunc
@@ -64,7 +69,11 @@ func New(cfg *Config) *Store {
 	if c.JanitorInterval > 0 {
 		ctx, cancel := context.WithCancel(context.Background())
 		s.stop, s.done = cancel, make(chan struct{})
-		j := &idem.Janitor{Store: s, Interval: c.JanitorInterval, NowFunc: c.NowFunc}
+		now := c.NowFunc
+		if now == nil {
+			now = s.clock
+		}
+		j := &idem.Janitor{Store: s, Interval: c.JanitorInterval, NowFunc: now}
 		go func() {
 			defer close(s.done)
 			_ = j.Run(ctx)
@@ -95,6 +104,26 @@ func (s *Store) Len() int {
 	return n
 }
 
+// seen notes a clock reading of the middleware's.
+func (s *Store) seen(now time.Time) {
+	n := now.UnixNano()
+	for {
+		old := s.latest.Load()
+		if n <= old || s.latest.CompareAndSwap(old, n) {
+			return
+		}
+	}
+}
+
+// clock returns the latest clock reading the middleware passed in, or the zero
+// time before any.
+func (s *Store) clock() time.Time {
+	if n := s.latest.Load(); n != 0 {
+		return time.Unix(0, n)
+	}
+	return time.Time{}
+}
+
 func (s *Store) shard(scope, key string) *shard {
 	var h maphash.Hash
 	h.SetSeed(s.seed)
@@ -106,6 +135,7 @@ func (s *Store) shard(scope, key string) *shard {
 
 // Claim implements idem.Store.
 func (s *Store) Claim(_ context.Context, req idem.ClaimRequest) (*idem.Record, bool, error) {
+	s.seen(req.Now)
 	id := recordID{req.Scope, req.Key}
 	sh := s.shard(req.Scope, req.Key)
 	sh.mu.Lock()
@@ -139,7 +169,8 @@ func (s *Store) held(scope, key, token string) (*shard, *idem.Record) {
 }
 
 // Complete implements idem.Store.
-func (s *Store) Complete(_ context.Context, scope, key, token string, resp *idem.Response, _, expiresAt time.Time) error {
+func (s *Store) Complete(_ context.Context, scope, key, token string, resp *idem.Response, now, expiresAt time.Time) error {
+	s.seen(now)
 	sh, rec := s.held(scope, key, token)
 	defer sh.mu.Unlock()
 	if rec == nil {
@@ -165,7 +196,8 @@ func (s *Store) Release(_ context.Context, scope, key, token string) error {
 }
 
 // Extend implements idem.Store.
-func (s *Store) Extend(_ context.Context, scope, key, token string, _, leaseUntil time.Time) error {
+func (s *Store) Extend(_ context.Context, scope, key, token string, now, leaseUntil time.Time) error {
+	s.seen(now)
 	sh, rec := s.held(scope, key, token)
 	defer sh.mu.Unlock()
 	if rec == nil {

@@ -1,7 +1,10 @@
 package memstore_test
 
 import (
+	"context"
+	"errors"
 	"testing"
+	"time"
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/memstore"
@@ -16,4 +19,37 @@ func TestConformance(t *testing.T) {
 		t.Cleanup(func() { _ = s.Close() })
 		return s
 	})
+}
+
+// The janitor sweeps by the middleware's clock, not its own: with the
+// middleware's clock two minutes behind the wall clock and a one-minute TTL, a
+// live claim survives the sweeps (regression: the janitor used time.Now and
+// deleted it, and a second request ran the handler).
+func TestJanitorFollowsTheMiddlewareClock(t *testing.T) {
+	t.Parallel()
+	s := memstore.New(&memstore.Config{JanitorInterval: 5 * time.Millisecond})
+	t.Cleanup(func() { _ = s.Close() })
+	behind := time.Now().Add(-2 * time.Minute)
+	ctx := context.Background()
+	req := idem.ClaimRequest{Scope: "s", Key: "k", Fingerprint: "v2:x", Token: "t",
+		Now: behind, LeaseUntil: behind.Add(30 * time.Second), ExpiresAt: behind.Add(time.Minute)}
+	if _, claimed, err := s.Claim(ctx, req); err != nil || !claimed {
+		t.Fatalf("claim: %v %v", claimed, err)
+	}
+	time.Sleep(60 * time.Millisecond) // a dozen sweeps
+	if _, err := s.Get(ctx, "s", "k", behind.Add(time.Second)); err != nil {
+		t.Fatalf("the live claim is gone after the janitor's sweeps: %v", err)
+	}
+	// Once the middleware's clock passes the expiry, the janitor deletes it.
+	later := behind.Add(2 * time.Minute)
+	if err := s.Extend(ctx, "other", "k", "t", later, later.Add(time.Second)); !errors.Is(err, idem.ErrLockLost) {
+		t.Fatalf("extend of an absent record: %v", err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for s.Len() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the expired record was never swept")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
