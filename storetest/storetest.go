@@ -60,6 +60,10 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 		{"ExpiredReclaimed", testExpiredReclaimed},
 		{"ScopeIsolation", testScopeIsolation},
 		{"Janitor", testJanitor},
+		{"LiveLeasePastTTL", testLiveLeasePastTTL},
+		{"HeaderBytesExact", testHeaderBytesExact},
+		{"ClockBehind", func(t *testing.T, s idem.Store) { testClockSkew(t, s, -2*time.Minute) }},
+		{"ClockAhead", func(t *testing.T, s idem.Store) { testClockSkew(t, s, 2*time.Minute) }},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -667,4 +671,115 @@ func testJanitor(t *testing.T, s idem.Store) {
 	for _, f := range kept {
 		mustGet(t, s, f, cutoff)
 	}
+}
+
+// testLiveLeasePastTTL: a handler that runs longer than the TTL keeps its record
+// in flight for as long as its lease is renewed. The record is never absent,
+// never reclaimed (with the same or another fingerprint), never deleted by the
+// janitor or by the store's own expiry, and the handler's completion succeeds.
+func testLiveLeasePastTTL(t *testing.T, s idem.Store) {
+	const (
+		lease = 150 * time.Millisecond
+		ttl   = 300 * time.Millisecond
+		run   = 900 * time.Millisecond // three TTLs
+	)
+	ctx := ctxFor(t)
+	f := newFixture(t)
+	start := time.Now()
+	req := f.claim("v1:long", start, lease, ttl)
+	mustClaim(t, s, req)
+	for time.Since(start) < run {
+		time.Sleep(lease / 3)
+		now := time.Now()
+		if err := s.Extend(ctx, f.scope, f.key, req.Token, now, now.Add(lease)); err != nil {
+			t.Fatalf("Extend at %v: %v", now.Sub(start), err)
+		}
+		if now.Sub(start) < ttl+lease/3 {
+			continue // check once the TTL has passed
+		}
+		if rec := mustGet(t, s, f, now); rec.State != idem.StateInFlight || rec.Token != req.Token {
+			t.Fatalf("at %v (past the TTL) the record is %v under %q, want in flight under the renewing token", now.Sub(start), rec.State, rec.Token)
+		} else if rec.ExpiresAt.Before(rec.LeaseUntil) {
+			t.Errorf("ExpiresAt %v is before LeaseUntil %v: Extend must keep a live lease from expiring", rec.ExpiresAt, rec.LeaseUntil)
+		}
+		for _, fp := range []string{"v1:long", "v1:another-body"} {
+			retry := f.claim(fp, now, lease, ttl)
+			if rec := mustNotClaim(t, s, retry); rec.Token != req.Token {
+				t.Fatalf("at %v a retry (%s) claimed the live record", now.Sub(start), fp)
+			}
+		}
+		if _, err := s.DeleteExpired(ctx, now, 100); err != nil {
+			t.Fatalf("DeleteExpired: %v", err)
+		}
+		mustGet(t, s, f, now)
+	}
+	done := time.Now()
+	resp := &idem.Response{Status: 201, Body: []byte("once")}
+	if err := s.Complete(ctx, f.scope, f.key, req.Token, resp, done, done.Add(ttl)); err != nil {
+		t.Fatalf("the long handler's Complete after %v: %v", done.Sub(start), err)
+	}
+	checkResponse(t, mustGet(t, s, f, done).Response, resp)
+}
+
+// testHeaderBytesExact: header values are kept byte for byte, including bytes
+// that are not UTF-8 (a Location with a Latin-1 file name), so that a replay is
+// exactly what the first answer sent.
+func testHeaderBytesExact(t *testing.T, s idem.Store) {
+	f := newFixture(t)
+	now := time.Now()
+	req := f.claim("v1:hdr", now, time.Minute, longTTL)
+	mustClaim(t, s, req)
+	resp := &idem.Response{Status: 201, Header: http.Header{
+		"Location":            {"/files/caf\xe9.pdf"},
+		"Content-Disposition": {"attachment; filename=\"\xff\xfe\x80.txt\""},
+		"Link":                {"<a>; rel=\"\xc3\x28\"", "\xf0\x28\x8c\x28", "\\u00e9 \"quoted\" \t"},
+		"Etag":                {"W/\"\xe2\x82\""},
+	}, Body: []byte("{}")}
+	if err := s.Complete(ctxFor(t), f.scope, f.key, req.Token, resp, now, now.Add(longTTL)); err != nil {
+		t.Fatalf("Complete: %v", err)
+	}
+	checkResponse(t, mustGet(t, s, f, now).Response, resp)
+}
+
+// testClockSkew: a store compares only the times it is given and never reads a
+// clock of its own. With the middleware's clock skew away from the store's
+// (a test clock, or an application host whose clock is off), claims, leases and
+// expiry follow the middleware's clock: a live claim is not lost, a lapsed one is
+// taken over, and an expired record is absent.
+func testClockSkew(t *testing.T, s idem.Store, skew time.Duration) {
+	const (
+		lease = 30 * time.Second
+		ttl   = time.Minute
+	)
+	ctx := ctxFor(t)
+	f := newFixture(t)
+	now := time.Now().Add(skew)
+	req := f.claim("v1:skew", now, lease, ttl)
+	mustClaim(t, s, req)
+	time.Sleep(50 * time.Millisecond) // a store with its own expiry gets time to act on it
+	soon := now.Add(time.Second)
+	checkInFlight(t, mustGet(t, s, f, soon), req)
+	if rec := mustNotClaim(t, s, f.claim("v1:skew", soon, lease, ttl)); rec.Token != req.Token {
+		t.Fatalf("a second claim took the live record over")
+	}
+	if err := s.Extend(ctx, f.scope, f.key, req.Token, soon, soon.Add(lease)); err != nil {
+		t.Fatalf("Extend: %v", err)
+	}
+	// Past the lease by the middleware's clock: taken over.
+	lapsed := soon.Add(lease + time.Second)
+	taker := f.claim("v1:skew", lapsed, lease, ttl)
+	mustClaim(t, s, taker)
+	time.Sleep(50 * time.Millisecond)
+	doneAt := lapsed.Add(time.Second)
+	resp := &idem.Response{Status: 200, Body: []byte("skewed")}
+	if err := s.Complete(ctx, f.scope, f.key, taker.Token, resp, doneAt, doneAt.Add(ttl)); err != nil {
+		t.Fatalf("Complete: %v", err)
+	}
+	time.Sleep(50 * time.Millisecond)
+	rec := mustGet(t, s, f, doneAt.Add(ttl-time.Second))
+	checkResponse(t, rec.Response, resp)
+	// Past the expiry by the middleware's clock: absent, and claimed afresh.
+	gone := doneAt.Add(ttl + time.Second)
+	wantNotFound(t, s, f, gone)
+	mustClaim(t, s, f.claim("v1:new", gone, lease, ttl))
 }
