@@ -1,6 +1,8 @@
 package clienttest
 
 import (
+	"bufio"
+	"bytes"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -14,7 +16,8 @@ import (
 type Stats struct {
 	// Connections is how many client connections the proxy accepted.
 	Connections int64
-	// Answered is how many of them the server began to answer on.
+	// Answered is how many of them the server began to answer on: the first byte
+	// of a final answer, after any interim (1xx) ones.
 	Answered int64
 	// Dropped is how many answers were lost: the server began answering on a lossy
 	// connection, and the proxy reset the client's connection instead of passing
@@ -25,8 +28,9 @@ type Stats struct {
 
 // Proxy is a TCP proxy on 127.0.0.1. Each connection it accepts is lossy with
 // probability DropRate: the proxy forwards what the client sends, waits for the
-// first byte of the server's answer — proof that the server handled the request
-// (an idem server answers only after committing) — and then resets the client's
+// first byte of the server's final answer — proof that the server handled the
+// request (an idem server answers only after committing); interim 1xx answers
+// such as 100 Continue are passed on and do not count — and then resets the client's
 // connection (TCP RST) and closes the server's. Other connections are passed
 // through unchanged. A lossy keep-alive connection loses its first answer and dies
 // with it.
@@ -84,7 +88,8 @@ func (p *Proxy) Stats() Stats {
 	return Stats{Connections: p.connections.Load(), Answered: p.answered.Load(), Dropped: p.dropped.Load()}
 }
 
-// Close stops accepting, closes every open connection and waits for them.
+// Close stops accepting, closes every open connection and waits for every
+// goroutine of the proxy to end.
 func (p *Proxy) Close() error {
 	p.mu.Lock()
 	p.closed = true
@@ -151,31 +156,67 @@ func (p *Proxy) handle(client net.Conn, lossy bool) {
 	}
 	defer p.forget(client, up)
 
+	p.wg.Add(1)
 	go func() {
+		defer p.wg.Done()
 		_, _ = io.Copy(up, client)
 		if tc, ok := up.(*net.TCPConn); ok {
 			_ = tc.CloseWrite()
 		}
 	}()
 
+	// Interim (1xx) answers are not the answer: the server sends 100 Continue or
+	// 103 Early Hints before it has done the work. They are passed on, and the
+	// final answer is the one that counts and, on a lossy connection, is lost.
+	br := bufio.NewReader(up)
+	answered := passInterim(br, client)
+	if answered {
+		p.answered.Add(1)
+	}
 	if lossy {
-		var b [1]byte
-		n, _ := up.Read(b[:])
-		if n > 0 {
-			p.answered.Add(1)
+		if answered {
 			p.dropped.Add(1)
 		}
 		reset(client)
 		_ = up.Close()
 		return
 	}
-	w := &firstByte{w: client}
-	_, _ = io.Copy(w, up)
-	if w.seen {
-		p.answered.Add(1)
-	}
+	_, _ = io.Copy(client, br)
 	_ = client.Close()
 	_ = up.Close()
+}
+
+// passInterim copies the interim (1xx, but not 101 Switching Protocols) answers
+// at the start of br to w, and reports whether a final answer follows: whether
+// br has another byte.
+func passInterim(br *bufio.Reader, w io.Writer) bool {
+	for {
+		b, err := br.Peek(len("HTTP/1.1 100"))
+		if err != nil {
+			// Too short for a status line: a final answer if it has a byte at all.
+			_, err := br.Peek(1)
+			return err == nil
+		}
+		code := string(b[len(b)-3:])
+		if !bytes.HasPrefix(b, []byte("HTTP/1.")) || code[0] != '1' || code == "101" {
+			return true
+		}
+		// An interim answer: its status line and header lines, up to an empty line.
+		for {
+			line, err := br.ReadSlice('\n')
+			if len(line) > 0 {
+				if _, werr := w.Write(line); werr != nil {
+					err = werr
+				}
+			}
+			if err != nil {
+				return false
+			}
+			if len(bytes.TrimRight(line, "\r\n")) == 0 {
+				break
+			}
+		}
+	}
 }
 
 // reset closes c with a TCP RST instead of an orderly FIN.
@@ -184,17 +225,4 @@ func reset(c net.Conn) {
 		_ = tc.SetLinger(0)
 	}
 	_ = c.Close()
-}
-
-// firstByte notes whether anything was written through it.
-type firstByte struct {
-	w    io.Writer
-	seen bool
-}
-
-func (f *firstByte) Write(b []byte) (int, error) {
-	if len(b) > 0 {
-		f.seen = true
-	}
-	return f.w.Write(b)
 }
