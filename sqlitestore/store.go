@@ -3,14 +3,17 @@ package sqlitestore
 import (
 	"context"
 	"database/sql"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/http"
 	"regexp"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/idemkit/idem"
 )
@@ -262,9 +265,11 @@ func (r *row) record(scope, key string) (*idem.Record, error) {
 	}
 	resp := &idem.Response{Status: int(r.status.Int64), Body: r.body, BodyOmitted: r.bodyOmitted, Ref: r.ref.String}
 	if r.headers.Valid {
-		if err := json.Unmarshal([]byte(r.headers.String), &resp.Header); err != nil {
-			return nil, fmt.Errorf("sqlitestore: the stored headers of (%q, %q) are not valid JSON (%w); the row was changed outside idem", scope, key, err)
+		h, err := decodeHeaders(r.headers.String)
+		if err != nil {
+			return nil, fmt.Errorf("sqlitestore: the stored headers of (%q, %q) cannot be decoded (%w); the row was changed outside idem", scope, key, err)
 		}
+		resp.Header = h
 	}
 	rec.Response = resp
 	return rec, nil
@@ -357,11 +362,11 @@ var errNilResponse = errors.New("the response is nil; pass the outcome to store"
 // encodeResponse returns the headers, body and ref columns of resp.
 func encodeResponse(resp *idem.Response) (headers sql.NullString, body []byte, ref sql.NullString, err error) {
 	if len(resp.Header) > 0 {
-		b, err := json.Marshal(resp.Header)
+		h, err := encodeHeaders(resp.Header)
 		if err != nil {
 			return headers, nil, ref, fmt.Errorf("encode headers: %w", err)
 		}
-		headers = sql.NullString{String: string(b), Valid: true}
+		headers = sql.NullString{String: h, Valid: true}
 	}
 	if resp.Ref != "" {
 		ref = sql.NullString{String: resp.Ref, Valid: true}
@@ -455,4 +460,58 @@ func (s *Store) DeleteExpired(ctx context.Context, now time.Time, limit int) (in
 		return 0, wrap("delete expired", err)
 	}
 	return int(n), nil
+}
+
+// binaryHeaders prefixes the stored headers when a value is not valid UTF-8:
+// JSON would replace its bytes with U+FFFD, so the values are kept base64
+// encoded instead. Headers that are all UTF-8 are stored as plain JSON, as
+// they always were.
+const binaryHeaders = "b64:"
+
+// encodeHeaders returns the headers column for h.
+func encodeHeaders(h http.Header) (string, error) {
+	binary := false
+	for _, vs := range h {
+		for _, v := range vs {
+			if !utf8.ValidString(v) {
+				binary = true
+			}
+		}
+	}
+	if !binary {
+		b, err := json.Marshal(h)
+		return string(b), err
+	}
+	enc := make(map[string][]string, len(h))
+	for k, vs := range h {
+		ev := make([]string, len(vs))
+		for i, v := range vs {
+			ev[i] = base64.StdEncoding.EncodeToString([]byte(v))
+		}
+		enc[k] = ev
+	}
+	b, err := json.Marshal(enc)
+	return binaryHeaders + string(b), err
+}
+
+// decodeHeaders reads a headers column written by encodeHeaders.
+func decodeHeaders(col string) (http.Header, error) {
+	var h http.Header
+	if rest, ok := strings.CutPrefix(col, binaryHeaders); ok {
+		if err := json.Unmarshal([]byte(rest), &h); err != nil {
+			return nil, err
+		}
+		for _, vs := range h {
+			for i, v := range vs {
+				b, err := base64.StdEncoding.DecodeString(v)
+				if err != nil {
+					return nil, err
+				}
+				vs[i] = string(b)
+			}
+		}
+		return h, nil
+	}
+	err := json.Unmarshal([]byte(col), &h)
+	return h, err
 }
