@@ -15,8 +15,10 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
+	"unicode/utf8"
 
 	"github.com/go-chi/httprate"
 	"github.com/idemkit/idem"
@@ -36,19 +38,32 @@ const demoUsage = `Usage: idem demo [flags]
 
 Runs the reference checkout service of the idem articles: POST /orders creates an
 order and is made idempotent by the Idempotency-Key header; GET /orders/{id},
-GET /orders?cart_id=… and GET /healthz read. The order and its stored answer
-commit in one database transaction. The tenant is the bearer token
-("Authorization: Bearer t1"; demo-only, nothing is verified); requests without
-one get 401 and are never bound to a key.
+GET /orders?cart_id=… (paged: ?limit=, ?after=, "next") and GET /healthz read.
+The order and its stored answer commit in one database transaction. The tenant
+is the bearer token ("Authorization: Bearer t1"; demo-only, nothing is
+verified); requests without one get 401 and are never bound to a key.
+
+It CREATES TABLES in the --db database at start, if they are missing: "orders"
+(the orders) and "idem_records" (the key records; "idem_records_migrations" on
+MySQL, "idem_migrations" on SQLite). --prefix puts a prefix on both names,
+--schema (PostgreSQL) puts both in a schema of their own, --table names the
+key records' table alone.
 
 By default it serves 127.0.0.1:8080 with the SQLite file idem-demo.db in the
-working directory, and prints a curl command to paste. The first line of output
-is "idem demo: listening on http://HOST:PORT" (useful with --addr 127.0.0.1:0).
+working directory. The first line of output, printed as soon as the port is
+open and before the database is reached, is
+"idem demo: listening on http://HOST:PORT" (useful with --addr 127.0.0.1:0);
+until the database is ready every request gets 503 with Retry-After. Then it
+prints a curl command to paste, ending with "Press Ctrl-C to stop.".
+
+Ctrl-C (SIGINT) or SIGTERM stops it: requests in flight finish, a second one
+stops it at once. It also stops when the process that started it exits (for
+example a killed "go run"), unless --exit-with-parent=false.
 
 Example:
   idem demo
-  idem demo --db postgres://postgres@127.0.0.1:5432/test --handler-delay 2s
-  IDEM_DB=mysql://root@127.0.0.1:3306/test idem demo --addr 127.0.0.1:3000
+  idem demo --db postgres://postgres@127.0.0.1:5432/test --schema shop --handler-delay 2s
+  IDEM_DB=mysql://root@127.0.0.1:3306/test idem demo --addr 127.0.0.1:3000 --prefix demo_
 
 Every flag can also be set by an environment variable (shown in brackets); a
 flag on the command line wins.
@@ -59,25 +74,53 @@ Flags:
 // demoEnv maps each demo flag to the environment variable that mirrors it.
 var demoEnv = []storeEnvVar{
 	{"addr", "IDEM_ADDR"}, {"db", "IDEM_DB"}, {"keys", "IDEM_KEYS"}, {"table", "IDEM_TABLE"},
+	{"prefix", "IDEM_PREFIX"}, {"schema", "IDEM_SCHEMA"},
 	{"lease", "IDEM_LEASE"}, {"ttl", "IDEM_TTL"}, {"handler-delay", "IDEM_HANDLER_DELAY"},
 	{"require-key", "IDEM_REQUIRE_KEY"}, {"rate-limit", "IDEM_RATE_LIMIT"},
+	{"read-timeout", "IDEM_READ_TIMEOUT"}, {"exit-with-parent", "IDEM_EXIT_WITH_PARENT"},
 }
 
 // demoShutdownTimeout bounds how long in-flight requests may take to finish after
-// SIGINT or SIGTERM.
+// SIGINT or SIGTERM, on top of --handler-delay.
 const demoShutdownTimeout = 30 * time.Second
 
+// The demo server's limits. A request's headers must arrive within
+// demoHeaderTimeout, the whole request within --read-timeout; the answer must be
+// written within --read-timeout + --handler-delay + demoHandlerBudget (database
+// work and the middleware's bounded cleanup); an idle keep-alive connection is
+// closed after demoIdleTimeout.
+const (
+	demoHeaderTimeout  = 10 * time.Second
+	demoReadTimeout    = 30 * time.Second
+	demoHandlerBudget  = 30 * time.Second
+	demoIdleTimeout    = 2 * time.Minute
+	demoMaxHeaderBytes = 64 << 10
+)
+
+// demoParentPoll is how often the demo checks that the process that started it
+// still runs.
+const demoParentPoll = 500 * time.Millisecond
+
+// demoNameRE is what --prefix and --schema accept: lower-case SQL identifier
+// characters, so that quoted (store) and unquoted (orders) names agree.
+var demoNameRE = regexp.MustCompile(`^[a-z_][a-z0-9_]*$`)
+
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	ppid := os.Getppid()
 	fs := flag.NewFlagSet("idem demo", flag.ContinueOnError)
 	addr := fs.String("addr", "127.0.0.1:8080", "`host:port` to listen on; port 0 picks a free one")
 	dbURL := fs.String("db", dbopen.DefaultDB, "business database: sqlite:PATH, postgres://… or mysql://USER@HOST:PORT/DB")
 	keys := fs.String("keys", "", "where the key records live: empty for the --db database, or redis://HOST:PORT/N (weaker: see the docs)")
-	table := fs.String("table", "", "advanced: the key records' table (or Redis key prefix); empty for the store's default (idem_records, idem:)")
+	table := fs.String("table", "", "advanced: the key records' table (or Redis key prefix); empty for the store's default (PREFIXidem_records, idem:)")
+	prefix := fs.String("prefix", "", "prefix of the tables' names: PREFIXorders and PREFIXidem_records (lower-case letters, digits, _)")
+	schema := fs.String("schema", "", "PostgreSQL only: the schema both tables live in, created if missing (on MySQL name another database in --db)")
 	lease := fs.Duration("lease", idem.DefaultLease, "how long a claimed key stays in flight without renewal (renewed while the handler runs)")
 	ttl := fs.Duration("ttl", idem.DefaultTTL, "how long a key's outcome is kept and replayed; must be at least --lease")
 	delay := fs.Duration("handler-delay", 0, "sleep this long inside the order's transaction after the insert (widens race windows)")
 	requireKey := fs.Bool("require-key", true, "answer 400 to POST /orders without an Idempotency-Key; false lets it through unprotected")
 	rate := fs.Int("rate-limit", 0, "per-tenant `requests` per second, answered 429 beyond (never bound to a key); 0 is off")
+	readTimeout := fs.Duration("read-timeout", demoReadTimeout, "how long a client may take to send a whole request, headers and body; a slower one is disconnected")
+	withParent := fs.Bool("exit-with-parent", true, "stop when the process that started the demo exits (a killed `go run`); false for nohup and the like")
 	fs.Usage = storeUsage(fs, demoUsage, demoEnv)
 	pos, code, ok := storeParse(fs, args, demoEnv, stdout, stderr)
 	if !ok {
@@ -92,73 +135,173 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if *rate < 0 {
 		return storeUsageError(stderr, fs, fmt.Sprintf("--rate-limit %d is negative; use 0 (off) or requests per second", *rate))
 	}
-	logger := slog.New(slog.NewTextHandler(&demoLockedWriter{w: stderr}, nil))
+	if *readTimeout <= 0 {
+		return storeUsageError(stderr, fs, fmt.Sprintf("--read-timeout %v is not positive; use a duration such as 30s", *readTimeout))
+	}
+	if *prefix != "" && (!demoNameRE.MatchString(*prefix) || len(*prefix) > 32) {
+		return storeUsageError(stderr, fs, fmt.Sprintf("--prefix %q is not usable; use up to 32 lower-case letters, digits and underscores, not starting with a digit, such as demo_", *prefix))
+	}
+	if *schema != "" && (!demoNameRE.MatchString(*schema) || len(*schema) > 63) {
+		return storeUsageError(stderr, fs, fmt.Sprintf("--schema %q is not usable; use up to 63 lower-case letters, digits and underscores, not starting with a digit, such as shop", *schema))
+	}
+	logger := demoLogger(stderr)
 	mwCfg := &idem.Config{
 		Lease:       *lease,
 		TTL:         *ttl,
 		KeyOptional: !*requireKey,
 		Observer:    demoObserver(logger),
+		// A 5xx says the order was not made (the database failed, the request was
+		// cancelled): keeping it would replay the failure to every retry until the
+		// TTL; releasing the key lets a retry try again.
+		KeepFunc: func(status int) bool { return status < 500 },
 	}
 	if err := mwCfg.Validate(); err != nil {
 		return storeUsageError(stderr, fs, strings.NewReplacer("Lease", "--lease", "TTL", "--ttl").Replace(err.Error()))
 	}
-
 	opts := dbopen.Options{DB: *dbURL, Keys: *keys, KeyTable: *table}
 	if err := opts.Check(); err != nil {
 		return storeUsageError(stderr, fs, err.Error())
 	}
-	h, err := dbopen.Open(ctx, opts)
-	if err != nil {
-		fmt.Fprintf(stderr, "idem demo: %v\n", err)
-		return exitFailure
+	target, _ := dbopen.ParseDB(opts.DB)
+	if *schema != "" && target.Dialect != orders.Postgres {
+		return storeUsageError(stderr, fs, fmt.Sprintf("--schema works on PostgreSQL only; on MySQL a schema is a database: name it in --db (mysql://USER@HOST/DB), and use --prefix for the table names (--db is %s)", target.Display))
 	}
-	defer h.Close()
-	if err := h.Migrate(ctx); err != nil {
-		fmt.Fprintf(stderr, "idem demo: %v\n", err)
-		return exitFailure
+	qualify := func(name string) string {
+		name = *prefix + name
+		if *schema != "" {
+			name = *schema + "." + name
+		}
+		return name
 	}
-	svc, err := orders.New(h.Orders, &orders.Config{HandlerDelay: *delay})
-	if err != nil {
-		fmt.Fprintf(stderr, "idem demo: %v\n", err)
-		return exitFailure
-	}
-	if err := svc.Migrate(ctx); err != nil {
-		fmt.Fprintf(stderr, "idem demo: %v\n", err)
-		return exitFailure
-	}
-	mw, err := idem.New(h.Store, mwCfg)
-	if err != nil {
-		fmt.Fprintf(stderr, "idem demo: %v\n", err)
-		return exitFailure
+	ordersTable := qualify(orders.DefaultTable)
+	if opts.KeyTable == "" && opts.Keys == "" && (*prefix != "" || *schema != "") {
+		opts.KeyTable = qualify("idem_records")
 	}
 
-	// auth → rate limit → routing → idem (POST /orders only) → orders.
-	var app http.Handler = svc.Handler(mw)
-	if *rate > 0 {
-		app = httprate.LimitBy(*rate, time.Second,
-			func(r *http.Request) (string, error) { return idem.ScopeFrom(r.Context()), nil },
-			httprate.WithLimitHandler(func(w http.ResponseWriter, r *http.Request) {
-				orders.WriteProblem(w, http.StatusTooManyRequests, "rate_limited",
-					fmt.Sprintf("this tenant sent more than %d requests in a second; wait for Retry-After and retry with the same Idempotency-Key (nothing was recorded)", *rate))
-			}),
-		)(app)
+	ctx, stop := context.WithCancelCause(ctx)
+	defer stop(nil)
+	if *withParent {
+		go demoWatchParent(ctx, ppid, stop)
 	}
-	root := http.NewServeMux()
-	root.HandleFunc("GET /healthz", svc.Healthz)
-	root.Handle("/", orders.Authenticate(app))
 
+	// Listen first and say so at once: whatever follows (reaching the database,
+	// migrating) may be slow, and a newcomer must see that the demo runs.
 	ln, err := net.Listen("tcp", *addr)
 	if err != nil {
 		fmt.Fprintf(stderr, "idem demo: cannot listen on %s (%v); is another process using it? Pick another address with --addr\n", *addr, err)
 		return exitFailure
 	}
+	base := demoBaseURL(ln.Addr())
+	fmt.Fprintf(stdout, "idem demo: listening on %s\n", base)
+
+	var app atomic.Pointer[http.Handler]
+	var starting http.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Retry-After", "1")
+		orders.WriteProblem(w, http.StatusServiceUnavailable, "database_unavailable", "the demo is still connecting to its database and creating its tables; retry in a second")
+	})
+	app.Store(&starting)
 	srv := &http.Server{
-		Handler:           root,
-		ReadHeaderTimeout: 10 * time.Second,
+		Handler:           http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { (*app.Load()).ServeHTTP(w, r) }),
+		ReadHeaderTimeout: min(demoHeaderTimeout, *readTimeout),
+		ReadTimeout:       *readTimeout,
+		WriteTimeout:      *readTimeout + *delay + demoHandlerBudget,
+		IdleTimeout:       demoIdleTimeout,
+		MaxHeaderBytes:    demoMaxHeaderBytes,
 		ErrorLog:          slog.NewLogLogger(logger.Handler(), slog.LevelWarn),
 	}
-	base := demoBaseURL(ln.Addr())
-	demoBanner(stdout, base, h, svc, *lease, *ttl, *delay, *requireKey, *rate)
+	serveErr := make(chan error, 1)
+	go func() { serveErr <- srv.Serve(ln) }()
+
+	code = demoServe(ctx, srv, serveErr, &app, demoSetup{
+		base: base, opts: opts, ordersTable: ordersTable, schema: *schema, delay: *delay, lease: *lease, ttl: *ttl,
+		requireKey: *requireKey, rate: *rate, mwCfg: mwCfg, logger: logger,
+	}, stdout, stderr)
+	fmt.Fprintln(stderr, "idem demo: stopped")
+	return code
+}
+
+// demoSetup is what demoServe needs to open the database and build the service.
+type demoSetup struct {
+	base              string
+	opts              dbopen.Options
+	ordersTable       string
+	schema            string
+	delay, lease, ttl time.Duration
+	requireKey        bool
+	rate              int
+	mwCfg             *idem.Config
+	logger            *slog.Logger
+}
+
+// demoServe opens the database while srv already answers 503, then serves the
+// service until ctx ends or the server fails, and shuts down. It returns the
+// exit code.
+func demoServe(ctx context.Context, srv *http.Server, serveErr chan error, app *atomic.Pointer[http.Handler], c demoSetup, stdout, stderr io.Writer) int {
+	shutdown := func(timeout time.Duration) int {
+		// A second Ctrl-C or SIGTERM kills the process at once.
+		signal.Reset(os.Interrupt, syscall.SIGTERM)
+		sctx, cancel := context.WithTimeout(context.Background(), timeout)
+		defer cancel()
+		if err := srv.Shutdown(sctx); err != nil {
+			_ = srv.Close()
+			fmt.Fprintf(stderr, "idem demo: requests still in flight after %v were cut off: %v\n", timeout, err)
+			return exitFailure
+		}
+		return exitOK
+	}
+	fail := func(err error) int {
+		if ctx.Err() != nil {
+			fmt.Fprintf(stderr, "idem demo: %v before the demo was ready\n", demoStopReason(ctx))
+			shutdown(time.Second)
+			return exitOK
+		}
+		fmt.Fprintf(stderr, "idem demo: %v\n", err)
+		shutdown(time.Second)
+		return exitFailure
+	}
+	h, err := dbopen.Open(ctx, c.opts)
+	if err != nil {
+		return fail(err)
+	}
+	defer h.Close()
+	if c.schema != "" {
+		if _, err := h.Pool.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+c.schema); err != nil {
+			return fail(fmt.Errorf("create schema %s: %w (may this role create schemas? Or create it yourself)", c.schema, err))
+		}
+	}
+	if err := h.Migrate(ctx); err != nil {
+		return fail(err)
+	}
+	svc, err := orders.New(h.Orders, &orders.Config{Table: c.ordersTable, HandlerDelay: c.delay})
+	if err != nil {
+		return fail(err)
+	}
+	if err := svc.Migrate(ctx); err != nil {
+		return fail(err)
+	}
+	mw, err := idem.New(h.Store, c.mwCfg)
+	if err != nil {
+		return fail(err)
+	}
+
+	// auth → rate limit → routing → idem (POST /orders only) → orders.
+	var routes http.Handler = svc.Handler(mw)
+	if c.rate > 0 {
+		rate := c.rate
+		routes = httprate.LimitBy(rate, time.Second,
+			func(r *http.Request) (string, error) { return idem.ScopeFrom(r.Context()), nil },
+			httprate.WithLimitHandler(func(w http.ResponseWriter, r *http.Request) {
+				orders.WriteProblem(w, http.StatusTooManyRequests, "rate_limited",
+					fmt.Sprintf("this tenant sent more than %d requests in a second; wait for Retry-After and retry with the same Idempotency-Key (nothing was recorded)", rate))
+			}),
+		)(routes)
+	}
+	root := http.NewServeMux()
+	root.HandleFunc("GET /healthz", svc.Healthz)
+	root.Handle("/", orders.Authenticate(routes))
+	var ready http.Handler = root
+	app.Store(&ready)
+	demoBanner(stdout, c.base, h, svc, c.lease, c.ttl, c.delay, c.requireKey, c.rate)
 
 	jctx, jcancel := context.WithCancel(context.WithoutCancel(ctx))
 	var wg sync.WaitGroup
@@ -170,33 +313,24 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			Interval: time.Minute, // expired records already count as absent
 			OnSweep: func(n int, err error) {
 				if err != nil {
-					logger.Warn("janitor", "deleted", n, "err", err)
+					c.logger.Warn("janitor", "deleted", n, "err", err)
 				} else if n > 0 {
-					logger.Info("janitor", "deleted", n)
+					c.logger.Info("janitor", "deleted", n)
 				}
 			},
 		}
 		_ = j.Run(jctx)
 	}()
 
-	serveErr := make(chan error, 1)
-	go func() { serveErr <- srv.Serve(ln) }()
-	code = exitOK
+	code := exitOK
 	select {
 	case err := <-serveErr:
 		fmt.Fprintf(stderr, "idem demo: the server stopped: %v\n", err)
 		code = exitFailure
 	case <-ctx.Done():
-		// A second Ctrl-C kills the process at once.
-		signal.Reset(os.Interrupt, syscall.SIGTERM)
-		fmt.Fprintf(stderr, "idem demo: shutting down; waiting up to %v for requests in flight (Ctrl-C again to stop at once)\n", demoShutdownTimeout)
-		sctx, cancel := context.WithTimeout(context.Background(), demoShutdownTimeout)
-		err := srv.Shutdown(sctx)
-		cancel()
-		if err != nil {
-			fmt.Fprintf(stderr, "idem demo: requests still in flight after %v were cut off: %v\n", demoShutdownTimeout, err)
-			code = exitFailure
-		}
+		timeout := demoShutdownTimeout + c.delay
+		fmt.Fprintf(stderr, "idem demo: %v; shutting down; waiting up to %v for requests in flight (Ctrl-C again to stop at once)\n", demoStopReason(ctx), timeout)
+		code = shutdown(timeout)
 	}
 	jcancel()
 	wg.Wait()
@@ -204,7 +338,6 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "idem demo: closing the database: %v\n", err)
 		code = exitFailure
 	}
-	fmt.Fprintln(stderr, "idem demo: stopped")
 	return code
 }
 
@@ -221,8 +354,9 @@ func demoBaseURL(addr net.Addr) string {
 	return "http://" + net.JoinHostPort(host, port)
 }
 
+// demoBanner prints, after the "listening on" line, where the data lives and a
+// curl command to paste.
 func demoBanner(w io.Writer, base string, h *dbopen.Handle, svc *orders.Service, lease, ttl, delay time.Duration, requireKey bool, rate int) {
-	fmt.Fprintf(w, "idem demo: listening on %s\n", base)
 	fmt.Fprintf(w, "  orders: %s (table %s)\n", h.Target.Display, svc.Table())
 	if h.Transactional() {
 		fmt.Fprintf(w, "  keys:   %s; an order and its stored answer commit in one transaction\n", h.KeysAt)
@@ -254,15 +388,88 @@ Press Ctrl-C to stop.
 `, base)
 }
 
+// errParentExited is the cause of the demo's stop when the process that
+// started it exits.
+var errParentExited = errors.New("the process that started the demo exited")
+
+// demoWatchParent stops the demo (stop(errParentExited)) when its parent
+// process changes from ppid: on Unix an orphan is re-parented, to init or a
+// subreaper. It returns when ctx ends. With ppid 1 (started by init, or already
+// orphaned) there is nothing to watch.
+func demoWatchParent(ctx context.Context, ppid int, stop context.CancelCauseFunc) {
+	if ppid <= 1 {
+		return
+	}
+	t := time.NewTicker(demoParentPoll)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			if os.Getppid() != ppid {
+				stop(fmt.Errorf("%w (pid %d)", errParentExited, ppid))
+				return
+			}
+		}
+	}
+}
+
+// demoStopReason says why ctx ended, for the shutdown message.
+func demoStopReason(ctx context.Context) string {
+	if err := context.Cause(ctx); errors.Is(err, errParentExited) {
+		return err.Error()
+	}
+	return "interrupted (SIGINT or SIGTERM)"
+}
+
+// demoMaxLogValue is the most bytes of one value a demo log line repeats.
+const demoMaxLogValue = 200
+
+// demoLogger returns the demo's logger: text lines on w, every string, error
+// and message bounded to demoMaxLogValue bytes, so that a client's input
+// (a bearer token, a URL, a key) is never logged whole.
+func demoLogger(w io.Writer) *slog.Logger {
+	return slog.New(slog.NewTextHandler(&demoLockedWriter{w: w}, &slog.HandlerOptions{
+		ReplaceAttr: func(_ []string, a slog.Attr) slog.Attr {
+			switch a.Value.Kind() {
+			case slog.KindString:
+				a.Value = slog.StringValue(demoBound(a.Value.String()))
+			case slog.KindAny:
+				if err, ok := a.Value.Any().(error); ok {
+					a.Value = slog.StringValue(demoBound(err.Error()))
+				} else if _, ok := a.Value.Any().(fmt.Stringer); ok {
+					a.Value = slog.StringValue(demoBound(a.Value.String()))
+				}
+			}
+			return a
+		},
+	}))
+}
+
+// demoBound cuts v after demoMaxLogValue bytes (on a rune boundary) and notes
+// its length.
+func demoBound(v string) string {
+	if len(v) <= demoMaxLogValue {
+		return v
+	}
+	cut := demoMaxLogValue
+	for cut > 0 && !utf8.RuneStart(v[cut]) {
+		cut--
+	}
+	return v[:cut] + fmt.Sprintf("…(%d bytes)", len(v))
+}
+
 // demoObserver logs what an operator must know about: store failures, lost
-// leases and released keys.
+// leases and released keys. Scope and key come from the client: they are
+// quoted and bounded.
 func demoObserver(logger *slog.Logger) idem.Observer {
 	return idem.ObserverFunc(func(ctx context.Context, e idem.Event) {
 		switch e.Kind {
 		case idem.EventStoreError, idem.EventLeaseLost:
-			logger.Warn("idem: "+e.Kind.String(), "scope", e.Scope, "key", e.Key, "status", e.Status, "err", e.Err)
+			logger.Warn("idem: "+e.Kind.String(), "scope", orders.Quote(e.Scope), "key", orders.Quote(e.Key), "status", e.Status, "err", e.Err)
 		case idem.EventReleased, idem.EventTakenOver:
-			logger.Info("idem: "+e.Kind.String(), "scope", e.Scope, "key", e.Key, "err", e.Err)
+			logger.Info("idem: "+e.Kind.String(), "scope", orders.Quote(e.Scope), "key", orders.Quote(e.Key), "err", e.Err)
 		}
 	})
 }

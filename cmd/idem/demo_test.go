@@ -1,21 +1,29 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
+	"sync"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/internal/racetest"
 	"github.com/idemkit/idem/internal/testenv"
 	"github.com/idemkit/idem/sqlitestore/embedded"
+	"github.com/jackc/pgx/v5"
 )
 
 type httpAnswer struct {
@@ -681,4 +689,417 @@ func TestDemoSecondInterrupt(t *testing.T) {
 		t.Errorf("exit code 0 after a forced stop")
 	}
 	t.Logf("stopped %v after the second SIGINT", time.Since(start).Round(time.Millisecond))
+}
+
+// rawExchange writes req on a new connection to addr and returns what the
+// server sent until it closed the connection, and how long that took; it fails
+// the test if the server holds the connection for longer than hold.
+func rawExchange(t *testing.T, addr, req string, hold time.Duration) (string, time.Duration) {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Error(err)
+		return "", 0
+	}
+	defer c.Close()
+	start := time.Now()
+	if _, err := io.WriteString(c, req); err != nil {
+		t.Error(err)
+		return "", 0
+	}
+	_ = c.SetReadDeadline(start.Add(hold))
+	data, err := io.ReadAll(c)
+	if err != nil && !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("after %v the server still holds the connection (%v); got %q", time.Since(start).Round(time.Millisecond), err, data)
+	}
+	return string(data), time.Since(start)
+}
+
+// TestDemoSlowBody: 200 connections at once send a POST's headers and a part of
+// its body, then nothing. With --read-timeout 1s each is answered or dropped
+// within seconds (the demo had no body read timeout: they were held for
+// minutes), and the demo keeps serving. Headers over 64 KiB are refused.
+func TestDemoSlowBody(t *testing.T) {
+	t.Parallel()
+	d := startDemo(t, t.TempDir(), []string{"IDEM_READ_TIMEOUT=1s"})
+	addr := "127.0.0.1:" + d.Port
+	const n = 200
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	var mu sync.Mutex
+	var slowest time.Duration
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			req := "POST /orders HTTP/1.1\r\nHost: demo\r\nAuthorization: Bearer t1\r\nIdempotency-Key: slow-" + strconv.Itoa(i) +
+				"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"cart_id\":"
+			<-start
+			_, took := rawExchange(t, addr, req, 20*time.Second)
+			mu.Lock()
+			slowest = max(slowest, took)
+			mu.Unlock()
+		}()
+	}
+	close(start)
+	wg.Wait()
+	t.Logf("%d half-sent bodies: the last connection was closed after %v", n, slowest.Round(time.Millisecond))
+	if a := sendHTTP(t, "POST", d.URL+"/orders", "t1", "after-slow", `{"cart_id":"c_slow","total_cents":1}`); a.Status != 201 {
+		t.Fatalf("a normal request after the slow ones: %d %s", a.Status, a.Body)
+	}
+	// A half-sent header is dropped too (ReadHeaderTimeout ≤ --read-timeout).
+	rawExchange(t, addr, "GET /orders HTTP/1.1\r\nHost: demo\r\nAuthoriza", 20*time.Second)
+	big := "GET /orders HTTP/1.1\r\nHost: demo\r\nAuthorization: Bearer " + strings.Repeat("a", 100<<10) + "\r\n\r\n"
+	if got, _ := rawExchange(t, addr, big, 20*time.Second); !strings.HasPrefix(got, "HTTP/1.1 431") {
+		t.Errorf("100 KiB of headers: %.100q, want 431", got)
+	}
+}
+
+// TestDemoHostileInputDatabases drives the built demo on PostgreSQL and MariaDB
+// with NUL bytes, invalid UTF-8 and hostile bearer tokens: every answer is a
+// 4xx problem (PostgreSQL answered 500 database_error), the stderr log stays
+// small (a 3 KB token used to be logged whole with the store error it caused),
+// and a valid order still works.
+func TestDemoHostileInputDatabases(t *testing.T) {
+	t.Parallel()
+	for _, name := range []string{"postgres", "mysql"} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			var dbURL string
+			if name == "postgres" {
+				dbURL = newPostgresDatabase(t)
+			} else {
+				dbURL, _ = newMySQLDatabase(t)
+			}
+			d := startDemo(t, t.TempDir(), nil, "--db", dbURL)
+			type req struct{ method, path, auth, body string }
+			reqs := []req{
+				{"GET", "/orders/%00", "Bearer t1", ""},
+				{"GET", "/orders/%ff", "Bearer t1", ""},
+				{"GET", "/orders?cart_id=%00", "Bearer t1", ""},
+				{"GET", "/orders?cart_id=%ff", "Bearer t1", ""},
+				{"GET", "/orders?after=%00", "Bearer t1", ""},
+				{"POST", "/orders", "Bearer t1", `{"cart_id":"c\u0000","total_cents":1}`},
+				{"POST", "/orders", "Bearer t1", "{\"cart_id\":\"c\xff\",\"total_cents\":1}"},
+				{"POST", "/orders", "Bearer t\xff1", `{"cart_id":"c_1","total_cents":1}`},
+				{"GET", "/orders", "Bearer t\xff1", ""},
+				{"POST", "/orders", "Bearer " + strings.Repeat("a", 3000), `{"cart_id":"c_1","total_cents":1}`},
+				{"POST", "/orders", "Bearer " + strings.Repeat("b", 60000), `{"cart_id":"c_1","total_cents":1}`},
+				{"POST", "/orders", "Bearer " + strings.Repeat("c", 900<<10), `{"cart_id":"c_1","total_cents":1}`},
+			}
+			for i, r := range reqs {
+				hr, err := http.NewRequest(r.method, d.URL+r.path, strings.NewReader(r.body))
+				if err != nil {
+					t.Fatal(err)
+				}
+				hr.Header.Set("Authorization", r.auth)
+				hr.Header.Set("Idempotency-Key", "hostile-"+strconv.Itoa(i))
+				resp, err := (&http.Client{Transport: &http.Transport{DisableKeepAlives: true}}).Do(hr)
+				if err != nil {
+					t.Fatalf("%s %s: %v", r.method, r.path, err)
+				}
+				body, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				if resp.StatusCode < 400 || resp.StatusCode > 499 {
+					t.Errorf("%s %s (token %d bytes, body %.40q): %d %.200s, want a 4xx", r.method, r.path, len(r.auth), r.body, resp.StatusCode, body)
+				}
+				if resp.StatusCode != 431 && resp.Header.Get("Content-Type") != "application/problem+json" {
+					t.Errorf("%s %s: %d with %q, want a problem", r.method, r.path, resp.StatusCode, resp.Header.Get("Content-Type"))
+				}
+			}
+			if a := sendHTTP(t, "POST", d.URL+"/orders", "t1", "fine", `{"cart_id":"c_ok ☕","total_cents":1}`); a.Status != 201 {
+				t.Fatalf("valid order: %d %s", a.Status, a.Body)
+			}
+			if out := d.output(); len(out) > 8<<10 || strings.Contains(out, strings.Repeat("a", 300)) {
+				t.Fatalf("the log repeats client input (%d bytes):\n%.2000s", len(out), out)
+			}
+		})
+	}
+}
+
+// TestDemoLoggerBounds: whatever a log line carries (message, string, error),
+// at most demoMaxLogValue bytes of it are written.
+func TestDemoLoggerBounds(t *testing.T) {
+	t.Parallel()
+	var buf strings.Builder
+	logger := demoLogger(&buf)
+	huge := strings.Repeat("x", 900<<10)
+	demoObserver(logger).Observe(context.Background(), idem.Event{Kind: idem.EventStoreError, Scope: huge, Key: "k", Err: errors.New(huge)})
+	logger.Warn(huge, "value", huge)
+	if buf.Len() > 2000 || !strings.Contains(buf.String(), "(921600 bytes)") {
+		t.Fatalf("%d bytes logged for two lines carrying 900 KB values:\n%.3000s", buf.Len(), buf.String())
+	}
+}
+
+// blackHole accepts TCP connections and never answers: a database that hangs.
+func blackHole(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var conns []net.Conn
+	var mu sync.Mutex
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+		}
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			c.Close()
+		}
+	})
+	return ln.Addr().String()
+}
+
+// startRaw starts `idem demo args…` and returns it once its first line is out,
+// without waiting for /healthz.
+func startRaw(t *testing.T, env []string, args ...string) (d *demoProc, first string, took time.Duration) {
+	t.Helper()
+	d = &demoProc{done: make(chan struct{})}
+	d.cmd = exec.Command(idemBin, append([]string{"demo", "--addr", "127.0.0.1:0"}, args...)...)
+	d.cmd.Dir = t.TempDir()
+	d.cmd.Env = cliEnv(env...)
+	d.cmd.Stderr = cliLockedBuf{&d.mu, &d.errb}
+	stdout, err := d.cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	began := time.Now()
+	if err := d.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	lines := make(chan string, 1)
+	go func() {
+		r := bufio.NewReader(stdout)
+		line, _ := r.ReadString('\n')
+		lines <- strings.TrimRight(line, "\n")
+		_, _ = io.Copy(cliLockedBuf{&d.mu, &d.out}, r)
+	}()
+	go func() {
+		_ = d.cmd.Wait()
+		d.code = d.cmd.ProcessState.ExitCode()
+		close(d.done)
+	}()
+	t.Cleanup(func() { d.stop(t) })
+	select {
+	case first = <-lines:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("no output in 30s:\n%s", d.output())
+	}
+	took = time.Since(began)
+	if m := listenRE.FindStringSubmatch(first); m != nil {
+		d.URL, d.Port = m[1], m[2]
+	}
+	return d, first, took
+}
+
+// TestDemoListensFirst: with a database that hangs, the demo says where it
+// listens at once (it used to print nothing until the database answered or its
+// 10 s ping gave up), answers 503 with Retry-After meanwhile, and Ctrl-C stops
+// it at once and cleanly.
+func TestDemoListensFirst(t *testing.T) {
+	t.Parallel()
+	for _, sig := range []os.Signal{os.Interrupt, syscall.SIGTERM} {
+		t.Run(sig.String(), func(t *testing.T) {
+			t.Parallel()
+			d, first, took := startRaw(t, nil, "--db", "postgres://postgres@"+blackHole(t)+"/test?sslmode=disable")
+			if d.URL == "" || took > 5*time.Second {
+				t.Fatalf("first line %q after %v; want the address within 5s", first, took)
+			}
+			resp, err := http.Get(d.URL + "/orders")
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" {
+				t.Fatalf("while starting: %d Retry-After %q, want 503 with Retry-After", resp.StatusCode, resp.Header.Get("Retry-After"))
+			}
+			_ = d.cmd.Process.Signal(sig)
+			select {
+			case <-d.done:
+			case <-time.After(5 * time.Second):
+				t.Fatalf("still running 5s after %v during start-up:\n%s", sig, d.output())
+			}
+			if d.code != 0 || !strings.Contains(d.output(), "idem demo: stopped") {
+				t.Fatalf("exit %d after %v during start-up, want 0 and a stop message:\n%s", d.code, sig, d.output())
+			}
+		})
+	}
+}
+
+// TestDemoSIGTERM: SIGTERM stops a serving demo as cleanly as Ctrl-C.
+func TestDemoSIGTERM(t *testing.T) {
+	t.Parallel()
+	d := startDemo(t, t.TempDir(), nil)
+	_ = d.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-d.done:
+	case <-time.After(20 * time.Second):
+		t.Fatalf("still running 20s after SIGTERM:\n%s", d.output())
+	}
+	if d.code != 0 || !strings.Contains(d.output(), "interrupted") || !strings.Contains(d.output(), "idem demo: stopped") {
+		t.Fatalf("exit %d after SIGTERM:\n%s", d.code, d.output())
+	}
+}
+
+// TestDemoExitsWithParent starts the demo from a shell, as `go run` does, and
+// kills the shell with SIGKILL: the orphaned demo used to serve on; now it
+// notices and stops cleanly.
+func TestDemoExitsWithParent(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	errFile := filepath.Join(dir, "stderr")
+	sh := exec.Command("/bin/sh", "-c", `"$0" demo --addr 127.0.0.1:0 2>"$1" & echo "pid $!"; wait`, idemBin, errFile)
+	sh.Dir = dir
+	sh.Env = cliEnv()
+	out, err := sh.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sh.Start(); err != nil {
+		t.Fatal(err)
+	}
+	r := bufio.NewReader(out)
+	var pid int
+	var url string
+	for pid == 0 || url == "" {
+		line, err := r.ReadString('\n')
+		if err != nil {
+			t.Fatalf("reading the shell's output: %v", err)
+		}
+		line = strings.TrimSpace(line)
+		if p, ok := strings.CutPrefix(line, "pid "); ok {
+			pid, _ = strconv.Atoi(p)
+			t.Cleanup(func() { _ = syscall.Kill(pid, syscall.SIGKILL) })
+		}
+		if m := listenRE.FindStringSubmatch(line); m != nil {
+			url = m[1]
+		}
+	}
+	exited := make(chan struct{})
+	go func() { _, _ = io.Copy(io.Discard, r); close(exited) }() // EOF: the demo closed its stdout
+	_ = sh.Process.Kill()
+	_, _ = sh.Process.Wait() // not sh.Wait: it would close the pipe before the demo's EOF
+	select {
+	case <-exited:
+	case <-time.After(15 * time.Second):
+		t.Fatalf("the demo (pid %d) still runs 15s after its parent was killed", pid)
+	}
+	_ = sh.Wait()
+	if _, err := http.Get(url + "/healthz"); err == nil {
+		t.Fatalf("the demo still answers at %s", url)
+	}
+	log, _ := os.ReadFile(errFile)
+	if !strings.Contains(string(log), "the process that started the demo exited") || !strings.Contains(string(log), "idem demo: stopped") {
+		t.Fatalf("no clean stop in the log:\n%s", log)
+	}
+}
+
+// TestDemoPrefixSchema: --schema (PostgreSQL) and --prefix put both tables
+// where they are asked for; --schema on MySQL is a usage error that says what
+// to do; --help says which tables the demo creates.
+func TestDemoPrefixSchema(t *testing.T) {
+	t.Parallel()
+	t.Run("postgres", func(t *testing.T) {
+		t.Parallel()
+		dbURL := newPostgresDatabase(t)
+		d := startDemo(t, t.TempDir(), []string{"IDEM_SCHEMA=shop"}, "--db", dbURL, "--prefix", "p_")
+		if a := sendHTTP(t, "POST", d.URL+"/orders", "t1", "schema-1", `{"cart_id":"c_s","total_cents":1}`); a.Status != 201 {
+			t.Fatalf("POST: %d %s", a.Status, a.Body)
+		}
+		pg := pgConnect(t, dbURL)
+		rows, err := pg.Query(context.Background(), "SELECT table_schema || '.' || table_name FROM information_schema.tables WHERE table_schema NOT IN ('pg_catalog', 'information_schema') ORDER BY 1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.Join(names, " ") != "shop.p_idem_records shop.p_orders" {
+			t.Fatalf("tables %v, want shop.p_idem_records and shop.p_orders only", names)
+		}
+		var n int
+		if err := pg.QueryRow(context.Background(), "SELECT count(*) FROM shop.p_orders WHERE cart_id = 'c_s'").Scan(&n); err != nil || n != 1 {
+			t.Fatalf("%d orders in shop.p_orders (%v), want 1", n, err)
+		}
+		if !strings.Contains(d.output(), "table shop.p_orders") {
+			t.Errorf("the banner does not name the orders table:\n%s", d.output())
+		}
+	})
+	t.Run("mysql", func(t *testing.T) {
+		t.Parallel()
+		dbURL, db := newMySQLDatabase(t)
+		d := startDemo(t, t.TempDir(), nil, "--db", dbURL, "--prefix", "m_")
+		if a := sendHTTP(t, "POST", d.URL+"/orders", "t1", "prefix-1", `{"cart_id":"c_m","total_cents":1}`); a.Status != 201 {
+			t.Fatalf("POST: %d %s", a.Status, a.Body)
+		}
+		rows, err := db.Query("SELECT table_name FROM information_schema.tables WHERE table_schema = DATABASE() ORDER BY 1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer rows.Close()
+		var names []string
+		for rows.Next() {
+			var s string
+			_ = rows.Scan(&s)
+			names = append(names, s)
+		}
+		if strings.Join(names, " ") != "m_idem_records m_idem_records_migrations m_orders" {
+			t.Fatalf("tables %v, want the m_ ones only", names)
+		}
+		code, _, stderr := runIdem(t, t.TempDir(), nil, "demo", "--db", dbURL, "--schema", "shop")
+		if code != 2 || !strings.Contains(stderr, "name it in --db") {
+			t.Fatalf("--schema on MySQL: exit %d %s", code, stderr)
+		}
+	})
+	code, out, _ := runIdem(t, t.TempDir(), nil, "demo", "--help")
+	if code != 0 || !strings.Contains(out, "CREATES TABLES") || !strings.Contains(out, "--schema") || !strings.Contains(out, "--prefix") {
+		t.Fatalf("--help does not say which tables the demo creates:\n%s", out)
+	}
+	for _, bad := range [][]string{{"--prefix", "Bad-"}, {"--schema", "a.b"}, {"--read-timeout", "0s"}} {
+		if code, _, stderr := runIdem(t, t.TempDir(), nil, append([]string{"demo"}, bad...)...); code != 2 || !strings.Contains(stderr, bad[0]) {
+			t.Errorf("%v: exit %d %s, want a usage error", bad, code, stderr)
+		}
+	}
+}
+
+// TestDemoDatabaseFailureNotKept: an order that failed because the database
+// did (here: its table was renamed away) is not stored as the key's outcome; the
+// retry with the same key, once the database is back, creates the order. It
+// used to replay the 500 until the TTL.
+func TestDemoDatabaseFailureNotKept(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	d := startDemo(t, dir, nil)
+	db, err := embedded.Open(filepath.Join(dir, "idem-demo.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	if _, err := db.Exec("ALTER TABLE orders RENAME TO orders_away"); err != nil {
+		t.Fatal(err)
+	}
+	body := `{"cart_id":"c_fail","total_cents":1}`
+	if a := sendHTTP(t, "POST", d.URL+"/orders", "t1", "fail-1", body); a.Status != 500 || a.code() != "order_not_saved" {
+		t.Fatalf("with the table gone: %d %s, want 500 order_not_saved", a.Status, a.Body)
+	}
+	if _, err := db.Exec("ALTER TABLE orders_away RENAME TO orders"); err != nil {
+		t.Fatal(err)
+	}
+	a := sendHTTP(t, "POST", d.URL+"/orders", "t1", "fail-1", body)
+	if a.Status != 201 || a.replayed() {
+		t.Fatalf("retry once the table is back: %d replayed=%v %s, want an executed 201", a.Status, a.replayed(), a.Body)
+	}
 }

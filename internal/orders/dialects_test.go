@@ -98,3 +98,32 @@ func TestMySQL(t *testing.T) {
 	}
 	exercise(t, b, table)
 }
+
+// TestPostgresSchema keeps the orders table in a schema of its own
+// (Config.Table "schema.table"), as `idem demo --schema` does.
+func TestPostgresSchema(t *testing.T) {
+	t.Parallel()
+	pool, err := pgxpool.New(context.Background(), testenv.PostgresURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	schema := randomTable(t)
+	if _, err := pool.Exec(context.Background(), "CREATE SCHEMA "+schema); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+schema+" CASCADE") })
+	b, err := orders.Pgx(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	exercise(t, b, schema+".orders")
+	var n int
+	if err := pool.QueryRow(context.Background(), "SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND indexname = 'orders_tenant_cart_idx'", schema).Scan(&n); err != nil || n != 1 {
+		t.Fatalf("index in the schema: %d (%v), want 1", n, err)
+	}
+	sq, _ := orders.SQL(openSQLite(t), orders.SQLite, nil)
+	if _, err := orders.New(sq, &orders.Config{Table: "main.orders"}); err == nil {
+		t.Error("SQLite accepted a schema-qualified table")
+	}
+}

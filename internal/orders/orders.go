@@ -50,7 +50,8 @@ type Order struct {
 
 // Config configures a Service. A nil *Config means all defaults.
 type Config struct {
-	// Table is the orders table. Defaults to "orders".
+	// Table is the orders table: a name, or schema.name on PostgreSQL and MySQL
+	// (where a schema is a database). Defaults to "orders".
 	Table string
 	// HandlerDelay is how long POST /orders sleeps inside its transaction after the
 	// insert, to widen race windows in demonstrations and tests. Defaults to 0.
@@ -66,6 +67,7 @@ type Config struct {
 type Service struct {
 	b      Backend
 	cfg    Config
+	bare   string // the table name without its schema
 	insert string
 	getOne string
 	cols   string
@@ -85,9 +87,12 @@ func New(b Backend, cfg *Config) (*Service, error) {
 	if s.cfg.Table == "" {
 		s.cfg.Table = DefaultTable
 	}
-	if !identRE.MatchString(s.cfg.Table) {
-		return nil, fmt.Errorf("orders: table name %q is not a plain SQL identifier; use letters, digits and underscores", s.cfg.Table)
+	parts := strings.Split(s.cfg.Table, ".")
+	qualifiable := b.Dialect() == Postgres || b.Dialect() == MySQL
+	if len(parts) > 2 || len(parts) == 2 && !qualifiable || !identRE.MatchString(parts[0]) || !identRE.MatchString(parts[len(parts)-1]) {
+		return nil, fmt.Errorf("orders: table name %q is not a plain SQL identifier (or schema.table on PostgreSQL and MySQL); use letters, digits and underscores", s.cfg.Table)
 	}
+	s.bare = parts[len(parts)-1]
 	if s.cfg.HandlerDelay < 0 {
 		return nil, fmt.Errorf("orders: HandlerDelay is %v; use 0 or more", s.cfg.HandlerDelay)
 	}

@@ -8,7 +8,7 @@ import (
 // Schema returns the statements that create the orders table and its index in
 // the backend's dialect. Each is idempotent (IF NOT EXISTS).
 func (s *Service) Schema() []string {
-	t := s.cfg.Table
+	t, idx := s.cfg.Table, s.bare+"_tenant_cart_idx"
 	switch s.b.Dialect() {
 	case Postgres:
 		return []string{
@@ -19,7 +19,7 @@ func (s *Service) Schema() []string {
 	total_cents BIGINT NOT NULL CHECK (total_cents >= 0),
 	created_at  TIMESTAMPTZ NOT NULL
 )`,
-			`CREATE INDEX IF NOT EXISTS ` + t + `_tenant_cart_idx ON ` + t + ` (tenant, cart_id, created_at)`,
+			`CREATE INDEX IF NOT EXISTS ` + idx + ` ON ` + t + ` (tenant, cart_id, created_at)`,
 		}
 	case MySQL:
 		return []string{
@@ -29,7 +29,7 @@ func (s *Service) Schema() []string {
 	cart_id     VARCHAR(255) NOT NULL,
 	total_cents BIGINT NOT NULL,
 	created_at  DATETIME(6) NOT NULL,
-	INDEX ` + t + `_tenant_cart_idx (tenant, cart_id, created_at)
+	INDEX ` + idx + ` (tenant, cart_id, created_at)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin`,
 		}
 	default: // SQLite
@@ -41,7 +41,7 @@ func (s *Service) Schema() []string {
 	total_cents INTEGER NOT NULL CHECK (total_cents >= 0),
 	created_at  TEXT NOT NULL
 )`,
-			`CREATE INDEX IF NOT EXISTS ` + t + `_tenant_cart_idx ON ` + t + ` (tenant, cart_id, created_at)`,
+			`CREATE INDEX IF NOT EXISTS ` + idx + ` ON ` + t + ` (tenant, cart_id, created_at)`,
 		}
 	}
 }
