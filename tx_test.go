@@ -24,7 +24,18 @@ type fakeTxStore struct {
 	mu         sync.Mutex
 	committed  []string
 	failCommit atomic.Bool
-	beforeDone func() // called in Tx.Complete before the fenced check
+	// commitErr, when set, is what Commit returns instead of committing.
+	commitErr   func() error
+	failRelease atomic.Bool
+	beforeDone  func() // called in Tx.Complete before the fenced check
+}
+
+// Release fails while failRelease is set, as an unreachable store would.
+func (s *fakeTxStore) Release(ctx context.Context, scope, key, token string) error {
+	if s.failRelease.Load() {
+		return errors.New("release: connection refused")
+	}
+	return s.Store.Release(ctx, scope, key, token)
 }
 
 type fakeTx struct {
@@ -57,6 +68,10 @@ func (tx *fakeTx) Commit(context.Context) error {
 	if tx.s.failCommit.Load() {
 		tx.done = true
 		return errors.New("commit failed: connection reset")
+	}
+	if tx.s.commitErr != nil {
+		tx.done = true
+		return tx.s.commitErr()
 	}
 	if err := tx.complete(); err != nil {
 		return err
