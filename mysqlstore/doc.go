@@ -116,6 +116,30 @@
 // gone, so its transaction is rolled back. The claim itself commits on its own
 // before the handler runs (claim-then-complete).
 //
+// InnoDB may end the transaction on its own: it rolls the whole transaction back
+// when it picks it as a deadlock victim (error 1213), or on a lock wait timeout
+// (1205) under innodb_rollback_on_timeout, and the session leaves it. In
+// autocommit mode every later statement would then commit by itself — the
+// handler's, when it ignores the error, and the completion — and a stored 201
+// would replay an order that was rolled back. So the session runs the
+// transaction with autocommit off (a statement after the rollback opens a new
+// transaction, which is never committed), and the transaction starts with a
+// savepoint that vanishes with a rollback. The completion (and the commit, when
+// no completion came before it) first releases the savepoint; when it is gone,
+// it reports idem.ErrTxAborted and nothing is committed: not the handler's writes
+// before the abort, not those after it, not the completion. The middleware then
+// rolls back. The connection's autocommit is turned back on before it returns to
+// the pool (or the connection is closed). The guard costs four round trips per
+// request (SET autocommit = 0, SAVEPOINT, RELEASE SAVEPOINT, SET autocommit = 1).
+// It does not cover a handler that ends the transaction itself (COMMIT, or a
+// statement with an implicit commit such as CREATE TABLE): never do that in the
+// request's transaction.
+//
+// A statement that fails without ending the transaction (a duplicate key the
+// handler answers 409 for, a value the column refuses) leaves the transaction
+// usable: MySQL rolls back only that statement, and the handler's answer is
+// stored with its other writes.
+//
 // Each executing request holds one pooled connection for its transaction, and
 // claims, lease renewals and other requests need others: size
 // sql.DB.SetMaxOpenConns (and the server's max_connections) for that. The store
@@ -128,7 +152,7 @@
 // The store also implements idem.SingleTxStore (idem.FlowSingleTx): BeginLocked
 // takes one connection for the request, takes a named lock on (scope, key) with
 // GET_LOCK(name, 0) — held elsewhere means 409 at once —, begins a READ COMMITTED
-// transaction and reads the record; the handler writes in it; the record is
+// transaction (guarded as above) and reads the record; the handler writes in it; the record is
 // inserted, already complete, just before the one COMMIT. GET_LOCK belongs to the
 // session, not the transaction, so Commit and Rollback release it explicitly after
 // ending the transaction, and close the connection instead of pooling it when the

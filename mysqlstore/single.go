@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"database/sql"
-	"database/sql/driver"
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
@@ -72,10 +71,10 @@ func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Tim
 		_ = conn.Close()
 		return ctx, nil, nil, idem.ErrInFlight
 	}
-	lt.tx, err = conn.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	lt.tx, err = s.beginOn(ctx, conn)
 	if err != nil {
 		lt.release()
-		return ctx, nil, nil, s.wrap(err)
+		return ctx, nil, nil, err
 	}
 	rec, err := scanRecord(lt.tx.StmtContext(ctx, lt.read).QueryRowContext(ctx, []byte(scope), []byte(key)))
 	switch {
@@ -101,8 +100,9 @@ type lockedTx struct {
 	expired        bool // BeginLocked found an expired record to replace
 	read, del, ins *sql.Stmt
 
-	mu   sync.Mutex
-	done bool
+	mu      sync.Mutex
+	checked bool // the savepoint was released: the transaction was open then
+	done    bool
 }
 
 // Insert implements idem.LockedTx. It writes rec, first deleting the record that
@@ -131,8 +131,21 @@ func (t *lockedTx) Insert(ctx context.Context, rec *idem.Record) error {
 		status = sql.NullInt32{Int32: int32(r.Status), Valid: true}
 		hdr, body, omitted, ref = args[1].([]byte), args[2].([]byte), r.BodyOmitted, args[4].([]byte)
 	}
+	// First the check that the server has not rolled the transaction back.
+	t.mu.Lock()
+	if !t.checked {
+		if err := t.s.checkOpen(ctx, t.tx); err != nil {
+			t.mu.Unlock()
+			return err
+		}
+		t.checked = true
+	}
+	t.mu.Unlock()
 	if t.expired {
 		if _, err := t.tx.StmtContext(ctx, t.del).ExecContext(ctx, []byte(rec.Scope), []byte(rec.Key), t.now.UnixMicro()); err != nil {
+			if deadlocked(err) {
+				return errAborted(err)
+			}
 			return t.s.wrap(err)
 		}
 	}
@@ -143,18 +156,33 @@ func (t *lockedTx) Insert(ctx context.Context, rec *idem.Record) error {
 	if code, ok := errorNumber(err); ok && code == 1062 { // ER_DUP_ENTRY
 		return idem.ErrInFlight
 	}
-	return t.s.wrap(err)
+	if deadlocked(err) {
+		return errAborted(err)
+	}
+	if err != nil {
+		return t.s.wrap(err)
+	}
+	return nil
 }
 
 // Commit implements idem.LockedTx: it commits, then releases the lock, and
 // returns the connection. The lock is released even when the commit fails.
-func (t *lockedTx) Commit(context.Context) error {
+// Without a successful Insert before it, it first checks that the server has not
+// rolled the transaction back (idem.ErrTxAborted, and nothing commits).
+func (t *lockedTx) Commit(ctx context.Context) error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.done {
 		return sql.ErrTxDone
 	}
 	t.done = true
+	if !t.checked {
+		if err := t.s.checkOpen(ctx, t.tx); err != nil {
+			_ = t.tx.Rollback()
+			t.release()
+			return err
+		}
+	}
 	err := t.tx.Commit()
 	t.release()
 	if err != nil {
@@ -179,9 +207,9 @@ func (t *lockedTx) Rollback(context.Context) error {
 	return nil
 }
 
-// release frees the lock and returns the connection to the pool; when the lock
-// cannot be confirmed released, it closes the connection instead, which frees
-// every lock the session holds.
+// release frees the lock, turns autocommit back on (see Store.BeginTx) and returns the connection to the pool; when either cannot be
+// confirmed, it closes the connection instead, which frees every lock the
+// session holds.
 func (t *lockedTx) release() {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -190,11 +218,8 @@ func (t *lockedTx) release() {
 		t.discard()
 		return
 	}
-	_ = t.conn.Close()
+	unguard(ctx, t.conn)
 }
 
 // discard closes the connection rather than returning it to the pool.
-func (t *lockedTx) discard() {
-	_ = t.conn.Raw(func(any) error { return driver.ErrBadConn })
-	_ = t.conn.Close()
-}
+func (t *lockedTx) discard() { discard(t.conn) }

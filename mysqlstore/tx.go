@@ -3,7 +3,10 @@ package mysqlstore
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
+	"fmt"
+	"sync"
 	"time"
 
 	"github.com/idemkit/idem"
@@ -27,37 +30,136 @@ func Tx(ctx context.Context) *sql.Tx {
 	return t.tx
 }
 
-// BeginTx implements idem.TxStore. It begins a READ COMMITTED transaction and
-// returns a context that carries it (see Tx). READ COMMITTED because the fencing
-// does not need more: the completion is an UPDATE, a current read that sees the
-// latest committed token under any isolation level; and it takes no gap locks on
-// the handler's tables during ordinary reads and updates, so concurrent requests
-// block and deadlock less than under InnoDB's default REPEATABLE READ. A handler
-// that needs a consistent snapshot across several reads can lock what it reads
-// (SELECT … FOR UPDATE or FOR SHARE).
+// BeginTx implements idem.TxStore. It begins a READ COMMITTED transaction on a
+// connection of its own and returns a context that carries it (see Tx). READ
+// COMMITTED because the fencing does not need more: the completion is an UPDATE,
+// a current read that sees the latest committed token under any isolation level;
+// and it takes no gap locks on the handler's tables during ordinary reads and
+// updates, so concurrent requests block and deadlock less than under InnoDB's
+// default REPEATABLE READ. A handler that needs a consistent snapshot across
+// several reads can lock what it reads (SELECT … FOR UPDATE or FOR SHARE).
 //
-// The transaction is bound to ctx: database/sql rolls it back when ctx ends, which
-// happens when the client goes away or the middleware finds the lease lost.
+// The transaction is guarded against the server ending it on its own. When
+// InnoDB rolls it back — a deadlock victim (1213), a lock wait timeout under
+// innodb_rollback_on_timeout — the session leaves it, and in autocommit mode
+// every later statement would commit by itself: the handler's, if it ignores the
+// error, and the completion. So the session runs with autocommit off while the
+// transaction is open (a statement after the rollback opens a new transaction,
+// which is never committed), and a savepoint set at the start marks the
+// transaction: Complete and Commit release it, and when it is gone they report
+// idem.ErrTxAborted and nothing commits. The session's autocommit is set back
+// before the connection returns to the pool, or the connection is closed.
+//
+// The transaction is bound to ctx: database/sql rolls it back when ctx ends,
+// which happens when the middleware finds the lease lost (the middleware does not
+// pass on the client's cancellation: a client that hangs up does not end it).
 func (s *Store) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
-	tx, err := s.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	conn, err := s.db.Conn(ctx)
 	if err != nil {
 		return ctx, nil, s.wrap(err)
 	}
-	t := &txn{s: s, tx: tx, ctx: ctx}
+	tx, err := s.beginOn(ctx, conn)
+	if err != nil {
+		discard(conn)
+		return ctx, nil, err
+	}
+	t := &txn{s: s, conn: conn, tx: tx, ctx: ctx}
 	return context.WithValue(ctx, txKey{}, t), t, nil
+}
+
+// The statements that guard a transaction (see BeginTx).
+const (
+	guardOn   = "SET autocommit = 0"
+	guardOff  = "SET autocommit = 1"
+	mark      = "SAVEPOINT idem_tx"
+	checkMark = "RELEASE SAVEPOINT idem_tx"
+)
+
+// beginOn begins a guarded READ COMMITTED transaction on conn. On error the
+// caller discards conn, whose session may be left with autocommit off.
+func (s *Store) beginOn(ctx context.Context, conn *sql.Conn) (*sql.Tx, error) {
+	if _, err := conn.ExecContext(ctx, guardOn); err != nil {
+		return nil, s.wrap(fmt.Errorf("turning autocommit off for the transaction: %w", err))
+	}
+	tx, err := conn.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return nil, s.wrap(err)
+	}
+	if _, err := tx.ExecContext(ctx, mark); err != nil {
+		_ = tx.Rollback()
+		return nil, s.wrap(fmt.Errorf("setting the transaction's savepoint: %w", err))
+	}
+	return tx, nil
+}
+
+// checkOpen reports, as an error wrapping idem.ErrTxAborted, that the server
+// rolled back the transaction beginOn opened: its savepoint is gone (1305).
+func (s *Store) checkOpen(ctx context.Context, tx *sql.Tx) error {
+	_, err := tx.ExecContext(ctx, checkMark)
+	if code, ok := errorNumber(err); ok && code == 1305 { // ER_SP_DOES_NOT_EXIST
+		return errAborted(err)
+	}
+	if err != nil {
+		return s.wrap(fmt.Errorf("checking that the transaction is still open: %w", err))
+	}
+	return nil
+}
+
+// unguard turns autocommit back on in conn's session and returns conn to the
+// pool; when that cannot be confirmed it closes the connection instead.
+func unguard(ctx context.Context, conn *sql.Conn) {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if _, err := conn.ExecContext(rctx, guardOff); err != nil {
+		discard(conn)
+		return
+	}
+	_ = conn.Close()
+}
+
+// discard closes conn's connection rather than returning it to the pool.
+func discard(conn *sql.Conn) {
+	_ = conn.Raw(func(any) error { return driver.ErrBadConn })
+	_ = conn.Close()
+}
+
+// deadlocked reports whether err, from a statement the store ran in a guarded
+// transaction, is a deadlock (1213): InnoDB rolled the whole transaction back.
+func deadlocked(err error) bool {
+	code, ok := errorNumber(err)
+	return ok && code == 1213
+}
+
+// errAborted wraps err, the error that showed the transaction ended, with
+// idem.ErrTxAborted.
+func errAborted(err error) error {
+	return fmt.Errorf("mysqlstore: the server rolled back the handler's transaction (a deadlock or a lock wait timeout in it); nothing it wrote was committed, before or after: %w (%w)", idem.ErrTxAborted, err)
 }
 
 // txn is the idem.Tx of a Store.
 type txn struct {
-	s   *Store
-	tx  *sql.Tx
-	ctx context.Context // the context the transaction is bound to
+	s    *Store
+	conn *sql.Conn
+	tx   *sql.Tx
+	ctx  context.Context // the context the transaction is bound to
+
+	mu      sync.Mutex
+	checked bool // the savepoint was released: the transaction was open then
+	done    bool
 }
 
-// Complete implements idem.Tx: the fenced UPDATE, inside the transaction.
+// Complete implements idem.Tx: the check that the transaction is still the one
+// BeginTx opened, then the fenced UPDATE inside it. It returns an error wrapping
+// idem.ErrTxAborted when the server had rolled the transaction back.
 func (t *txn) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, _, expiresAt time.Time) error {
 	args, err := completeArgs(scope, key, token, resp, expiresAt)
 	if err != nil {
+		return err
+	}
+	// First the check, so that an aborted transaction's successor (which holds
+	// the locks of the handler's statements after the abort) does not also lock
+	// the record.
+	if err := t.check(ctx); err != nil {
 		return err
 	}
 	// Use the statement Claim prepared; never prepare one here, which would need a
@@ -67,6 +169,9 @@ func (t *txn) Complete(ctx context.Context, scope, key, token string, resp *idem
 		res, err = t.tx.StmtContext(ctx, st).ExecContext(ctx, args...)
 	} else {
 		res, err = t.tx.ExecContext(ctx, t.s.q.complete, args...)
+	}
+	if deadlocked(err) {
+		return errAborted(err)
 	}
 	if err != nil {
 		return t.explain(err)
@@ -81,14 +186,58 @@ func (t *txn) Complete(ctx context.Context, scope, key, token string, resp *idem
 	return nil
 }
 
-// Commit implements idem.Tx.
-func (t *txn) Commit(context.Context) error {
-	return t.explain(t.tx.Commit())
+// check releases the savepoint, once: an error wrapping idem.ErrTxAborted when
+// the server rolled the transaction back.
+func (t *txn) check(ctx context.Context) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.checkLocked(ctx)
+}
+
+func (t *txn) checkLocked(ctx context.Context) error {
+	if t.checked {
+		return nil
+	}
+	if err := t.s.checkOpen(ctx, t.tx); err != nil {
+		if errors.Is(err, idem.ErrTxAborted) {
+			return err
+		}
+		return t.explain(err)
+	}
+	t.checked = true
+	return nil
+}
+
+// Commit implements idem.Tx. Without a successful Complete before it, it first
+// checks that the server has not rolled the transaction back (idem.ErrTxAborted,
+// and nothing commits).
+func (t *txn) Commit(ctx context.Context) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.done {
+		return t.explain(sql.ErrTxDone)
+	}
+	t.done = true
+	if err := t.checkLocked(ctx); err != nil {
+		_ = t.tx.Rollback()
+		unguard(t.ctx, t.conn)
+		return err
+	}
+	err := t.tx.Commit()
+	unguard(t.ctx, t.conn)
+	return t.explain(err)
 }
 
 // Rollback implements idem.Tx. It is a no-op after Commit or an earlier Rollback.
 func (t *txn) Rollback(context.Context) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.done {
+		return nil
+	}
+	t.done = true
 	err := t.tx.Rollback()
+	unguard(t.ctx, t.conn)
 	if errors.Is(err, sql.ErrTxDone) {
 		return nil
 	}
