@@ -73,7 +73,7 @@ func runInspect(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	}
 	defer h.Close()
 	now := time.Now()
-	rec, err := h.Store.Get(ctx, *scope, key, now)
+	rec, err := h.Store.Get(ctx, idem.StoredScope(*scope), key, now) // the form the middleware stored it under
 	if errors.Is(err, idem.ErrNotFound) {
 		fmt.Fprintf(stdout, "no record for key %q in scope %q (%s): it was never used, or it expired and the next request with it runs afresh\n", key, *scope, h.KeysAt)
 		return exitFailure
@@ -96,7 +96,7 @@ func inspectPrint(w io.Writer, rec *idem.Record, now time.Time, showBody bool) {
 	line := func(name, format string, args ...any) {
 		fmt.Fprintf(w, "%-12s %s\n", name+":", fmt.Sprintf(format, args...))
 	}
-	line("scope", "%q", rec.Scope)
+	line("scope", "%q (as stored)", rec.Scope)
 	line("key", "%q", rec.Key)
 	line("state", "%s", rec.State)
 	line("age", "%s (created %s)", ago(now.Sub(rec.CreatedAt)), ts(rec.CreatedAt))
