@@ -120,7 +120,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	requireKey := fs.Bool("require-key", true, "answer 400 to POST /orders without an Idempotency-Key; false lets it through unprotected")
 	rate := fs.Int("rate-limit", 0, "per-tenant `requests` per second, answered 429 beyond (never bound to a key); 0 is off")
 	readTimeout := fs.Duration("read-timeout", demoReadTimeout, "how long a client may take to send a whole request, headers and body; a slower one is disconnected")
-	withParent := fs.Bool("exit-with-parent", true, "stop when the process that started the demo exits (a killed `go run`); false for nohup and the like")
+	withParent := fs.Bool("exit-with-parent", true, "stop when the process that started the demo exits (for example a killed go run); false for nohup and the like")
 	fs.Usage = storeUsage(fs, demoUsage, demoEnv)
 	pos, code, ok := storeParse(fs, args, demoEnv, stdout, stderr)
 	if !ok {

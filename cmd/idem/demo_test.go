@@ -1065,7 +1065,7 @@ func TestDemoPrefixSchema(t *testing.T) {
 		}
 	})
 	code, out, _ := runIdem(t, t.TempDir(), nil, "demo", "--help")
-	if code != 0 || !strings.Contains(out, "CREATES TABLES") || !strings.Contains(out, "--schema") || !strings.Contains(out, "--prefix") {
+	if code != 0 || !strings.Contains(out, "CREATES TABLES") || !strings.Contains(out, "--schema") || !strings.Contains(out, "--prefix") || !strings.Contains(out, "  --exit-with-parent\n") {
 		t.Fatalf("--help does not say which tables the demo creates:\n%s", out)
 	}
 	for _, bad := range [][]string{{"--prefix", "Bad-"}, {"--schema", "a.b"}, {"--read-timeout", "0s"}} {
