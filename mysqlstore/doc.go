@@ -110,7 +110,11 @@
 // # Transactions
 //
 // BeginTx opens a READ COMMITTED transaction (see Store.BeginTx for why) that the
-// handler reaches with Tx. The middleware writes the completion into it with the
+// handler reaches with Tx. On a server that writes a statement-based binary log
+// (log_bin on, binlog_format=STATEMENT), where InnoDB refuses writes under READ
+// COMMITTED (error 1665), it opens REPEATABLE READ transactions instead: the
+// store reads log_bin, sql_log_bin and binlog_format once, on first use, and
+// switches if a completion meets error 1665 later. The middleware writes the completion into it with the
 // same fenced UPDATE and commits: the business rows and the stored response exist
 // together or not at all, and a request whose lease was taken over finds its token
 // gone, so its transaction is rolled back. The claim itself commits on its own
@@ -152,8 +156,8 @@
 // The store also implements idem.SingleTxStore (idem.FlowSingleTx): BeginLocked
 // takes one connection for the request, takes a named lock on (scope, key) with
 // GET_LOCK(name, 0) — held elsewhere means 409 at once —, begins a READ COMMITTED
-// transaction (guarded as above) and reads the record; the handler writes in it; the record is
-// inserted, already complete, just before the one COMMIT. GET_LOCK belongs to the
+// transaction (guarded as above) and reads the record; the handler writes in
+// it; the record is inserted, already complete, just before the one COMMIT. GET_LOCK belongs to the
 // session, not the transaction, so Commit and Rollback release it explicitly after
 // ending the transaction, and close the connection instead of pooling it when the
 // release cannot be confirmed; a process that dies loses its session, and the

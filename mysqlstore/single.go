@@ -159,6 +159,9 @@ func (t *lockedTx) Insert(ctx context.Context, rec *idem.Record) error {
 	if deadlocked(err) {
 		return errAborted(err)
 	}
+	if serr := t.s.statementLogged(err); serr != nil {
+		return serr
+	}
 	if err != nil {
 		return t.s.wrap(err)
 	}

@@ -59,6 +59,11 @@ type Store struct {
 
 	mu    sync.Mutex
 	stmts map[string]*sql.Stmt
+
+	// isolation is the isolation level of the transactions BeginTx and
+	// BeginLocked open, decided on first use (see isolationFor): 0 not yet,
+	// else a sql.IsolationLevel.
+	isolation atomic.Int32
 }
 
 var (

@@ -6,6 +6,7 @@ import (
 	"database/sql/driver"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -75,13 +76,55 @@ const (
 	checkMark = "RELEASE SAVEPOINT idem_tx"
 )
 
-// beginOn begins a guarded READ COMMITTED transaction on conn. On error the
+// isolationFor returns the isolation level of the store's transactions: READ
+// COMMITTED (see BeginTx), unless the server writes a statement-based binary log,
+// which refuses InnoDB writes under READ COMMITTED (error 1665: InnoDB is limited
+// to row-logging then); REPEATABLE READ then. It asks the server once, on conn,
+// the connection the transaction will use (asking on another could wait forever
+// for a pool held by transactions), and remembers the answer.
+func (s *Store) isolationFor(ctx context.Context, conn *sql.Conn) (sql.IsolationLevel, error) {
+	if v := s.isolation.Load(); v != 0 {
+		return sql.IsolationLevel(v), nil
+	}
+	var (
+		logBin, sqlLogBin sql.NullInt64
+		format            sql.NullString
+	)
+	if err := conn.QueryRowContext(ctx, "SELECT @@log_bin, @@sql_log_bin, @@binlog_format").Scan(&logBin, &sqlLogBin, &format); err != nil {
+		return 0, s.wrap(fmt.Errorf("reading the binary log settings (log_bin, sql_log_bin, binlog_format): %w", err))
+	}
+	level := sql.LevelReadCommitted
+	if logBin.Int64 == 1 && sqlLogBin.Int64 == 1 && strings.EqualFold(format.String, "STATEMENT") {
+		level = sql.LevelRepeatableRead
+	}
+	s.isolation.Store(int32(level))
+	return level, nil
+}
+
+// statementLogged checks err for error 1665 (the statement-based binary log
+// refuses InnoDB writes under READ COMMITTED; binlog_format was changed since the
+// store looked): it switches the store's later transactions to REPEATABLE READ
+// and returns an error that says so.
+func (s *Store) statementLogged(err error) error {
+	if code, ok := errorNumber(err); !ok || code != 1665 {
+		return nil
+	}
+	s.isolation.Store(int32(sql.LevelRepeatableRead))
+	return fmt.Errorf("mysqlstore: the server writes a statement-based binary log (binlog_format=STATEMENT), which refuses InnoDB writes under READ COMMITTED; nothing was committed, and the store's transactions use REPEATABLE READ from now on (or set binlog_format to ROW or MIXED): %w", err)
+}
+
+// beginOn begins a guarded transaction on conn (READ COMMITTED, see
+// isolationFor). On error the
 // caller discards conn, whose session may be left with autocommit off.
 func (s *Store) beginOn(ctx context.Context, conn *sql.Conn) (*sql.Tx, error) {
 	if _, err := conn.ExecContext(ctx, guardOn); err != nil {
 		return nil, s.wrap(fmt.Errorf("turning autocommit off for the transaction: %w", err))
 	}
-	tx, err := conn.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	level, err := s.isolationFor(ctx, conn)
+	if err != nil {
+		return nil, err
+	}
+	tx, err := conn.BeginTx(ctx, &sql.TxOptions{Isolation: level})
 	if err != nil {
 		return nil, s.wrap(err)
 	}
@@ -172,6 +215,9 @@ func (t *txn) Complete(ctx context.Context, scope, key, token string, resp *idem
 	}
 	if deadlocked(err) {
 		return errAborted(err)
+	}
+	if serr := t.s.statementLogged(err); serr != nil {
+		return serr
 	}
 	if err != nil {
 		return t.explain(err)
