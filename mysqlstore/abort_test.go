@@ -269,3 +269,75 @@ func TestDeadlockThroughMiddleware(t *testing.T) {
 		t.Fatalf("%d orders after the retry, want 1", n)
 	}
 }
+
+// The connection of the handler's transaction dies (killed on the server) before
+// the completion, or the completion is larger than max_allowed_packet: the
+// completion fails, nothing commits, the record stays in flight, and the pool
+// goes on working.
+func TestCompletionFailsCommitsNothing(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []string{"killed connection", "packet too large"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
+			db := openDB(t, 1, "")
+			other := openDB(t, 2, "")
+			s := newStore(t, db)
+			orders := ordersTable(t, other)
+			ctx := ctxFor(t)
+			now := time.Now()
+			req := claimReq("tenant", "k", "v1:k", now)
+			if _, claimed, err := s.Claim(ctx, req); err != nil || !claimed {
+				t.Fatalf("Claim = %v, %v", claimed, err)
+			}
+			tctx, tx, err := s.BeginTx(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			htx := mysqlstore.Tx(tctx)
+			if _, err := htx.ExecContext(ctx, "INSERT INTO `"+orders+"` (item) VALUES ('x')"); err != nil {
+				t.Fatal(err)
+			}
+			resp := &idem.Response{Status: 201, Body: []byte("ok")}
+			if mode == "killed connection" {
+				var id int64
+				if err := htx.QueryRowContext(ctx, "SELECT CONNECTION_ID()").Scan(&id); err != nil {
+					t.Fatal(err)
+				}
+				if _, err := other.ExecContext(ctx, fmt.Sprintf("KILL CONNECTION %d", id)); err != nil {
+					t.Fatal(err)
+				}
+			} else {
+				var max int
+				if err := other.QueryRowContext(ctx, "SELECT @@max_allowed_packet").Scan(&max); err != nil {
+					t.Fatal(err)
+				}
+				if max > 64<<20 {
+					t.Skipf("max_allowed_packet is %d bytes; too large to exceed in a test", max)
+				}
+				resp.Body = make([]byte, max+1)
+			}
+			err = tx.Complete(ctx, req.Scope, req.Key, req.Token, resp, now, now.Add(time.Hour))
+			if err == nil {
+				err = tx.Commit(ctx)
+			}
+			_ = tx.Rollback(ctx)
+			if err == nil || errors.Is(err, idem.ErrLockLost) {
+				t.Fatalf("completion = %v, want a store error", err)
+			}
+			t.Logf("completion: %.200v", err)
+			if n := countAll(t, other, orders); n != 0 {
+				t.Errorf("%d orders committed, want 0", n)
+			}
+			if rec, err := s.Get(ctx, req.Scope, req.Key, now); err != nil || rec.State != idem.StateInFlight {
+				t.Errorf("record = %+v, %v; want in flight", rec, err)
+			}
+			// The one-connection pool works again, with autocommit on.
+			if _, err := db.ExecContext(ctx, "INSERT INTO `"+orders+"` (item) VALUES ('later')"); err != nil {
+				t.Fatalf("the pool after the failure: %v", err)
+			}
+			if n := countAll(t, other, orders); n != 1 {
+				t.Errorf("%d orders visible after a write on the pool, want 1", n)
+			}
+		})
+	}
+}

@@ -245,10 +245,10 @@ func (t *txn) checkLocked(ctx context.Context) error {
 		return nil
 	}
 	if err := t.s.checkOpen(ctx, t.tx); err != nil {
-		if errors.Is(err, idem.ErrTxAborted) {
-			return err
+		if errors.Is(err, sql.ErrTxDone) && t.ctx.Err() != nil {
+			return errors.Join(err, context.Cause(t.ctx))
 		}
-		return t.explain(err)
+		return err
 	}
 	t.checked = true
 	return nil
