@@ -64,6 +64,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 		{"HeaderBytesExact", testHeaderBytesExact},
 		{"ClockBehind", func(t *testing.T, s idem.Store) { testClockSkew(t, s, -2*time.Minute) }},
 		{"ClockAhead", func(t *testing.T, s idem.Store) { testClockSkew(t, s, 2*time.Minute) }},
+		{"Linearizable", testLinearizable},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
