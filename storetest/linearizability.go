@@ -69,6 +69,13 @@ type LinearizabilityOptions struct {
 	Seed uint64
 	// NoTx leaves the transactional completion out even for an idem.TxStore.
 	NoTx bool
+	// Fault, when set, is called every FaultInterval while the operations run,
+	// to break the store's connections mid-call (for example the Cut method of
+	// an internal/faults Proxy the store dials through). Calls that fail are
+	// recorded with unknown outcomes.
+	Fault func()
+	// FaultInterval is how often Fault is called. Default 25ms.
+	FaultInterval time.Duration
 }
 
 // LinearizabilityResult is what CheckLinearizability found.
@@ -77,6 +84,8 @@ type LinearizabilityResult struct {
 	// unknown outcome; Aborted how many transactional completions reported
 	// idem.ErrTxAborted; Rounds how many rounds were checked.
 	Ops, Unknown, Aborted, Rounds int
+	// UnknownErrors holds up to three of the errors that made outcomes unknown.
+	UnknownErrors []string
 	// Counts is the number of operations of each kind.
 	Counts map[string]int
 	// Linearizable is true when every round was proven linearizable.
@@ -175,6 +184,9 @@ func CheckLinearizability(ctx context.Context, s idem.Store, o LinearizabilityOp
 	if o.CheckTimeout <= 0 {
 		o.CheckTimeout = time.Minute
 	}
+	if o.FaultInterval <= 0 {
+		o.FaultInterval = 25 * time.Millisecond
+	}
 	if o.Seed == 0 {
 		o.Seed = rand.Uint64()
 	}
@@ -210,6 +222,11 @@ func CheckLinearizability(ctx context.Context, s idem.Store, o LinearizabilityOp
 		res.Ops += n
 		res.Unknown += int(w.unknown.Load())
 		res.Aborted += int(w.aborted.Load())
+		for _, e := range w.errs {
+			if len(res.UnknownErrors) < 3 {
+				res.UnknownErrors = append(res.UnknownErrors, e)
+			}
+		}
 		for k, c := range w.counts() {
 			res.Counts[k] += c
 		}
@@ -365,7 +382,8 @@ type workload struct {
 	tokens  [][]string // per key: tokens of claims that succeeded or may have
 	history []porcupine.Operation
 	kinds   map[string]int
-	deleted []int // counts DeleteExpired reported
+	deleted []int    // counts DeleteExpired reported
+	errs    []string // the first errors of unknown outcomes
 	seq     atomic.Int64
 	unknown atomic.Int64
 	aborted atomic.Int64
@@ -385,9 +403,10 @@ func (w *workload) countProblem() string {
 	if se, ok := w.store.(SelfExpiring); ok && se.ExpiresRecordsItself() {
 		self = true
 	}
+	keys := (w.round + 1) * w.opts.Keys // this round's and the earlier rounds'
 	for _, n := range w.deleted {
-		if n < 0 || n > linLimit || n > w.opts.Keys {
-			return fmt.Sprintf("DeleteExpired(limit %d) reported %d deleted records; the round has %d keys", linLimit, n, w.opts.Keys)
+		if n < 0 || n > linLimit || n > keys {
+			return fmt.Sprintf("DeleteExpired(limit %d) reported %d deleted records; the store has held only %d keys", linLimit, n, keys)
 		}
 		if self && n != 0 {
 			return fmt.Sprintf("a self-expiring store's DeleteExpired reported %d deleted records, want 0", n)
@@ -414,7 +433,27 @@ func (w *workload) run(ctx context.Context, n int, seed uint64) []porcupine.Oper
 			}
 		}()
 	}
+	stopFaults := make(chan struct{})
+	var faults sync.WaitGroup
+	if w.opts.Fault != nil {
+		faults.Add(1)
+		go func() {
+			defer faults.Done()
+			tick := time.NewTicker(w.opts.FaultInterval)
+			defer tick.Stop()
+			for {
+				select {
+				case <-stopFaults:
+					return
+				case <-tick.C:
+					w.opts.Fault()
+				}
+			}
+		}()
+	}
 	wg.Wait()
+	close(stopFaults)
+	faults.Wait()
 	end := w.ts() + 1
 	horizon := w.clock.now() + 1
 	for i := range w.history {
@@ -521,6 +560,9 @@ func (w *workload) one(ctx context.Context, rng *rand.Rand, client int) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.kinds[in.Kind.String()]++
+	if out.Result == resUnknown && len(w.errs) < 3 {
+		w.errs = append(w.errs, in.Kind.String()+": "+out.Err)
+	}
 	if in.Kind == kindDeleteExpired && out.Result == resOK {
 		w.deleted = append(w.deleted, out.N)
 	}

@@ -1,0 +1,191 @@
+// Package faults injects network faults into tests: Proxy forwards TCP
+// connections to a server and cuts them on demand, in the middle of whatever
+// call is on the wire, the way a crashed host, a firewall timeout or a failover
+// would.
+//
+// A test points its client (a database pool, a Redis client) at Proxy.Addr
+// instead of the server, and calls Cut — directly, or every few milliseconds
+// through CutEvery — while its workload runs. A call whose connection is cut
+// fails with a network error, and whether it took effect on the server is
+// unknown: that is the point.
+package faults
+
+import (
+	"errors"
+	"io"
+	"net"
+	"sync"
+	"time"
+)
+
+// Proxy forwards every connection accepted on a loopback port to a target
+// address. Its zero value is not usable; call Listen.
+type Proxy struct {
+	ln     net.Listener
+	target string
+
+	mu     sync.Mutex
+	conns  map[net.Conn]struct{}
+	peers  map[net.Conn]net.Conn // the other end of each forwarded connection
+	cuts   int
+	closed bool
+	wg     sync.WaitGroup
+}
+
+// Listen starts a proxy on 127.0.0.1 (a free port) that forwards to target
+// ("host:port"). Call Close to stop it.
+func Listen(target string) (*Proxy, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	p := &Proxy{ln: ln, target: target, conns: map[net.Conn]struct{}{}, peers: map[net.Conn]net.Conn{}}
+	p.wg.Add(1)
+	go p.accept()
+	return p, nil
+}
+
+// Addr is the proxy's "host:port": give it to the client instead of the target.
+func (p *Proxy) Addr() string { return p.ln.Addr().String() }
+
+func (p *Proxy) accept() {
+	defer p.wg.Done()
+	for {
+		client, err := p.ln.Accept()
+		if err != nil {
+			return
+		}
+		server, err := net.DialTimeout("tcp", p.target, 5*time.Second)
+		if err != nil {
+			_ = client.Close()
+			continue
+		}
+		if !p.track(client, server) {
+			_ = client.Close()
+			_ = server.Close()
+			return
+		}
+		p.wg.Add(2)
+		go p.pipe(client, server)
+		go p.pipe(server, client)
+	}
+}
+
+// track registers both ends of a forwarded connection; false once closed.
+func (p *Proxy) track(client, server net.Conn) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return false
+	}
+	p.conns[client], p.conns[server] = struct{}{}, struct{}{}
+	p.peers[client], p.peers[server] = server, client
+	return true
+}
+
+// pipe copies from src to dst; when either side fails, both are closed.
+func (p *Proxy) pipe(dst, src net.Conn) {
+	defer p.wg.Done()
+	_, _ = io.Copy(dst, src)
+	_ = dst.Close()
+	_ = src.Close()
+	p.mu.Lock()
+	delete(p.conns, dst)
+	delete(p.conns, src)
+	delete(p.peers, dst)
+	delete(p.peers, src)
+	p.mu.Unlock()
+}
+
+// Cut closes every open connection through the proxy at once, abruptly (with
+// a TCP reset where the system allows it), and returns how many connection
+// ends it closed. New connections are still accepted: a pool reconnects.
+func (p *Proxy) Cut() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := 0
+	for c := range p.conns {
+		if tc, ok := c.(*net.TCPConn); ok {
+			_ = tc.SetLinger(0) // RST, not FIN: the peer sees the connection die
+		}
+		_ = c.Close()
+		delete(p.conns, c)
+		delete(p.peers, c)
+		n++
+	}
+	p.cuts++
+	return n
+}
+
+// CutOne closes one open connection (both of its ends), chosen at random, and
+// reports whether there was one to close: a fault that hits one call among
+// many, while the others go on.
+func (p *Proxy) CutOne() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for c := range p.conns { // map order is random
+		peer := p.peers[c]
+		for _, e := range []net.Conn{c, peer} {
+			if e == nil {
+				continue
+			}
+			if tc, ok := e.(*net.TCPConn); ok {
+				_ = tc.SetLinger(0)
+			}
+			_ = e.Close()
+			delete(p.conns, e)
+			delete(p.peers, e)
+		}
+		p.cuts++
+		return true
+	}
+	return false
+}
+
+// Cuts reports how many times Cut or CutOne cut something (Cut counts once
+// per call).
+func (p *Proxy) Cuts() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.cuts
+}
+
+// CutEvery calls Cut every interval until stop is called.
+func (p *Proxy) CutEvery(interval time.Duration) (stop func()) {
+	done := make(chan struct{})
+	var once sync.Once
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		t := time.NewTicker(interval)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+				p.Cut()
+			}
+		}
+	}()
+	return func() {
+		once.Do(func() { close(done) })
+		wg.Wait()
+	}
+}
+
+// Close stops accepting, cuts every open connection and waits for the
+// forwarding goroutines to end.
+func (p *Proxy) Close() error {
+	p.mu.Lock()
+	p.closed = true
+	p.mu.Unlock()
+	err := p.ln.Close()
+	p.Cut()
+	p.wg.Wait()
+	if errors.Is(err, net.ErrClosed) {
+		err = nil
+	}
+	return err
+}
