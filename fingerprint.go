@@ -2,10 +2,11 @@ package idem
 
 import (
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
-	"io"
 	"net/http"
 	"strings"
+	"unsafe"
 )
 
 // FingerprintFunc computes the fingerprint of a request from the request and its
@@ -38,27 +39,29 @@ func FingerprintV1(r *http.Request, body []byte) string {
 }
 
 func fingerprint(version, method, path string, body []byte) string {
-	h := sha256.New()
-	var lenBuf [8]byte
-	writeLen := func(n int) {
-		for i := range lenBuf {
-			lenBuf[i] = byte(uint64(n) >> (56 - 8*i))
-		}
-		h.Write(lenBuf[:])
-	}
-	writeLen(len(method))
-	io.WriteString(h, method)
-	writeLen(len(path))
-	io.WriteString(h, path)
-	writeLen(len(body))
-	h.Write(body)
+	// One contiguous input for sha256.Sum256, on the stack for the usual small
+	// request: no hash object and no copies on the heap.
+	var stack [1024]byte
+	in := stack[:0]
+	in = binary.BigEndian.AppendUint64(in, uint64(len(method)))
+	in = append(in, method...)
+	in = binary.BigEndian.AppendUint64(in, uint64(len(path)))
+	in = append(in, path...)
+	in = binary.BigEndian.AppendUint64(in, uint64(len(body)))
 	var sum [sha256.Size]byte
-	h.Sum(sum[:0])
+	if len(in)+len(body) <= len(stack) {
+		sum = sha256.Sum256(append(in, body...))
+	} else { // a large body is hashed where it is, not copied
+		h := sha256.New()
+		h.Write(in)
+		h.Write(body)
+		h.Sum(sum[:0])
+	}
 	out := make([]byte, len(version)+1+2*sha256.Size)
 	copy(out, version)
 	out[len(version)] = ':'
 	hex.Encode(out[len(version)+1:], sum[:])
-	return string(out)
+	return unsafe.String(&out[0], len(out))
 }
 
 // knownFingerprints maps algorithm versions to their functions, so that a record

@@ -34,8 +34,9 @@ type Config struct {
 
 // Store is an in-memory idem.Store. Its zero value is not usable; call New.
 //
-// Store keeps the *idem.Response passed to Complete without copying it and hands
-// out the same *idem.Record to every reader: callers must not modify either.
+// Store keeps each record as one pointer-free byte slice, so that the garbage
+// collector does not scan what it keeps. The records it hands out share that
+// memory for their strings and body: callers must not modify them.
 type Store struct {
 	latest atomic.Int64 // the latest clock reading passed in, in Unix nanoseconds
 	seed   maphash.Seed
@@ -44,12 +45,56 @@ type Store struct {
 	done   chan struct{}
 }
 
+// shard holds the blobs of its records by the 64-bit hash of (scope, key). The
+// rare record whose hash another record already holds goes to overflow.
 type shard struct {
-	mu      sync.Mutex
-	records map[recordID]*idem.Record
+	mu       sync.Mutex
+	records  map[uint64][]byte
+	overflow map[recordID][]byte
 }
 
 type recordID struct{ scope, key string }
+
+// get returns the blob of (scope, key), or nil.
+func (sh *shard) get(h uint64, scope, key string) []byte {
+	if b := sh.records[h]; b != nil {
+		if s, k := id(b); s == scope && k == key {
+			return b
+		}
+	}
+	if len(sh.overflow) > 0 {
+		return sh.overflow[recordID{scope, key}]
+	}
+	return nil
+}
+
+// put stores b as the blob of (scope, key), replacing the one there.
+func (sh *shard) put(h uint64, scope, key string, b []byte) {
+	if old := sh.records[h]; old != nil {
+		if s, k := id(old); s != scope || k != key {
+			if sh.overflow == nil {
+				sh.overflow = make(map[recordID][]byte)
+			}
+			sh.overflow[recordID{scope, key}] = b
+			return
+		}
+	}
+	if len(sh.overflow) > 0 {
+		delete(sh.overflow, recordID{scope, key})
+	}
+	sh.records[h] = b
+}
+
+// remove deletes the blob of (scope, key).
+func (sh *shard) remove(h uint64, scope, key string) {
+	if b := sh.records[h]; b != nil {
+		if s, k := id(b); s == scope && k == key {
+			delete(sh.records, h)
+			return
+		}
+	}
+	delete(sh.overflow, recordID{scope, key})
+}
 
 var _ idem.Store = (*Store)(nil)
 
@@ -57,7 +102,7 @@ var _ idem.Store = (*Store)(nil)
 func New(cfg *Config) *Store {
 	s := &Store{seed: maphash.MakeSeed()}
 	for i := range s.shards {
-		s.shards[i].records = make(map[recordID]*idem.Record)
+		s.shards[i].records = make(map[uint64][]byte)
 	}
 	var c Config
 	if cfg != nil {
@@ -98,7 +143,7 @@ func (s *Store) Len() int {
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.mu.Lock()
-		n += len(sh.records)
+		n += len(sh.records) + len(sh.overflow)
 		sh.mu.Unlock()
 	}
 	return n
@@ -124,104 +169,102 @@ func (s *Store) clock() time.Time {
 	return time.Time{}
 }
 
-func (s *Store) shard(scope, key string) *shard {
+// shard returns the shard of (scope, key) and the key's hash within it.
+func (s *Store) shard(scope, key string) (*shard, uint64) {
 	var h maphash.Hash
 	h.SetSeed(s.seed)
 	h.WriteString(scope)
 	h.WriteByte(0)
 	h.WriteString(key)
-	return &s.shards[h.Sum64()%shardCount]
+	sum := h.Sum64()
+	return &s.shards[sum%shardCount], sum
 }
 
 // Claim implements idem.Store.
 func (s *Store) Claim(_ context.Context, req idem.ClaimRequest) (*idem.Record, bool, error) {
 	s.seen(req.Now)
-	id := recordID{req.Scope, req.Key}
-	sh := s.shard(req.Scope, req.Key)
+	sh, h := s.shard(req.Scope, req.Key)
+	now := req.Now.UnixNano()
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	created := req.Now
-	if old, ok := sh.records[id]; ok && old.ExpiresAt.After(req.Now) {
-		lapsed := old.State == idem.StateInFlight && !old.LeaseUntil.After(req.Now) && old.Fingerprint == req.Fingerprint
+	if old := sh.get(h, req.Scope, req.Key); old != nil && getNanos(old, offExpires) > now {
+		lapsed := state(old) == idem.StateInFlight && getNanos(old, offLease) <= now && fingerprint(old) == req.Fingerprint
 		if !lapsed {
-			return old, false, nil
+			return decode(old), false, nil
 		}
-		created = old.CreatedAt
+		created = getTime(old, offCreated)
 	}
-	rec := &idem.Record{
+	sh.put(h, req.Scope, req.Key, encode(idem.StateInFlight, req.Scope, req.Key, req.Fingerprint, req.Token, created, req.LeaseUntil, req.ExpiresAt, nil))
+	return &idem.Record{
 		Scope: req.Scope, Key: req.Key, State: idem.StateInFlight, Fingerprint: req.Fingerprint,
 		Token: req.Token, CreatedAt: created, LeaseUntil: req.LeaseUntil, ExpiresAt: req.ExpiresAt,
-	}
-	sh.records[id] = rec
-	return rec, true, nil
+	}, true, nil
 }
 
-// held returns the in-flight record held under token, with its shard locked; the
-// caller unlocks. It returns nil when the record is not in flight under token.
-func (s *Store) held(scope, key, token string) (*shard, *idem.Record) {
-	sh := s.shard(scope, key)
+// held returns the blob of the in-flight record held under token, with its shard
+// locked; the caller unlocks. The blob is nil when the record is not in flight
+// under token.
+func (s *Store) held(scope, key, token string) (*shard, uint64, []byte) {
+	sh, h := s.shard(scope, key)
 	sh.mu.Lock()
-	rec, ok := sh.records[recordID{scope, key}]
-	if !ok || rec.State != idem.StateInFlight || rec.Token != token {
-		return sh, nil
+	b := sh.get(h, scope, key)
+	if b == nil || state(b) != idem.StateInFlight || tokenOf(b) != token {
+		return sh, h, nil
 	}
-	return sh, rec
+	return sh, h, b
 }
 
-// Complete implements idem.Store.
+// Complete implements idem.Store. The response is copied into the record.
 func (s *Store) Complete(_ context.Context, scope, key, token string, resp *idem.Response, now, expiresAt time.Time) error {
 	s.seen(now)
-	sh, rec := s.held(scope, key, token)
+	sh, h, b := s.held(scope, key, token)
 	defer sh.mu.Unlock()
-	if rec == nil {
+	if b == nil {
 		return idem.ErrLockLost
 	}
-	done := *rec
-	done.State = idem.StateComplete
-	done.ExpiresAt = expiresAt
-	done.Response = resp
-	sh.records[recordID{scope, key}] = &done
+	sh.put(h, scope, key, encode(idem.StateComplete, scope, key, fingerprint(b), token, getTime(b, offCreated), getTime(b, offLease), expiresAt, resp))
 	return nil
 }
 
 // Release implements idem.Store.
 func (s *Store) Release(_ context.Context, scope, key, token string) error {
-	sh, rec := s.held(scope, key, token)
+	sh, h, b := s.held(scope, key, token)
 	defer sh.mu.Unlock()
-	if rec == nil {
+	if b == nil {
 		return idem.ErrLockLost
 	}
-	delete(sh.records, recordID{scope, key})
+	sh.remove(h, scope, key)
 	return nil
 }
 
-// Extend implements idem.Store.
+// Extend implements idem.Store. It changes only the times of the record's fixed
+// part, which readers copy under the lock.
 func (s *Store) Extend(_ context.Context, scope, key, token string, now, leaseUntil time.Time) error {
 	s.seen(now)
-	sh, rec := s.held(scope, key, token)
+	sh, _, b := s.held(scope, key, token)
 	defer sh.mu.Unlock()
-	if rec == nil {
+	if b == nil {
 		return idem.ErrLockLost
 	}
-	ext := *rec
-	ext.LeaseUntil = leaseUntil
-	if ext.ExpiresAt.Before(leaseUntil) {
-		ext.ExpiresAt = leaseUntil
+	putTime(b, offLease, leaseUntil)
+	if getNanos(b, offExpires) < leaseUntil.UnixNano() {
+		putTime(b, offExpires, leaseUntil)
 	}
-	sh.records[recordID{scope, key}] = &ext
 	return nil
 }
 
-// Get implements idem.Store.
+// Get implements idem.Store. The record's strings and body share the store's
+// memory: callers must not modify them.
 func (s *Store) Get(_ context.Context, scope, key string, now time.Time) (*idem.Record, error) {
-	sh := s.shard(scope, key)
+	sh, h := s.shard(scope, key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	rec, ok := sh.records[recordID{scope, key}]
-	if !ok || !rec.ExpiresAt.After(now) {
+	b := sh.get(h, scope, key)
+	if b == nil || getNanos(b, offExpires) <= now.UnixNano() {
 		return nil, idem.ErrNotFound
 	}
-	return rec, nil
+	return decode(b), nil
 }
 
 // DeleteExpired implements idem.Store. It holds one shard's lock at a time.
@@ -236,12 +279,22 @@ func (s *Store) DeleteExpired(ctx context.Context, now time.Time, limit int) (in
 		}
 		sh := &s.shards[i]
 		sh.mu.Lock()
-		for id, rec := range sh.records {
+		cutoff := now.UnixNano()
+		for h, b := range sh.records {
 			if deleted >= limit {
 				break
 			}
-			if !rec.ExpiresAt.After(now) {
-				delete(sh.records, id)
+			if getNanos(b, offExpires) <= cutoff {
+				delete(sh.records, h)
+				deleted++
+			}
+		}
+		for id, b := range sh.overflow {
+			if deleted >= limit {
+				break
+			}
+			if getNanos(b, offExpires) <= cutoff {
+				delete(sh.overflow, id)
 				deleted++
 			}
 		}
