@@ -2,10 +2,10 @@ package idem_test
 
 import (
 	"net/http"
-	"syscall"
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 
 	"github.com/idemkit/idem"
