@@ -154,12 +154,44 @@ WHERE r.expires_at <= $14`
 	s.insertAndCommitSQL = `WITH ins AS (` + s.insertSQL + ` RETURNING 1) SELECT 1 / count(*) FROM ins`
 }
 
+// Bounds of the scope and key pgstore stores. The primary key index holds at
+// most about 2,700 bytes per entry; idem.New hands stores scopes of at most 128
+// bytes and keys of at most 255.
+const (
+	maxScopeBytes = 1024
+	maxKeyBytes   = 1024
+)
+
+// checkIDs refuses a scope or key longer than pgstore stores, with an error
+// that says so without echoing them.
+func checkIDs(op, scope, key string) error {
+	if len(scope) > maxScopeBytes {
+		return fmt.Errorf("pgstore: %s: the scope is %d bytes, more than the %d bytes pgstore stores (PostgreSQL cannot index longer ones); let idem.New derive the scope, which replaces a long one with its digest, or hash it yourself", op, len(scope), maxScopeBytes)
+	}
+	if len(key) > maxKeyBytes {
+		return fmt.Errorf("pgstore: %s: the key is %d bytes, more than the %d bytes pgstore stores (PostgreSQL cannot index longer ones); let idem.New parse the key, which refuses keys longer than its limit", op, len(key), maxKeyBytes)
+	}
+	return nil
+}
+
+// quoteShort quotes s for an error message, cut to its first 64 bytes.
+func quoteShort(s string) string {
+	const limit = 64
+	if len(s) <= limit {
+		return fmt.Sprintf("%q", s)
+	}
+	return fmt.Sprintf("%q… (%d bytes)", s[:limit], len(s))
+}
+
 // maxClaimRounds bounds how often Claim retries when the record it lost to
 // vanished before it could be read.
 const maxClaimRounds = 16
 
 // Claim implements idem.Store.
 func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record, bool, error) {
+	if err := checkIDs("claim", req.Scope, req.Key); err != nil {
+		return nil, false, err
+	}
 	scope, key, fp := []byte(req.Scope), []byte(req.Key), []byte(req.Fingerprint)
 	for range maxClaimRounds {
 		var claimed bool
@@ -198,7 +230,7 @@ func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record,
 		}
 		return rec, false, nil
 	}
-	return nil, false, fmt.Errorf("pgstore: claim of key %q lost %d races in a row to records that vanished; the key is contended, retry later", req.Key, maxClaimRounds)
+	return nil, false, fmt.Errorf("pgstore: claim of key %s lost %d races in a row to records that vanished; the key is contended, retry later", quoteShort(req.Key), maxClaimRounds)
 }
 
 // claimOnce runs the claim statement and scans its row into dest. Unless
@@ -236,6 +268,9 @@ func (s *Store) claimOnce(ctx context.Context, dest []any, args ...any) error {
 
 // Complete implements idem.Store.
 func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, _, expiresAt time.Time) error {
+	if err := checkIDs("complete", scope, key); err != nil {
+		return err
+	}
 	return s.complete(ctx, s.pool, scope, key, token, resp, expiresAt)
 }
 
@@ -269,6 +304,9 @@ func (s *Store) complete(ctx context.Context, q querier, scope, key, token strin
 
 // Release implements idem.Store.
 func (s *Store) Release(ctx context.Context, scope, key, token string) error {
+	if err := checkIDs("release", scope, key); err != nil {
+		return err
+	}
 	tag, err := s.pool.Exec(ctx, s.releaseSQL, []byte(scope), []byte(key), token)
 	if err != nil {
 		return s.wrap("release", err)
@@ -281,6 +319,9 @@ func (s *Store) Release(ctx context.Context, scope, key, token string) error {
 
 // Extend implements idem.Store.
 func (s *Store) Extend(ctx context.Context, scope, key, token string, _, leaseUntil time.Time) error {
+	if err := checkIDs("extend", scope, key); err != nil {
+		return err
+	}
 	tag, err := s.pool.Exec(ctx, s.extendSQL, []byte(scope), []byte(key), token, leaseUntil)
 	if err != nil {
 		return s.wrap("extend", err)
@@ -293,6 +334,9 @@ func (s *Store) Extend(ctx context.Context, scope, key, token string, _, leaseUn
 
 // Get implements idem.Store.
 func (s *Store) Get(ctx context.Context, scope, key string, now time.Time) (*idem.Record, error) {
+	if err := checkIDs("get", scope, key); err != nil {
+		return nil, err
+	}
 	rec, err := s.read(ctx, s.pool, s.getSQL, []byte(scope), []byte(key), now)
 	if err != nil && !errors.Is(err, idem.ErrNotFound) {
 		return nil, s.wrap("get", err)

@@ -46,14 +46,14 @@ func (r *scanRecord) finish() error {
 		return nil
 	case idem.StateComplete:
 	default:
-		return fmt.Errorf("pgstore: record %q has unknown state %d; was the table written by a newer pgstore?", r.Key, r.state)
+		return fmt.Errorf("pgstore: record %s has unknown state %d; was the table written by a newer pgstore?", quoteShort(r.Key), r.state)
 	}
 	if r.status == nil {
-		return fmt.Errorf("pgstore: complete record %q has no status; the row was modified outside pgstore", r.Key)
+		return fmt.Errorf("pgstore: complete record %s has no status; the row was modified outside pgstore", quoteShort(r.Key))
 	}
 	h, err := decodeHeaders(r.headers)
 	if err != nil {
-		return fmt.Errorf("pgstore: record %q: %w", r.Key, err)
+		return fmt.Errorf("pgstore: record %s: %w", quoteShort(r.Key), err)
 	}
 	r.Response = &idem.Response{Status: int(*r.status), Header: h, Body: r.body, BodyOmitted: r.omitted, Ref: string(r.ref)}
 	return nil
@@ -94,7 +94,7 @@ func encodeHeaders(h http.Header) ([]byte, error) {
 	m := make(map[string][]any, len(h))
 	for name, vs := range h {
 		if !utf8.ValidString(name) || strings.ContainsRune(name, 0) {
-			return nil, fmt.Errorf("pgstore: header name %q is not valid UTF-8; store only well-formed header names", name)
+			return nil, fmt.Errorf("pgstore: header name %s is not valid UTF-8; store only well-formed header names", quoteShort(name))
 		}
 		out := make([]any, len(vs))
 		for i, v := range vs {

@@ -18,8 +18,20 @@ type txKey struct{}
 
 // Tx returns the transaction the middleware opened for the request whose context
 // is ctx, or nil outside one. A handler does its business writes in it; the
-// middleware stores the response in the same transaction and commits it, so the
-// handler must not call Commit or Rollback itself.
+// middleware stores the response in the same transaction and commits it.
+//
+// The handler does not commit it: Commit on it commits nothing and returns an
+// error (Begin a savepoint to commit or roll back part of the work). Rollback
+// rolls it back; none of the handler's writes commit then, and the middleware
+// keeps the handler's answer only if it is an error answer (see
+// idem.ErrTxAborted). The same happens when a statement fails and PostgreSQL
+// aborts the transaction: to carry on after an expected error (a unique
+// violation answered 409), run the statement in a savepoint (tx.Begin).
+//
+// Once the transaction is over (committed by the middleware, rolled back, or
+// ended by a COMMIT or ROLLBACK sent as SQL) every method of the Tx returns
+// pgx.ErrTxClosed; a handler must not keep it past its return. Conn and
+// LargeObjects are not guarded: do not use them after the handler returned.
 //
 // Tx is nil when the request is not keyed (no Idempotency-Key on an optional
 // route, a method that is not keyed): such a handler opens its own transaction.
@@ -45,20 +57,29 @@ func (s *Store) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
 		conn.Release()
 		return ctx, nil, s.wrap("begin transaction", err)
 	}
-	return context.WithValue(ctx, txKey{}, tx), &claimTx{s: s, conn: conn, tx: tx}, nil
+	htx := newHandlerTx(tx)
+	return context.WithValue(ctx, txKey{}, pgx.Tx(htx)), &claimTx{txEnd: txEnd{s: s, conn: conn, htx: htx}}, nil
+}
+
+// txEnd ends the request's transaction: what claimTx and lockedTx share.
+type txEnd struct {
+	s    *Store
+	conn *pgxpool.Conn // nil once the transaction ended and the connection went back
+	htx  *handlerTx    // the handler's view of the transaction
 }
 
 // claimTx is the idem.Tx of the claim-then-complete flow.
 type claimTx struct {
-	s    *Store
-	conn *pgxpool.Conn // nil once the transaction ended and the connection went back
-	tx   pgx.Tx
+	txEnd
 	// completion holds the arguments of the fenced UPDATE that Commit sends.
 	completion []any
 }
 
 // Complete prepares the fenced completion; Commit sends it.
 func (t *claimTx) Complete(_ context.Context, scope, key, token string, resp *idem.Response, _, expiresAt time.Time) error {
+	if err := checkIDs("complete", scope, key); err != nil {
+		return err
+	}
 	args, err := completeArgs(scope, key, token, resp, expiresAt)
 	if err != nil {
 		return err
@@ -69,86 +90,144 @@ func (t *claimTx) Complete(_ context.Context, scope, key, token string, resp *id
 
 // Commit sends the prepared completion and COMMIT in one round trip.
 func (t *claimTx) Commit(ctx context.Context) error {
-	return t.s.commitWith(ctx, &t.conn, t.tx, "complete", t.s.completeAndCommitSQL, t.completion, idem.ErrLockLost)
+	return t.commitWith(ctx, "complete", t.s.completeAndCommitSQL, t.completion, idem.ErrLockLost)
 }
 
-// commitWith commits tx, the transaction on *conn. When args is nil it is a plain
-// COMMIT. Otherwise it sends stmt (a statement that raises division_by_zero when
-// its write matched no row) and COMMIT in one pipelined batch, and returns
-// fenceErr, having committed nothing, when stmt raised. Once the transaction has
-// ended, the connection goes back to the pool and *conn becomes nil; when it is
-// still open (aborted), it is left to Rollback.
+// Rollback aborts the transaction; a no-op after Commit.
+func (t *claimTx) Rollback(ctx context.Context) error { return t.rollback(ctx) }
+
+// commitWith commits the transaction. When args is nil it is a plain COMMIT.
+// Otherwise it sends stmt (a statement that raises division_by_zero when its
+// write matched no row) and COMMIT in one pipelined batch, and returns fenceErr,
+// having committed nothing, when stmt raised.
 //
-// The pgx.Tx handed to the handler is abandoned with its connection back in the
-// pool: handlers must not use it after they return.
-func (s *Store) commitWith(ctx context.Context, conn **pgxpool.Conn, tx pgx.Tx, op, stmt string, args []any, fenceErr error) error {
-	c := *conn
+// Whatever happens, the transaction is over when it returns: rolled back unless
+// committed, the handler's Tx closed, and the connection back in the pool (closed
+// by it when the rollback failed). It returns an error wrapping
+// idem.ErrTxAborted, having committed nothing, when the transaction was already
+// aborted (a statement of the handler failed) or rolled back by the handler.
+func (t *txEnd) commitWith(ctx context.Context, op, stmt string, args []any, fenceErr error) error {
+	c := t.conn
 	if c == nil {
 		return pgx.ErrTxClosed
 	}
-	release := func() {
-		c.Release()
-		*conn = nil
-	}
-	if args == nil {
-		err := tx.Commit(ctx)
-		release()
+	how := t.htx.g.end() // no statement of the handler runs from here on
+	defer t.release(ctx)
+	pc := c.Conn().PgConn()
+	switch {
+	case how == endedRollback:
+		return fmt.Errorf("pgstore: %s: the handler rolled back the transaction: %w", op, idem.ErrTxAborted)
+	case pc.IsClosed():
+		return fmt.Errorf("pgstore: %s: the connection of the transaction was closed before COMMIT, so nothing was committed (PostgreSQL rolls back the transaction of a lost connection); retry", op)
+	case pc.TxStatus() == 'E':
+		return fmt.Errorf("pgstore: %s: a statement of the handler failed and PostgreSQL aborted the transaction: %w", op, idem.ErrTxAborted)
+	case pc.TxStatus() == 'I':
+		// The handler sent COMMIT (or ROLLBACK through Query, SendBatch or Conn)
+		// itself: its writes may have committed. Do what a store without
+		// transactions does: the fenced write alone, after the effects.
+		if args == nil {
+			return nil
+		}
+		_, err := c.Conn().Exec(ctx, stmt, args...)
+		if isDivisionByZero(err) {
+			return fenceErr
+		}
 		if err != nil {
-			return fmt.Errorf("pgstore: commit: %w", err)
+			return t.s.wrap(op+" (outside the transaction, which the handler ended itself)", err)
 		}
 		return nil
 	}
 	b := &pgx.Batch{}
-	b.Queue(stmt, args...)
+	if args != nil {
+		b.Queue(stmt, args...)
+	}
 	b.Queue("commit")
 	br := c.Conn().SendBatch(ctx, b)
-	_, stmtErr := br.Exec()
-	_, commitErr := br.Exec()
-	closeErr := br.Close()
-	if c.Conn().PgConn().TxStatus() != 'I' {
-		// The transaction is still open (aborted by stmt or by an error): leave it
-		// to Rollback.
-		switch {
-		case isDivisionByZero(stmtErr):
-			return fenceErr
-		case stmtErr != nil:
-			return s.wrap(op, stmtErr)
-		case commitErr != nil:
-			return fmt.Errorf("pgstore: commit: %w", commitErr)
-		case closeErr != nil:
-			return fmt.Errorf("pgstore: commit: %w", closeErr)
-		}
-		return errors.New("pgstore: commit: the transaction is still open after COMMIT")
+	var stmtErr error
+	if args != nil {
+		_, stmtErr = br.Exec()
 	}
-	// The connection is idle again: the transaction ended (committed, unless the
-	// batch reports an error).
-	release()
-	if err := errors.Join(stmtErr, commitErr, closeErr); err != nil {
-		if isDivisionByZero(stmtErr) {
-			return fenceErr
-		}
-		return fmt.Errorf("pgstore: commit: %w", err)
+	var tag pgconn.CommandTag
+	var commitErr error
+	if stmtErr == nil {
+		tag, commitErr = br.Exec()
+	}
+	closeErr := br.Close()
+	switch {
+	case isDivisionByZero(stmtErr):
+		return fenceErr
+	case isInFailedTx(stmtErr), stmtErr == nil && commitErr == nil && closeErr == nil && tag.String() == "ROLLBACK",
+		errors.Is(commitErr, pgx.ErrTxCommitRollback):
+		return fmt.Errorf("pgstore: %s: PostgreSQL had aborted the transaction: %w", op, idem.ErrTxAborted)
+	}
+	err := stmtErr
+	if err == nil {
+		err = commitErr
+	}
+	if err == nil {
+		err = closeErr
+	}
+	if err == nil {
+		return nil
+	}
+	if pc.IsClosed() && !isServerAnswer(err) {
+		return fmt.Errorf("pgstore: commit: the connection failed before PostgreSQL confirmed the COMMIT, so the transaction may or may not have committed: %w", err)
+	}
+	if stmtErr != nil {
+		return t.s.wrap(op, stmtErr)
+	}
+	return fmt.Errorf("pgstore: commit: %w", err)
+}
+
+// rollback aborts the transaction and hands the connection back to the pool; a
+// no-op once it ended.
+func (t *txEnd) rollback(ctx context.Context) error {
+	if t.conn == nil {
+		return nil
+	}
+	t.htx.g.end()
+	return t.release(ctx)
+}
+
+// release rolls back the transaction if it is still open, and hands the
+// connection back to the pool, which closes it when it is not idle. A rollback
+// that fails closes the connection, which rolls the transaction back as well.
+func (t *txEnd) release(ctx context.Context) error {
+	c := t.conn
+	if c == nil {
+		return nil
+	}
+	t.conn = nil
+	defer c.Release()
+	pc := c.Conn().PgConn()
+	if pc.IsClosed() || pc.TxStatus() == 'I' {
+		return nil
+	}
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+	defer cancel()
+	if _, err := c.Conn().Exec(rctx, "rollback"); err != nil {
+		_ = c.Conn().Close(rctx)
+		return fmt.Errorf("pgstore: rollback: %w (the connection was closed, which rolls the transaction back)", err)
 	}
 	return nil
 }
 
-// Rollback aborts the transaction; a no-op after Commit.
-func (t *claimTx) Rollback(ctx context.Context) error { return rollback(ctx, &t.conn, t.tx) }
+// rollbackTimeout bounds the ROLLBACK sent when a transaction ends without a
+// commit; past it the connection is closed instead.
+const rollbackTimeout = 5 * time.Second
 
-// rollback aborts tx, the transaction on *conn, and hands the connection back to
-// the pool (which closes it instead when a transaction is still open on it). It
-// is a no-op once *conn is nil.
-func rollback(ctx context.Context, conn **pgxpool.Conn, tx pgx.Tx) error {
-	if *conn == nil {
-		return nil
-	}
-	err := tx.Rollback(ctx)
-	(*conn).Release()
-	*conn = nil
-	if err != nil && !errors.Is(err, pgx.ErrTxClosed) {
-		return fmt.Errorf("pgstore: rollback: %w", err)
-	}
-	return nil
+// isInFailedTx reports whether err is in_failed_sql_transaction (25P02): the
+// transaction had been aborted before the statement.
+func isInFailedTx(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "25P02"
+}
+
+// isServerAnswer reports whether err is an error PostgreSQL answered (not a lost
+// connection): the statement it answers did not commit.
+func isServerAnswer(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Severity != "FATAL" && pgErr.Severity != "PANIC"
 }
 
 // isDivisionByZero reports whether err is the error completeAndCommitSQL raises
@@ -177,6 +256,9 @@ func (s *Store) lockKey(scope, key string) int64 {
 // request (replay, 409 or 422) without the lock, so concurrent retries of a
 // completed key replay in parallel instead of turning each other away with 409.
 func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Time) (context.Context, idem.LockedTx, *idem.Record, error) {
+	if err := checkIDs("begin locked transaction", scope, key); err != nil {
+		return ctx, nil, nil, err
+	}
 	for range maxClaimRounds {
 		ctx, tx, rec, err := s.beginLocked(ctx, scope, key, now)
 		if !errors.Is(err, errVanished) {
@@ -233,23 +315,22 @@ func (s *Store) beginLocked(ctx context.Context, scope, key string, now time.Tim
 	case !tried && !found:
 		err = errVanished
 	}
+	end := txEnd{s: s, conn: conn, htx: newHandlerTx(tx)}
 	if err != nil {
-		_ = rollback(context.WithoutCancel(ctx), &conn, tx)
+		_ = end.rollback(ctx)
 		return ctx, nil, nil, err
 	}
 	var out *idem.Record
 	if found {
 		out = rec.Record
 	}
-	return context.WithValue(ctx, txKey{}, tx), &lockedTx{s: s, conn: conn, tx: tx, now: now}, out, nil
+	return context.WithValue(ctx, txKey{}, pgx.Tx(end.htx)), &lockedTx{txEnd: end, now: now}, out, nil
 }
 
 // lockedTx is the idem.LockedTx of the single-transaction flow.
 type lockedTx struct {
-	s    *Store
-	conn *pgxpool.Conn // nil once the transaction ended and the connection went back
-	tx   pgx.Tx
-	now  time.Time // the clock reading BeginLocked judged expiry by
+	txEnd
+	now time.Time // the clock reading BeginLocked judged expiry by
 	// insert holds the arguments of the record insert that Commit sends.
 	insert []any
 }
@@ -259,6 +340,9 @@ type lockedTx struct {
 // and returns idem.ErrInFlight, committing nothing, when a live record holds the
 // key (a claim-then-complete request claimed it after the lookup).
 func (t *lockedTx) Insert(_ context.Context, rec *idem.Record) error {
+	if err := checkIDs("insert record", rec.Scope, rec.Key); err != nil {
+		return err
+	}
 	var (
 		status  *int32
 		hdr     []byte
@@ -284,8 +368,8 @@ func (t *lockedTx) Insert(_ context.Context, rec *idem.Record) error {
 // Commit sends the prepared insert and COMMIT in one round trip; the lock goes
 // with the transaction.
 func (t *lockedTx) Commit(ctx context.Context) error {
-	return t.s.commitWith(ctx, &t.conn, t.tx, "insert record", t.s.insertAndCommitSQL, t.insert, idem.ErrInFlight)
+	return t.commitWith(ctx, "insert record", t.s.insertAndCommitSQL, t.insert, idem.ErrInFlight)
 }
 
 // Rollback aborts the transaction and frees the lock; a no-op after Commit.
-func (t *lockedTx) Rollback(ctx context.Context) error { return rollback(ctx, &t.conn, t.tx) }
+func (t *lockedTx) Rollback(ctx context.Context) error { return t.rollback(ctx) }

@@ -1,0 +1,216 @@
+package pgstore
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// errHandlerCommit is what a handler's own Commit of the request's transaction
+// returns: the middleware commits it, together with the stored response.
+var errHandlerCommit = errors.New("pgstore: the idem middleware commits this transaction together with the stored response; do not call Commit on pgstore.Tx, return from the handler instead (use tx.Begin for a savepoint you may commit or roll back)")
+
+// txGuard is the state shared by the pgx.Tx the handler gets (handlerTx) and
+// every savepoint it begins from it. Once the request's transaction is over
+// (committed or rolled back by the middleware, rolled back by the handler, or
+// ended by a COMMIT or ROLLBACK the handler sent as SQL), every method returns
+// pgx.ErrTxClosed, so that no statement lands outside the transaction, in
+// autocommit or on a connection the pool has handed to another request.
+type txGuard struct {
+	// mu is held for reading by each call into the transaction and for writing
+	// by end, which therefore waits for calls in progress and admits no new one.
+	mu     sync.RWMutex
+	closed atomic.Bool
+	// how records how the handler itself ended the transaction (an endedBy).
+	how atomic.Uint32
+}
+
+// endedBy says how the handler ended the request's transaction itself.
+type endedBy uint8
+
+const (
+	endedNot      endedBy = iota // the transaction is the middleware's to end
+	endedRollback                // the handler rolled back (Rollback, or ROLLBACK as SQL)
+	endedCommit                  // the handler sent COMMIT as SQL: its writes committed
+	endedUnknown                 // the handler ended it some other way (COMMIT or ROLLBACK through Query or SendBatch, tx.Conn())
+)
+
+// end closes the guard and reports how the handler ended the transaction.
+func (g *txGuard) end() endedBy {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.closed.Store(true)
+	return endedBy(g.how.Load())
+}
+
+// enter starts a call into the transaction; ok is false once it is over.
+func (g *txGuard) enter() (ok bool) {
+	g.mu.RLock()
+	if g.closed.Load() {
+		g.mu.RUnlock()
+		return false
+	}
+	return true
+}
+
+func (g *txGuard) leave() { g.mu.RUnlock() }
+
+// handlerTx is the pgx.Tx handed to handlers: the request's transaction (root)
+// or a savepoint begun from it.
+type handlerTx struct {
+	g    *txGuard
+	tx   pgx.Tx
+	root bool
+}
+
+func newHandlerTx(tx pgx.Tx) *handlerTx { return &handlerTx{g: &txGuard{}, tx: tx, root: true} }
+
+// noteEnd records that a statement the handler sent ended the transaction (a
+// COMMIT or ROLLBACK as SQL), and closes the Tx: what the handler sends next
+// would run outside any transaction. Called with g.mu held for reading.
+func (t *handlerTx) noteEnd(tag pgconn.CommandTag) {
+	if t.tx.Conn().PgConn().TxStatus() != 'I' {
+		return
+	}
+	t.g.closed.Store(true)
+	how := endedUnknown
+	switch tag.String() {
+	case "COMMIT":
+		how = endedCommit
+	case "ROLLBACK":
+		how = endedRollback
+	}
+	t.g.how.CompareAndSwap(uint32(endedNot), uint32(how))
+}
+
+// Begin starts a savepoint (a pseudo nested transaction).
+func (t *handlerTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	if !t.g.enter() {
+		return nil, pgx.ErrTxClosed
+	}
+	defer t.g.leave()
+	sp, err := t.tx.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &handlerTx{g: t.g, tx: sp}, nil
+}
+
+// Commit releases a savepoint. On the request's transaction itself it commits
+// nothing and returns an error: the middleware commits it.
+func (t *handlerTx) Commit(ctx context.Context) error {
+	if !t.g.enter() {
+		return pgx.ErrTxClosed
+	}
+	defer t.g.leave()
+	if t.root {
+		return errHandlerCommit
+	}
+	return t.tx.Commit(ctx)
+}
+
+// Rollback rolls back to a savepoint, or rolls back the request's transaction:
+// none of the handler's writes commit, and the middleware learns that from
+// Commit (idem.ErrTxAborted).
+func (t *handlerTx) Rollback(ctx context.Context) error {
+	if !t.root {
+		if !t.g.enter() {
+			return pgx.ErrTxClosed
+		}
+		defer t.g.leave()
+		return t.tx.Rollback(ctx)
+	}
+	t.g.mu.Lock() // a state change: exclusive
+	defer t.g.mu.Unlock()
+	if t.g.closed.Load() {
+		return pgx.ErrTxClosed
+	}
+	t.g.closed.Store(true)
+	t.g.how.Store(uint32(endedRollback))
+	return t.tx.Rollback(ctx) // on failure pgx closes the connection: rolled back all the same
+}
+
+// CopyFrom delegates to the transaction.
+func (t *handlerTx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnNames []string, rowSrc pgx.CopyFromSource) (int64, error) {
+	if !t.g.enter() {
+		return 0, pgx.ErrTxClosed
+	}
+	defer t.g.leave()
+	return t.tx.CopyFrom(ctx, tableName, columnNames, rowSrc)
+}
+
+// SendBatch delegates to the transaction.
+func (t *handlerTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	if !t.g.enter() {
+		return pgx.FailedBatchResults(b, pgx.ErrTxClosed)
+	}
+	defer t.g.leave()
+	return t.tx.SendBatch(ctx, b)
+}
+
+// LargeObjects returns the transaction's large objects. They bypass the guard:
+// do not use them after the handler returned.
+func (t *handlerTx) LargeObjects() pgx.LargeObjects { return t.tx.LargeObjects() }
+
+// Prepare delegates to the transaction.
+func (t *handlerTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	if !t.g.enter() {
+		return nil, pgx.ErrTxClosed
+	}
+	defer t.g.leave()
+	return t.tx.Prepare(ctx, name, sql)
+}
+
+// Exec delegates to the transaction. A COMMIT or ROLLBACK sent through it ends
+// the transaction, and the Tx with it.
+func (t *handlerTx) Exec(ctx context.Context, sql string, arguments ...any) (pgconn.CommandTag, error) {
+	if !t.g.enter() {
+		return pgconn.CommandTag{}, pgx.ErrTxClosed
+	}
+	defer t.g.leave()
+	tag, err := t.tx.Exec(ctx, sql, arguments...)
+	t.noteEnd(tag)
+	return tag, err
+}
+
+// Query delegates to the transaction.
+func (t *handlerTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if !t.g.enter() {
+		return closedRows{}, pgx.ErrTxClosed
+	}
+	defer t.g.leave()
+	return t.tx.Query(ctx, sql, args...)
+}
+
+// QueryRow delegates to the transaction.
+func (t *handlerTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if !t.g.enter() {
+		return closedRows{}
+	}
+	defer t.g.leave()
+	return t.tx.QueryRow(ctx, sql, args...)
+}
+
+// Conn returns the connection the transaction runs on. It bypasses the guard:
+// statements sent through it after the handler returned run on a connection
+// that is back in the pool.
+func (t *handlerTx) Conn() *pgx.Conn { return t.tx.Conn() }
+
+// closedRows is the pgx.Rows and pgx.Row of a query on an ended transaction.
+type closedRows struct{}
+
+func (closedRows) Close()                                       {}
+func (closedRows) Err() error                                   { return pgx.ErrTxClosed }
+func (closedRows) CommandTag() pgconn.CommandTag                { return pgconn.CommandTag{} }
+func (closedRows) FieldDescriptions() []pgconn.FieldDescription { return nil }
+func (closedRows) Next() bool                                   { return false }
+func (closedRows) Scan(...any) error                            { return pgx.ErrTxClosed }
+func (closedRows) Values() ([]any, error)                       { return nil, pgx.ErrTxClosed }
+func (closedRows) RawValues() [][]byte                          { return nil }
+func (closedRows) Conn() *pgx.Conn                              { return nil }
+func (closedRows) TypeMap() *pgtype.Map                         { return pgtype.NewMap() }
