@@ -1,8 +1,12 @@
 package pgstore_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"net/http"
+	"net/http/httptest"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -158,4 +162,59 @@ func TestTxAbortedCommitWithoutCompletion(t *testing.T) {
 		t.Fatalf("Commit of an aborted transaction = %v, want idem.ErrTxAborted", err)
 	}
 	assertPoolClean(t, db)
+}
+
+// TestTxAbortedThroughMiddleware: a handler whose statement fails (and aborts
+// the transaction) catches the error and answers 409. The client gets the 409,
+// the retry replays it without running the handler again, and nothing of the
+// aborted transaction is committed. (It used to answer 503 commit failed, and
+// every retry ran the handler again.)
+func TestTxAbortedThroughMiddleware(t *testing.T) {
+	t.Parallel()
+	for _, fl := range flows {
+		for _, fs := range failingStatements {
+			t.Run(fl.name+"/"+fs.name, func(t *testing.T) {
+				t.Parallel()
+				db := newTestDB(t, 4)
+				app := newOrderApp(t, db)
+				db.exec(t, `INSERT INTO `+app.orders+` (id, idem_key, tag) VALUES (-1, 'dup', 'dup')`)
+				var runs atomic.Int64
+				h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					runs.Add(1)
+					ctx := r.Context()
+					tx := pgstore.Tx(ctx)
+					_, key, _ := idem.KeyFrom(ctx)
+					if _, err := tx.Exec(ctx, `INSERT INTO `+app.orders+` (idem_key, tag) VALUES ($1, 'first')`, key); err != nil {
+						http.Error(w, err.Error(), http.StatusInternalServerError)
+						return
+					}
+					if err := fs.run(ctx, tx, app.orders); err != nil {
+						w.Header().Set("Content-Type", "application/json")
+						w.WriteHeader(http.StatusConflict)
+						_, _ = w.Write([]byte(`{"error":"conflict"}`))
+						return
+					}
+					w.WriteHeader(http.StatusCreated)
+				})
+				srv := httptest.NewServer(app.serve(t, &idem.Config{Flow: fl.flow}, h))
+				defer srv.Close()
+				key := "abort-" + randomHex(8)
+				first := post(srv.URL+"/orders", key, []byte(`{"item":"x"}`))
+				if first.err != nil || first.status != http.StatusConflict || first.replayed || string(first.body) != `{"error":"conflict"}` {
+					t.Fatalf("first = %d replayed=%v %s (err %v); want the handler's 409", first.status, first.replayed, first.body, first.err)
+				}
+				again := post(srv.URL+"/orders", key, []byte(`{"item":"x"}`))
+				if again.err != nil || again.status != http.StatusConflict || !again.replayed || !bytes.Equal(again.body, first.body) {
+					t.Fatalf("retry = %d replayed=%v %s (err %v); want a replay of the 409", again.status, again.replayed, again.body, again.err)
+				}
+				if n := runs.Load(); n != 1 {
+					t.Fatalf("the handler ran %d times, want 1", n)
+				}
+				if n := app.ordersFor(t, key, ""); n != 0 {
+					t.Fatalf("%d orders of the aborted transaction committed", n)
+				}
+				assertPoolClean(t, db)
+			})
+		}
+	}
 }
