@@ -3,6 +3,7 @@ package pgstore_test
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -141,6 +142,98 @@ func TestHandlerTxClosedAfterLockedTx(t *testing.T) {
 			}
 			_ = tx.Rollback(ctx30(t))
 			assertTxClosed(t, app, htx, "k")
+		})
+	}
+}
+
+// TestHandlerTxConcurrentCommit: a goroutine the handler left behind keeps
+// writing through the tx while the middleware commits. Its writes either commit
+// with the transaction or fail with pgx.ErrTxClosed; none succeeds after Commit
+// returned, none lands outside the transaction, and -race sees no concurrent use
+// of the connection.
+func TestHandlerTxConcurrentCommit(t *testing.T) {
+	t.Parallel()
+	for _, fl := range flows {
+		t.Run(fl.name, func(t *testing.T) {
+			t.Parallel()
+			db := newTestDB(t, 2)
+			app := newOrderApp(t, db)
+			now := time.Now()
+			var (
+				ctx    context.Context
+				commit func() error
+				err    error
+			)
+			switch fl.flow {
+			case idem.FlowClaimComplete:
+				if _, claimed, err := app.store.Claim(ctx30(t), idem.ClaimRequest{Scope: "s", Key: "k", Fingerprint: "v1:f", Token: "tok",
+					Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)}); err != nil || !claimed {
+					t.Fatalf("Claim: %v %v", claimed, err)
+				}
+				var tx idem.Tx
+				ctx, tx, err = app.store.BeginTx(ctx30(t))
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer func() { _ = tx.Rollback(context.Background()) }()
+				commit = func() error {
+					_ = tx.Complete(ctx30(t), "s", "k", "tok", &idem.Response{Status: 201}, now, now.Add(time.Hour))
+					return tx.Commit(ctx30(t))
+				}
+			default:
+				var tx idem.LockedTx
+				ctx, tx, _, err = app.store.BeginLocked(ctx30(t), "s", "k", now)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer func() { _ = tx.Rollback(context.Background()) }()
+				commit = func() error {
+					_ = tx.Insert(ctx30(t), &idem.Record{Scope: "s", Key: "k", State: idem.StateComplete, Fingerprint: "v1:f", Token: "t",
+						CreatedAt: now, LeaseUntil: now, ExpiresAt: now.Add(time.Hour), Response: &idem.Response{Status: 201}})
+					return tx.Commit(ctx30(t))
+				}
+			}
+			htx := pgstore.Tx(ctx)
+			var committed atomic.Bool
+			type result struct {
+				ok, afterCommit int
+				last            error
+			}
+			out := make(chan result, 1)
+			started := make(chan struct{})
+			go func() {
+				var r result
+				for i := 0; i < 5000; i++ {
+					if i == 5 {
+						close(started)
+					}
+					_, err := htx.Exec(ctx, `INSERT INTO `+app.orders+` (idem_key, tag) VALUES ('k', 'bg')`)
+					if err != nil {
+						r.last = err
+						break
+					}
+					r.ok++
+					if committed.Load() {
+						r.afterCommit++
+					}
+				}
+				out <- r
+			}()
+			<-started
+			if err := commit(); err != nil {
+				t.Fatalf("Commit: %v", err)
+			}
+			committed.Store(true)
+			r := <-out
+			if !errors.Is(r.last, pgx.ErrTxClosed) {
+				t.Fatalf("the left-behind goroutine's writes ended with %v after %d successes, want pgx.ErrTxClosed", r.last, r.ok)
+			}
+			if r.afterCommit != 0 {
+				t.Errorf("%d writes succeeded after Commit returned", r.afterCommit)
+			}
+			if n := app.ordersFor(t, "k", "bg"); n != r.ok {
+				t.Errorf("%d orders committed, %d writes succeeded: want them equal", n, r.ok)
+			}
 		})
 	}
 }
