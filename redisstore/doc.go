@@ -39,12 +39,13 @@
 //	token    lock token of the claim that holds or last held the key
 //	created  when the record was first claimed
 //	lease    lease deadline of the in-flight claim
-//	expires  ExpiresAt; the key carries the same instant as its Redis expiry (PEXPIREAT)
+//	expires  ExpiresAt (raised to the lease by Extend when the lease outruns it)
 //	status   HTTP status (complete records)
 //	headers  stored headers, binary: uvarint counts and lengths, names sorted
 //	body     response body, raw bytes
 //	omitted  "1" when the body was deliberately not stored
 //	ref      resource reference recorded with idem.SetRef
+//	done     random id of the Complete call that completed the record
 //
 // Fields whose value would be empty are not written. A record costs its body and
 // headers plus roughly 200 bytes of fields and key overhead; a 1 MiB body is
@@ -53,12 +54,23 @@
 //
 // # Time, expiry and clocks
 //
-// The key expires by itself at the record's ExpiresAt (PEXPIREAT, an absolute
-// instant, so replicas and an AOF replay keep the same deadline), so
-// Redis needs no janitor: DeleteExpired is a no-op that returns 0, nil (Redis
-// expires records itself), and ExpiresRecordsItself reports true. A record Redis
-// has not yet removed but whose ExpiresAt is not after the caller's Now is treated
-// as absent, as the Store contract requires.
+// Every time the store compares (is the lease lapsed? is the record expired?)
+// is the Now the middleware passes in, compared inside the script with the
+// times stored in the record; no script reads Redis's clock. The Redis expiry of
+// the key is set as a duration computed from the same clock: ExpiresAt − Now on
+// Claim and Complete (PEXPIRE), and on Extend the longer of the key's remaining
+// time to live and LeaseUntil − Now, so that a record whose lease is live is
+// never deleted by Redis, however long its handler runs past the TTL. Skew
+// between the application's clock and the Redis server's therefore changes
+// nothing: with an application clock minutes behind Redis's, a record still lives
+// its TTL (an absolute PEXPIREAT would have lain in Redis's past and deleted a
+// live claim at once). Redis 7 writes the deadline to replicas and the AOF as the
+// absolute instant it computed, on its own clock.
+//
+// Redis needs no janitor: DeleteExpired is a no-op that returns 0, nil, and
+// ExpiresRecordsItself reports true. A record Redis has not yet removed but whose
+// ExpiresAt is not after the caller's Now is treated as absent, as the Store
+// contract requires.
 //
 // The lease deadline is not a Redis expiry: it is a field, compared inside the
 // claim script with the Now the middleware passes in (its own clock, in ms). That
@@ -72,9 +84,7 @@
 // Skew beyond it can let another server take over a claim whose handler is still
 // running — the fenced Complete of the first holder then fails with ErrLockLost,
 // but both handlers ran. Keep the servers' clocks synchronised (NTP) to well under
-// Lease/3, or raise Config.Lease. Skew between the application and the Redis
-// server only shifts the moment Redis deletes a record by the same amount, which
-// is harmless against a TTL of hours.
+// Lease/3, or raise Config.Lease.
 //
 // # Guarantees
 //
@@ -121,10 +131,18 @@
 // A store outage fails closed: when Redis cannot be reached the middleware
 // answers 503 (idempotency_store_unavailable) and does not run the handler.
 //
-// A command whose reply is lost on the network may be retried by go-redis. A
-// retried claim recognises its own token and reports success once; a retried
-// Complete finds the record already complete and reports ErrLockLost, which the
-// middleware only logs (the response is sent either way).
+// A command whose reply is lost (the connection died after the server ran it)
+// is re-sent by go-redis on another connection, up to its MaxRetries: the script
+// then runs twice. Each script's second run reports what the first did: a
+// re-sent Claim recognises its own token and reports the claim as won, Extend is
+// idempotent, and Complete recognises its own call id (the done field) and
+// reports success, while any other Complete of a complete record still gets
+// ErrLockLost. A re-sent Release finds the record gone and reports ErrLockLost,
+// which the middleware ignores. When a stalled server (a slow command, a
+// fork) outlasts the client's ReadTimeout, go-redis gives up on the command, but
+// the server still runs it when it catches up: Complete then reports a store
+// error although the record ends complete. Under CLIENT PAUSE, the command of a
+// client that went away is dropped, and the re-send is what runs.
 //
 // # Limits
 //

@@ -2,6 +2,8 @@ package redisstore
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"strconv"
@@ -63,16 +65,17 @@ func New(client redis.UniversalClient, cfg *Config) (*Store, error) {
 // the store writes starts with it.
 func (s *Store) Prefix() string { return s.prefix }
 
-// ExpiresRecordsItself reports true: Redis deletes every record at its ExpiresAt
-// (PEXPIREAT), so DeleteExpired has nothing to do. It implements
-// storetest.SelfExpiring.
+// ExpiresRecordsItself reports true: Redis deletes every record when its time
+// is up (a PEXPIRE of ExpiresAt − Now), so DeleteExpired has nothing to do. It
+// implements storetest.SelfExpiring.
 func (s *Store) ExpiresRecordsItself() bool { return true }
 
 // Claim implements idem.Store with one Lua script: the decision and the write
-// are a single atomic step on the server.
+// are a single atomic step on the server. A claimed record expires in Redis
+// after ExpiresAt − Now.
 func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record, bool, error) {
 	res, err := claimScript.Run(ctx, s.client, []string{s.recordKey(req.Scope, req.Key)},
-		req.Fingerprint, req.Token, ms(req.Now), ms(req.LeaseUntil), ms(req.ExpiresAt)).Result()
+		req.Fingerprint, req.Token, ms(req.Now), ms(req.LeaseUntil), ms(req.ExpiresAt), ttl(req.Now, req.ExpiresAt)).Result()
 	if err != nil {
 		return nil, false, storeErr("claim", err)
 	}
@@ -104,8 +107,8 @@ func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record,
 }
 
 // Complete implements idem.Store: one fenced Lua script stores resp, marks the
-// record complete and moves its Redis expiry to expiresAt.
-func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, _, expiresAt time.Time) error {
+// record complete and sets its Redis expiry to expiresAt − now from now on.
+func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, now, expiresAt time.Time) error {
 	if resp == nil {
 		return errors.New("redisstore: Complete needs a non-nil *idem.Response")
 	}
@@ -115,7 +118,7 @@ func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *id
 		omitted, body = "1", nil
 	}
 	n, err := completeScript.Run(ctx, s.client, []string{s.recordKey(scope, key)},
-		token, ms(expiresAt),
+		token, ms(expiresAt), ttl(now, expiresAt), callID(),
 		fStatus, strconv.Itoa(resp.Status),
 		fHeaders, encodeHeader(resp.Header),
 		fBody, body,
@@ -131,9 +134,12 @@ func (s *Store) Release(ctx context.Context, scope, key, token string) error {
 	return fenced("release", n, err)
 }
 
-// Extend implements idem.Store: one fenced Lua script moves the lease deadline.
-func (s *Store) Extend(ctx context.Context, scope, key, token string, _, leaseUntil time.Time) error {
-	n, err := extendScript.Run(ctx, s.client, []string{s.recordKey(scope, key)}, token, ms(leaseUntil)).Int()
+// Extend implements idem.Store: one fenced Lua script moves the lease deadline,
+// raises ExpiresAt to leaseUntil when it is earlier, and raises the Redis
+// expiry to at least leaseUntil − now, so that Redis never deletes a record
+// whose lease is live, however long its handler runs past the TTL.
+func (s *Store) Extend(ctx context.Context, scope, key, token string, now, leaseUntil time.Time) error {
+	n, err := extendScript.Run(ctx, s.client, []string{s.recordKey(scope, key)}, token, ms(leaseUntil), ttl(now, leaseUntil)).Int()
 	return fenced("extend", n, err)
 }
 
@@ -158,7 +164,7 @@ func (s *Store) Get(ctx context.Context, scope, key string, now time.Time) (*ide
 }
 
 // DeleteExpired implements idem.Store. It is a no-op that returns 0, nil: Redis
-// expires records itself, at their ExpiresAt. Running an idem.Janitor on this
+// expires records itself, ExpiresAt − Now after they were written. Running an idem.Janitor on this
 // store is harmless and useless.
 func (s *Store) DeleteExpired(context.Context, time.Time, int) (int, error) {
 	return 0, nil
@@ -194,3 +200,21 @@ func ms(t time.Time) int64 { return t.UnixMilli() }
 
 // msTime truncates t to the millisecond, as the store keeps it.
 func msTime(t time.Time) time.Time { return time.UnixMilli(t.UnixMilli()) }
+
+// ttl returns at − now in milliseconds, at least 1, as the decimal string a
+// script passes to PEXPIRE. Redis expiry is set as a duration, never as an
+// instant: the instant is on the middleware's clock, which need not agree with
+// the Redis server's (a PEXPIREAT of a clock running behind would delete a live
+// record at once). A time already past gives 1 ms: the record was already
+// expired for the caller, and Redis drops it at once.
+func ttl(now, at time.Time) string {
+	return strconv.FormatInt(max(1, at.UnixMilli()-now.UnixMilli()), 10)
+}
+
+// callID returns a fresh random id for one Complete call, which lets the script
+// tell a re-send of that call from another call.
+func callID() string {
+	var b [12]byte
+	_, _ = rand.Read(b[:])
+	return base64.RawURLEncoding.EncodeToString(b[:])
+}
