@@ -2,25 +2,69 @@ package idem
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"time"
 )
 
-// handlerContext is the context the handler of a claimed request sees: the
-// request's context, cancellable when the lease is lost, that also answers
-// recorderKey with the request's recorder (for SetRef and KeyFrom). It lives
-// inside the request struct, so it costs no allocation of its own.
-type handlerContext struct {
-	context.Context
-	rw *recorder
+// execContext is the context the handler of a claimed request sees. It carries
+// the request's values but not the client's cancellation: a claimed operation
+// runs to its end whatever the client does. It ends at its own deadline
+// (Config.HandlerTimeout; Err is then context.DeadlineExceeded) or when the lease
+// is lost (Err is context.Canceled, and context.Cause is ErrLockLost), both
+// signalled by the request's one timer. It also answers recorderKey with the
+// request's recorder (for SetRef and KeyFrom).
+//
+// Its cancellation lives in inner, a cancel context of the context package, so
+// that context.Cause and contexts derived by the handler work as usual: Value
+// asks inner first, which answers the context package's own lookups.
+type execContext struct {
+	values   context.Context
+	inner    context.Context
+	cancel   context.CancelCauseFunc
+	deadline time.Time // zero: none
+	rw       *recorder
 }
 
-// Value returns the recorder for recorderKey and delegates everything else.
-func (c *handlerContext) Value(key any) any {
+func (c *execContext) init(values context.Context, deadline time.Time, rw *recorder) {
+	inner, cancel := context.WithCancelCause(context.Background())
+	*c = execContext{values: values, inner: inner, cancel: cancel, deadline: deadline, rw: rw}
+}
+
+// Deadline returns the HandlerTimeout deadline, if there is one.
+func (c *execContext) Deadline() (time.Time, bool) { return c.deadline, !c.deadline.IsZero() }
+
+// Done is closed at the deadline or when the lease is lost.
+func (c *execContext) Done() <-chan struct{} { return c.inner.Done() }
+
+// Err is context.DeadlineExceeded after the deadline, context.Canceled after the
+// lease was lost, nil before.
+func (c *execContext) Err() error {
+	err := c.inner.Err()
+	if err != nil && errors.Is(context.Cause(c.inner), context.DeadlineExceeded) {
+		return context.DeadlineExceeded
+	}
+	return err
+}
+
+// Value answers recorderKey with the recorder, the context package's own keys
+// from inner, and everything else from the request's context.
+func (c *execContext) Value(key any) any {
 	if key == (recorderKey{}) {
 		return c.rw
 	}
-	return c.Context.Value(key)
+	if v := c.inner.Value(key); v != nil {
+		return v
+	}
+	return c.values.Value(key)
+}
+
+// end cancels the context with cause; the first cause stays.
+func (c *execContext) end(cause error) { c.cancel(cause) }
+
+// lockLost reports whether the context ended because the lease was lost.
+func (c *execContext) lockLost() bool {
+	return c.inner != nil && errors.Is(context.Cause(c.inner), ErrLockLost)
 }
 
 // cleanupContext is the context for the store calls made after the handler

@@ -54,8 +54,10 @@ func TestClientHangUpDoesNotStopTheOperation(t *testing.T) {
 	t.Parallel()
 	var runs atomic.Int64
 	var sawCancel atomic.Bool
+	started := make(chan struct{}, 1)
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		n := runs.Add(1)
+		started <- struct{}{}
 		select {
 		case <-time.After(300 * time.Millisecond):
 		case <-r.Context().Done():
@@ -75,13 +77,7 @@ func TestClientHangUpDoesNotStopTheOperation(t *testing.T) {
 	}
 	srv := httptest.NewServer(mw(h))
 	t.Cleanup(srv.Close)
-	impatient := &http.Client{Timeout: 50 * time.Millisecond, Transport: &http.Transport{DisableKeepAlives: true}}
-	req, _ := http.NewRequest(http.MethodPost, srv.URL+"/orders", strings.NewReader("{}"))
-	req.Header.Set("Idempotency-Key", "hangup")
-	if resp, err := impatient.Do(req); err == nil {
-		resp.Body.Close()
-		t.Fatalf("the impatient client got an answer (%d); the test needs it to hang up", resp.StatusCode)
-	}
+	hangUp(t, srv.URL+"/orders", "hangup", "{}", started)
 	b := &bundle{server: srv, client: &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}}
 	var a answer
 	deadline := time.Now().Add(5 * time.Second)
@@ -469,4 +465,25 @@ func TestOversizedResponseIsNotBuffered(t *testing.T) {
 		b := &bundle{server: srv, client: &http.Client{}}
 		wantProblem(t, b.post(t, "big", "{}"), http.StatusInternalServerError, idem.CodeResponseTooLarge)
 	})
+}
+
+// hangUp sends a keyed POST and hangs up once the handler has started (a
+// receive on started), as a client that times out does.
+func hangUp(t *testing.T, url, key, body string, started <-chan struct{}) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(body))
+	req.Header.Set("Idempotency-Key", key)
+	go func() {
+		select {
+		case <-started:
+		case <-time.After(30 * time.Second):
+		}
+		cancel()
+	}()
+	c := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+	if resp, err := c.Do(req); err == nil {
+		resp.Body.Close()
+		t.Fatalf("the client got an answer (%d); the test needs it to hang up while the handler runs", resp.StatusCode)
+	}
 }

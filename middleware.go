@@ -65,7 +65,7 @@ type request struct {
 
 	bodyReader bodyReader
 	rw         recorder
-	hctx       handlerContext
+	exec       execContext
 	cctx       cleanupContext
 	spilled    bool // the outcome was stored early and the response streamed
 	renewal
@@ -235,16 +235,10 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 	// The handler's context: the request's values, not the client's cancellation
 	// (a claimed operation runs to its end), HandlerTimeout, and ErrLockLost as the
 	// cause when the lease is lost.
-	base, cancel := context.WithCancelCause(context.WithoutCancel(r.Context()))
-	defer cancel(nil)
-	var hctx context.Context = base
-	if h.HandlerTimeout > 0 {
-		var stop context.CancelFunc
-		hctx, stop = context.WithTimeout(base, h.HandlerTimeout)
-		defer stop()
-	}
-	req.hctx = handlerContext{Context: hctx, rw: rw}
-	var ctx context.Context = &req.hctx
+	req.exec.init(r.Context(), h.handlerDeadline(), rw)
+	defer req.exec.end(nil)
+	hctx := &req.exec
+	var ctx context.Context = hctx
 	var tx Tx
 	if h.txStore != nil {
 		var err error
@@ -262,7 +256,7 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 	if tx == nil {
 		rw.spill = req.spillOutcome
 	}
-	req.startRenewal(token, cancel)
+	req.startTimer(token, true)
 	settled := false
 	defer func() {
 		if settled {
@@ -395,7 +389,7 @@ func (h *handler) observeCompletion(req *request, status int, err error) {
 // lockLost reports whether err, or the end of the handler's context, means the
 // request's lease was lost: the one predicate for every completion and commit.
 func (h *handler) lockLost(err error, req *request) bool {
-	return errors.Is(err, ErrLockLost) || (req.hctx.Context != nil && errors.Is(context.Cause(req.hctx.Context), ErrLockLost))
+	return errors.Is(err, ErrLockLost) || req.exec.lockLost()
 }
 
 // storeAborted keeps the handler's answer of a request whose transaction the
@@ -441,15 +435,12 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 	r := req.r
 	now := h.NowFunc()
 	rw := req.recorder(w)
-	var hctx context.Context = context.WithoutCancel(r.Context())
-	if h.HandlerTimeout > 0 {
-		var stop context.CancelFunc
-		hctx, stop = context.WithTimeout(hctx, h.HandlerTimeout)
-		defer stop()
-	}
-	// Not req.hctx: a driver may still watch this context after the transaction
-	// ended, and a takeover below hands req.hctx to the claim-then-complete flow.
-	ctx, tx, rec, err := h.singleTx.BeginLocked(&handlerContext{Context: hctx, rw: rw}, req.scope, req.key, now)
+	// Not req.exec: a driver may still watch this context after the transaction
+	// ended, and a takeover below hands req.exec to the claim-then-complete flow.
+	hctx := &execContext{}
+	hctx.init(r.Context(), h.handlerDeadline(), rw)
+	defer hctx.end(nil)
+	ctx, tx, rec, err := h.singleTx.BeginLocked(hctx, req.scope, req.key, now)
 	if errors.Is(err, ErrInFlight) {
 		h.inFlight(w, req, 0)
 		return
@@ -478,14 +469,20 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 		return
 	}
 	rw.limited, rw.limit = h.ReplayFunc == nil, h.MaxStoredBody
+	if !hctx.deadline.IsZero() {
+		req.deadlineOf = hctx // the timer ends hctx, not req.exec
+		req.startTimer("", false)
+	}
 	settled := false
 	defer func() {
+		req.stopRenewal()
 		if !settled {
 			_ = tx.Rollback(req.freshCleanup())
 		}
 	}()
 	h.next.ServeHTTP(rw, r.WithContext(ctx))
 	settled = true
+	req.stopRenewal()
 
 	cctx := req.freshCleanup()
 	status := rw.statusOrOK()
@@ -723,38 +720,82 @@ func (h *handler) releaseKey(ctx context.Context, req *request, token string) er
 	return err
 }
 
-// renewal extends a claim's lease every Lease/3 while its handler runs, and
-// cancels the handler's context with ErrLockLost when the lease turns out to be
-// lost (the completion then reports it). Transient store errors are not a lost
-// lease: renewal keeps trying, and the fenced completion has the last word. It is
-// embedded in request.
+// handlerDeadline returns when a handler starting now must end (HandlerTimeout),
+// on the wall clock, or the zero time for none.
+func (h *handler) handlerDeadline() time.Time {
+	if h.HandlerTimeout <= 0 {
+		return time.Time{}
+	}
+	return time.Now().Add(h.HandlerTimeout)
+}
+
+// renewal is the one timer of a running handler. It extends the claim's lease
+// every Lease/3 (when renew is set) and ends the handler's context when the
+// lease turns out to be lost (cause ErrLockLost, which the completion then
+// reports) or at its deadline (HandlerTimeout). Transient store errors are not
+// a lost lease: renewal keeps trying, and the fenced completion has the last
+// word. It is embedded in request.
 type renewal struct {
-	token  string
-	cancel context.CancelCauseFunc
-	mu     sync.Mutex
-	done   bool
-	timer  *time.Timer
+	token      string
+	renew      bool
+	deadlineOf *execContext // the context the deadline ends; &req.exec when nil
+	mu         sync.Mutex
+	done       bool
+	expired    bool      // the deadline has passed
+	nextRenew  time.Time // wall clock
+	timer      *time.Timer
 }
 
-func (req *request) startRenewal(token string, cancel context.CancelCauseFunc) {
-	req.mu.Lock() // renew reads req.timer
+func (req *request) startTimer(token string, renew bool) {
+	req.mu.Lock() // tick reads req.timer
 	defer req.mu.Unlock()
-	req.token, req.cancel = token, cancel
-	req.timer = time.AfterFunc(req.h.Lease/3, req.renew)
+	req.token, req.renew = token, renew
+	if req.deadlineOf == nil {
+		req.deadlineOf = &req.exec
+	}
+	now := time.Now()
+	req.nextRenew = now.Add(req.h.Lease / 3)
+	if d, ok := req.nextTick(now); ok {
+		req.timer = time.AfterFunc(d, req.tick)
+	}
 }
 
-func (req *request) renew() {
+// nextTick returns how long until the timer must fire next; the caller holds mu.
+func (req *request) nextTick(now time.Time) (time.Duration, bool) {
+	var at time.Time
+	if req.renew {
+		at = req.nextRenew
+	}
+	if dl := req.deadlineOf.deadline; !req.expired && !dl.IsZero() && (at.IsZero() || dl.Before(at)) {
+		at = dl
+	}
+	if at.IsZero() {
+		return 0, false
+	}
+	return max(at.Sub(now), 0), true
+}
+
+func (req *request) tick() {
 	req.mu.Lock()
 	if req.done {
 		req.mu.Unlock()
 		return
 	}
+	now := time.Now()
+	if dl := req.deadlineOf.deadline; !req.expired && !dl.IsZero() && !now.Before(dl) {
+		req.expired = true
+		req.deadlineOf.end(context.DeadlineExceeded)
+	}
+	extend := req.renew && !now.Before(req.nextRenew)
 	req.mu.Unlock()
-	h := req.h
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(req.r.Context()), h.Lease/3)
-	now := h.NowFunc()
-	err := h.store.Extend(ctx, req.scope, req.key, req.token, now, now.Add(h.Lease))
-	cancel()
+	var err error
+	if extend {
+		h := req.h
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(req.r.Context()), h.Lease/3)
+		at := h.NowFunc()
+		err = h.store.Extend(ctx, req.scope, req.key, req.token, at, at.Add(h.Lease))
+		cancel()
+	}
 	req.mu.Lock()
 	defer req.mu.Unlock()
 	if req.done {
@@ -762,18 +803,25 @@ func (req *request) renew() {
 	}
 	if errors.Is(err, ErrLockLost) {
 		req.done = true
-		req.cancel(ErrLockLost)
+		req.deadlineOf.end(ErrLockLost)
 		return
 	}
-	req.timer.Reset(h.Lease / 3)
+	now = time.Now()
+	if extend {
+		req.nextRenew = now.Add(req.h.Lease / 3)
+	}
+	if d, ok := req.nextTick(now); ok {
+		req.timer.Reset(d)
+	}
 }
 
 func (req *request) stopRenewal() {
 	req.mu.Lock()
 	req.done = true
+	t := req.timer
 	req.mu.Unlock()
-	if req.timer != nil {
-		req.timer.Stop()
+	if t != nil {
+		t.Stop()
 	}
 }
 

@@ -24,15 +24,25 @@ func TestHangUpKeepsTheTransaction(t *testing.T) {
 			db := openDB(t)
 			createOrders(t, db)
 			store := newStore(t, db)
+			started := make(chan struct{}, 1)
 			srv := serve(t, store, &idem.Config{Flow: flow}, orderHandler(func(context.Context) {
+				started <- struct{}{}
 				time.Sleep(300 * time.Millisecond) // the client gives up meanwhile
 			}))
-			req, _ := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader(`{"item":"lamp"}`))
+			ctx, cancel := context.WithCancel(context.Background())
+			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL, strings.NewReader(`{"item":"lamp"}`))
 			req.Header.Set("Idempotency-Key", "hangup")
-			impatient := &http.Client{Timeout: 50 * time.Millisecond, Transport: &http.Transport{DisableKeepAlives: true}}
-			if resp, err := impatient.Do(req); err == nil {
+			go func() {
+				select {
+				case <-started: // the order is inserted: hang up now
+				case <-time.After(30 * time.Second):
+				}
+				cancel()
+			}()
+			c := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+			if resp, err := c.Do(req); err == nil {
 				resp.Body.Close()
-				t.Fatalf("the impatient client got %d; the test needs it to hang up", resp.StatusCode)
+				t.Fatalf("the client got %d; the test needs it to hang up", resp.StatusCode)
 			}
 			var a answer
 			for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
