@@ -24,9 +24,27 @@
 //
 // The middleware writes the response into the same transaction and commits it
 // before the client hears anything: the order and the stored answer both exist,
-// or neither does. The handler must not commit or roll back the transaction
-// itself. Tx returns nil outside a request idem executes (an unkeyed method, or no
-// key on a route with idem.Config.KeyOptional); such a handler uses the pool.
+// or neither does. Tx returns nil outside a request idem executes (an unkeyed
+// method, or no key on a route with idem.Config.KeyOptional); such a handler uses
+// the pool.
+//
+// The handler does not commit the transaction: Commit on it commits nothing and
+// returns an error. When a statement fails, PostgreSQL aborts the whole
+// transaction; if the handler then answers an error (say 409 after a unique
+// violation), the middleware learns from the commit that nothing was committed
+// (idem.ErrTxAborted) and keeps that answer on its own, so retries replay it.
+// The same holds when the handler calls Rollback. To go on writing after an
+// expected error, run the statement in a savepoint:
+//
+//	sp, err := tx.Begin(ctx) // SAVEPOINT
+//	_, err = sp.Exec(ctx, `INSERT …`)
+//	if isUniqueViolation(err) { _ = sp.Rollback(ctx) } else { _ = sp.Commit(ctx) }
+//
+// A COMMIT sent as SQL through the transaction commits the handler's writes
+// outside the middleware's control; the response is then stored on its own, as
+// by a store without transactions. Once the transaction is over, every method of
+// the Tx returns pgx.ErrTxClosed, also for goroutines the handler left behind
+// (Conn and LargeObjects are not guarded).
 //
 // # Which flow
 //
@@ -132,9 +150,11 @@
 //
 // so that a write that matched no row raises division_by_zero, the transaction
 // aborts, the COMMIT behind it does nothing, and Tx.Commit returns
-// idem.ErrLockLost (LockedTx.Commit: idem.ErrInFlight). The pgx.Tx the handler
-// got from Tx is abandoned after that commit, its connection back in the pool: a
-// handler must not keep it past its return.
+// idem.ErrLockLost (LockedTx.Commit: idem.ErrInFlight). Commit always ends the
+// transaction: rolled back unless committed, the connection back in the pool.
+// When the connection fails after COMMIT was sent, Commit says the outcome is
+// unknown: the fenced release the middleware then sends changes nothing if the
+// commit went through.
 //
 // # The janitor
 //
@@ -148,6 +168,13 @@
 //
 // # Limits
 //
+//   - Scope and key are at most 1024 bytes each (PostgreSQL indexes at most about
+//     2,700 bytes per row); longer ones are refused with an error that says so.
+//     idem.New hands stores at most 128 and 255 bytes.
+//   - Settings the handler changes with SET (not SET LOCAL) stay on the pooled
+//     connection after the request; SET LOCAL statement_timeout or search_path
+//     also applies to the completion sent with COMMIT. Use SET LOCAL, and keep
+//     the default table schema-qualified if handlers change search_path.
 //   - The claim's decision relies on READ COMMITTED, PostgreSQL's default. Under
 //     REPEATABLE READ or SERIALIZABLE as the session default, concurrent claims get
 //     serialization errors (answered 503, never executed twice).
