@@ -1,9 +1,9 @@
-package storetest
-
-// The linearizability check: many goroutines run random operations on a few
-// keys of one store, every call and return is recorded, and porcupine checks
-// that the history is linearizable against the sequential model of one record
-// (linearmodel.go), partitioned by key.
+// Package storetest checks idem.Store implementations: the conformance suite
+// Run (described below) and, as its Linearizable subtest, a linearizability
+// check (RunLinearizability, CheckLinearizability). The check runs many
+// goroutines of random operations on a few keys of one store, records every
+// call and return, and checks with porcupine that the history is linearizable
+// against a sequential model of one record, partitioned by key.
 //
 // Time is a logical clock the workload drives: the now of every call is read
 // from it, and goroutines advance it by random jumps past leases and TTLs, so
@@ -16,10 +16,14 @@ package storetest
 // any error that is not a contract sentinel) is kept, Jepsen-style, as one that
 // returns at the end of the history and may or may not have taken effect.
 //
-// Long runs: IDEM_LINEARIZABILITY_OPS sets the number of operations per store
-// (for example 200000) or a duration (for example 5m); the default is a short
-// run for CI. The history is checked in rounds of fresh keys, so a long run's
-// memory and checking time stay bounded.
+// Long runs: the environment variable IDEM_LINEARIZABILITY_OPS sets the length
+// of the check per store, as a number of operations (200000) or a duration
+// (5m); the default is a short run of 500 operations for CI. The history is
+// checked in rounds of fresh keys, so a long run's memory and checking time
+// stay bounded:
+//
+//	IDEM_LINEARIZABILITY_OPS=5m go test -run '^TestConformance$/Linearizable' -timeout 30m ./sqlitestore/
+package storetest
 
 import (
 	"context"
