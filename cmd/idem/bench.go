@@ -7,7 +7,9 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"time"
@@ -37,6 +39,10 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	growthSizes := fs.String("growth-sizes", "10000,1000000,10000000", "comma-separated record counts for --growth")
 	growthClaims := fs.Int("growth-claims", 3000, "claims timed at each size for --growth")
 	backlog := fs.Int("janitor-backlog", 1_000_000, "expired records the janitor deletes while claims are timed (--growth); negative skips it")
+	isolate := fs.Bool("isolate", true, "run each server in a process of its own (this binary, re-executed) and measure its CPU, allocations and memory per request; false runs server and load generator in one process")
+	pin := fs.Bool("pin", true, "with --isolate, pin the server process to CPU 0 and the load generator to CPU 1 with taskset (needs 2 CPUs and taskset)")
+	memRecords := fs.Int("memory-records", 150_000, "with --isolate, first-time requests sent to a fresh memstore and a fresh Fiber server to measure memory per stored record; 0 skips it")
+	serve := fs.Bool("serve", false, "internal: be the server process of an isolated run (the spec is in "+bench.ServeEnv+")")
 	usage := func(w io.Writer) {
 		fmt.Fprintln(w, "Usage: idem bench [flags]")
 		fmt.Fprintln(w, "")
@@ -44,6 +50,9 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		fmt.Fprintln(w, "(first-time keys, replays, one hot key; PostgreSQL also single-transaction), drives it with")
 		fmt.Fprintln(w, "N closed-loop clients, and reports throughput, p50/p99 and the ratio to the baseline of the")
 		fmt.Fprintln(w, "same run, as a markdown table on stdout, results.json and throughput.svg in --out.")
+		fmt.Fprintln(w, "With --isolate (the default) each server runs in a process of its own, pinned to CPU 0 with")
+		fmt.Fprintln(w, "--pin, the load generator on CPU 1, and the server's CPU, allocations, database round trips")
+		fmt.Fprintln(w, "and statements per request are reported beside throughput.")
 		fmt.Fprintln(w, "Exit 1 when a cell's counts are inconsistent (a replay that executed, a lost or doubled row).")
 		fmt.Fprintln(w, "")
 		fs.SetOutput(w)
@@ -62,6 +71,13 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		fmt.Fprintf(stderr, "idem bench: unexpected argument %q; all options are flags (see idem bench --help)\n", fs.Arg(0))
 		return exitUsage
 	}
+	if *serve {
+		if err := bench.Serve(ctx, os.Getenv(bench.ServeEnv), os.Stdin, stdout); err != nil {
+			fmt.Fprintf(stderr, "idem bench --serve: %v\n", err)
+			return exitFailure
+		}
+		return exitOK
+	}
 	cfg := bench.Config{
 		Duration: *duration, Rounds: *rounds, Fiber: *fiber, PoolSize: *pool, ReplayKeys: *replayKeys,
 		PostgresURL: *pgURL, MySQLDSN: *myDSN, RedisURL: *redisURL,
@@ -69,6 +85,25 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	}
 	if *backlog == 0 {
 		cfg.JanitorBacklog = -1
+	}
+	cfg.MemoryRecords = *memRecords
+	if *memRecords == 0 {
+		cfg.MemoryRecords = -1
+	}
+	if *isolate {
+		exe, err := os.Executable()
+		if err != nil {
+			fmt.Fprintf(stderr, "idem bench: --isolate needs this binary's path to start the servers: %v; or run with --isolate=false\n", err)
+			return exitFailure
+		}
+		cfg.Isolate, cfg.ServerCommand = true, []string{exe, "bench", "--serve"}
+		if *pin {
+			if _, err := exec.LookPath("taskset"); err != nil || runtime.NumCPU() < 2 {
+				fmt.Fprintf(stderr, "idem bench: not pinning (--pin needs taskset and 2 CPUs; %d CPUs here)\n", runtime.NumCPU())
+			} else {
+				cfg.Pin = true
+			}
+		}
 	}
 	var err error
 	if cfg.Concurrency, err = benchInts(*concurrency); err != nil {
@@ -101,8 +136,8 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	if len(cfg.Stores) == 0 {
 		cfg.Stores = []string{}
 	}
-	if *duration < 10*time.Millisecond || *rounds < 1 || *pool < 1 || *replayKeys < 1 {
-		fmt.Fprintln(stderr, "idem bench: --duration must be at least 10ms, --rounds, --pool and --replay-keys at least 1")
+	if *duration < 10*time.Millisecond || *rounds < 1 || *pool < 1 || *replayKeys < 1 || *memRecords < 0 {
+		fmt.Fprintln(stderr, "idem bench: --duration must be at least 10ms, --rounds, --pool and --replay-keys at least 1, --memory-records at least 0")
 		return exitUsage
 	}
 	if err := os.MkdirAll(*out, 0o755); err != nil {

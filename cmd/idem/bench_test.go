@@ -21,7 +21,7 @@ func TestBenchSmoke(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
 	var stdout, stderr bytes.Buffer
-	code := run(context.Background(), []string{"bench", "--stores", "memory", "--duration", "200ms", "--concurrency", "1,2", "--replay-keys", "32", "--out", dir}, &stdout, &stderr)
+	code := run(context.Background(), []string{"bench", "--isolate=false", "--stores", "memory", "--duration", "200ms", "--concurrency", "1,2", "--replay-keys", "32", "--out", dir}, &stdout, &stderr)
 	if code != exitOK {
 		t.Fatalf("exit %d; stderr:\n%s\nstdout:\n%s", code, stderr.String(), stdout.String())
 	}
@@ -114,5 +114,39 @@ func TestBenchUsage(t *testing.T) {
 	run(context.Background(), []string{"bench", "--help"}, &stdout, io.Discard)
 	if !strings.Contains(stdout.String(), "--concurrency") && !strings.Contains(stdout.String(), "-concurrency") {
 		t.Errorf("--help does not list the flags:\n%s", stdout.String())
+	}
+}
+
+// TestBenchIsolated runs the built binary the way a user would: each server in a
+// process of its own (the binary re-executed with --serve), the load generator
+// pinned away from it, and server CPU and memory per record reported.
+func TestBenchIsolated(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	code, stdout, stderr := runIdem(t, dir, nil, "bench", "--stores", "memory", "--duration", "150ms", "--rounds", "1",
+		"--concurrency", "2", "--replay-keys", "8", "--memory-records", "300", "--out", dir)
+	if code != exitOK {
+		t.Fatalf("exit %d; stderr:\n%s\nstdout:\n%s", code, stderr, stdout)
+	}
+	b, err := os.ReadFile(filepath.Join(dir, "results.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rep bench.Report
+	if err := json.Unmarshal(b, &rep); err != nil {
+		t.Fatalf("results.json: %v", err)
+	}
+	if !rep.Isolated || len(rep.Results) != 8 || len(rep.Memory) != 4 {
+		t.Fatalf("isolated %v, %d results, %d memory results; want an isolated run with 8 cells and 4 memory results", rep.Isolated, len(rep.Results), len(rep.Memory))
+	}
+	for _, r := range rep.Results {
+		if r.Check != "" || r.ServerCPUMicros <= 0 {
+			t.Errorf("%s %s: check %q, server CPU %.1f µs/request", r.Target, r.Variant, r.Check, r.ServerCPUMicros)
+		}
+	}
+	for _, s := range []string{"srv CPU µs/req", "Memory per stored record", "memstore first-time: extra server CPU"} {
+		if !strings.Contains(stdout, s) {
+			t.Errorf("stdout lacks %q:\n%s", s, stdout)
+		}
 	}
 }

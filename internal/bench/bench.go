@@ -59,8 +59,26 @@ type Config struct {
 	// are timed, after the growth steps. Defaults to 1 000 000; a negative value
 	// skips that phase.
 	JanitorBacklog int
+	// Isolate runs the server of each target in a process of its own, started
+	// as ServerCommand with the spec in the environment variable ServeEnv, while
+	// the load generator runs in this process. Only then are the server's CPU
+	// time, allocations and memory per stored record measured.
+	Isolate bool
+	// ServerCommand is the command that runs Serve (for the idem binary:
+	// `idem bench --serve`). Required with Isolate.
+	ServerCommand []string
+	// Pin, with Isolate, pins the server process to CPU 0 and this process (the
+	// load generator) to CPU 1 with taskset, for the cells; the databases are left
+	// to the scheduler.
+	Pin bool
+	// MemoryRecords is how many first-time requests the memory-per-record phase
+	// sends to a fresh memstore server and a fresh Fiber server (with Isolate,
+	// when memory is among the Stores). Defaults to 150 000; negative skips it.
+	MemoryRecords int
 	// Log receives one progress line per step. Defaults to io.Discard.
 	Log io.Writer
+
+	serverCPU, loaderCPU int // -1: not pinned
 }
 
 func (c *Config) defaults() {
@@ -103,6 +121,13 @@ func (c *Config) defaults() {
 	if c.Log == nil {
 		c.Log = io.Discard
 	}
+	if c.MemoryRecords == 0 {
+		c.MemoryRecords = 150_000
+	}
+	c.serverCPU, c.loaderCPU = -1, -1
+	if c.Isolate && c.Pin {
+		c.serverCPU, c.loaderCPU = 0, 1
+	}
 }
 
 // Result is one cell: a store (or Fiber), a variant and a number of concurrent
@@ -137,6 +162,28 @@ type Result struct {
 	// OverheadMicros is the mean latency minus the baseline's: what the
 	// middleware adds per request.
 	OverheadMicros float64 `json:"overhead_us"`
+	// ServerCPUMicros is the server process's CPU time (user + system) per
+	// answered request, and ExtraCPUMicros that minus the baseline's: what the
+	// middleware costs in CPU. Measured with Config.Isolate only; -1 otherwise.
+	ServerCPUMicros float64 `json:"server_cpu_us_per_req"`
+	ExtraCPUMicros  float64 `json:"extra_server_cpu_us_per_req"`
+	// DBCPUMicros is the database's CPU time per request: the PostgreSQL
+	// backends of the measured pool, or the whole MariaDB or Redis server process
+	// (which includes its background threads and anyone else's queries). -1 when
+	// not measured (memstore, SQLite in process, Fiber, a database elsewhere).
+	DBCPUMicros float64 `json:"db_cpu_us_per_req"`
+	// RoundTrips and Statements are per request, counted on the server's
+	// database connections (see wireCounter); -1 when not counted.
+	RoundTrips float64 `json:"db_round_trips_per_req"`
+	Statements float64 `json:"db_statements_per_req"`
+	// Allocs and AllocBytes are the server process's heap allocations per
+	// request (Config.Isolate only; -1 otherwise).
+	Allocs     float64 `json:"allocs_per_req"`
+	AllocBytes float64 `json:"alloc_bytes_per_req"`
+	// LoaderBusy is the CPU the load generator used over the cell's time, as a
+	// fraction of one CPU (Config.Isolate only): near 1 with Config.Pin, the
+	// generator, not the server, limited the throughput.
+	LoaderBusy float64 `json:"loader_busy"`
 	// Check is empty when the counts are consistent (every executed request
 	// inserted exactly one row, replays inserted none, no errors); otherwise it
 	// says what is wrong.
@@ -174,13 +221,23 @@ type Report struct {
 	Skipped  map[string]string `json:"skipped,omitempty"`
 	Results  []Result          `json:"results"`
 	Growth   *GrowthReport     `json:"growth,omitempty"`
-	Goals    []Goal            `json:"targets_checked"`
+	// Isolated and Pinned say how the run was made (Config.Isolate, Config.Pin).
+	Isolated bool `json:"isolated"`
+	Pinned   bool `json:"pinned"`
+	// Memory is the memory-per-record phase (Config.Isolate).
+	Memory []MemoryResult `json:"memory,omitempty"`
+	Goals  []Goal         `json:"targets_checked"`
 }
 
 // Failed reports whether any cell's consistency check failed.
 func (r *Report) Failed() bool {
 	for _, res := range r.Results {
 		if res.Check != "" {
+			return true
+		}
+	}
+	for _, m := range r.Memory {
+		if m.Check != "" {
 			return true
 		}
 	}
@@ -208,9 +265,12 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		}
 		var t *target
 		var err error
-		if name == "fiber" {
+		switch {
+		case cfg.Isolate:
+			t, _, err = startChild(ctx, name, &cfg, suffix)
+		case name == "fiber":
 			t, err = setupFiber()
-		} else {
+		default:
 			t, err = setupTarget(ctx, name, &cfg, suffix)
 		}
 		if err != nil {
@@ -221,12 +281,31 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			}
 			return rep, fmt.Errorf("set up %s: %w", name, err)
 		}
-		rep.Targets = append(rep.Targets, Target{Name: t.name, Version: t.version, Store: t.store, Orders: t.backend.where()})
-		res, err := runTarget(ctx, t, &cfg, fmt.Sprintf("%s%02x", runID[:6], ti))
+		if t.orders == "" {
+			t.orders = t.backend.where()
+		}
+		rep.Targets = append(rep.Targets, Target{Name: t.name, Version: t.version, Store: t.store, Orders: t.orders})
+		var res []Result
+		restore := func() {}
+		if cfg.loaderCPU >= 0 {
+			restore, err = pinSelf(cfg.loaderCPU)
+		}
+		if err == nil {
+			res, err = runTarget(ctx, t, &cfg, fmt.Sprintf("%s%02x", runID[:6], ti))
+			restore()
+		}
 		t.close()
 		rep.Results = append(rep.Results, res...)
 		if err != nil {
 			return rep, fmt.Errorf("%s: %w", name, err)
+		}
+	}
+	rep.Isolated, rep.Pinned = cfg.Isolate, cfg.loaderCPU >= 0
+	if cfg.Isolate && cfg.MemoryRecords > 0 && slices.Contains(cfg.Stores, "memory") {
+		m, err := runMemory(ctx, &cfg, suffix)
+		rep.Memory = m
+		if err != nil {
+			return rep, fmt.Errorf("memory per record: %w", err)
 		}
 	}
 	if cfg.Growth {
@@ -257,6 +336,32 @@ type cellAcc struct {
 	s    sample
 	rows int64
 	keys int64
+	// Differences of the server's counters over the cell's slices (see
+	// serverStats); a negative field was not measured.
+	cpu, dbCPU, roundTrips, statements, mallocs, allocBytes int64
+	loaderCPU                                               int64
+}
+
+// add accumulates the differences between two snapshots.
+func (a *cellAcc) add(before, after serverStats, isolated bool) {
+	a.rows += after.Rows - before.Rows
+	diff := func(acc *int64, b, e int64) {
+		if *acc < 0 || b < 0 || e < 0 {
+			*acc = -1
+			return
+		}
+		*acc += e - b
+	}
+	if isolated {
+		diff(&a.cpu, before.CPUNanos, after.CPUNanos)
+		diff(&a.mallocs, int64(before.Mallocs), int64(after.Mallocs))
+		diff(&a.allocBytes, int64(before.AllocBytes), int64(after.AllocBytes))
+	} else {
+		a.cpu, a.mallocs, a.allocBytes, a.loaderCPU = -1, -1, -1, -1
+	}
+	diff(&a.dbCPU, before.DBCPUNanos, after.DBCPUNanos)
+	diff(&a.roundTrips, before.RoundTrips, after.RoundTrips)
+	diff(&a.statements, before.Statements, after.Statements)
 }
 
 // runTarget runs every variant of t at every concurrency, interleaved in rounds.
@@ -272,21 +377,26 @@ func runTarget(ctx context.Context, t *target, cfg *Config, runID string) ([]Res
 	}
 	slice := cfg.Duration / time.Duration(cfg.Rounds)
 	acc := map[cellKey]*cellAcc{}
+	statsClient := newClient(1)
+	defer statsClient.CloseIdleConnections()
+	statsURL := t.url + statsPath
 	for _, conc := range cfg.Concurrency {
 		client := newClient(conc)
 		// Warm up: open the connections and let the server settle, unmeasured.
-		closedLoop(ctx, client, t.url+"/bare/orders", nil, conc, min(slice/4, 250*time.Millisecond))
+		closedLoop(ctx, client, t.url+"/bare/orders", nil, conc, min(slice/4, 250*time.Millisecond), 0)
 		for round := 0; round < cfg.Rounds; round++ {
 			n := len(t.variants)
 			for j := 0; j < n; j++ {
 				v := t.variants[(j+round)%n]
 				keys, distinct := kg.keys(v.keys, pool)
-				before, err := t.backend.count(ctx)
+				before, err := fetchStats(ctx, statsClient, statsURL, false)
 				if err != nil {
 					return nil, fmt.Errorf("counting orders: %w", err)
 				}
-				s := closedLoop(ctx, client, t.url+v.path, keys, conc, slice)
-				after, err := t.backend.count(ctx)
+				load0 := selfCPU()
+				s := closedLoop(ctx, client, t.url+v.path, keys, conc, slice, 0)
+				load1 := selfCPU()
+				after, err := fetchStats(ctx, statsClient, statsURL, false)
 				if err != nil {
 					return nil, fmt.Errorf("counting orders: %w", err)
 				}
@@ -300,7 +410,10 @@ func runTarget(ctx context.Context, t *target, cfg *Config, runID string) ([]Res
 					acc[k] = a
 				}
 				a.s.merge(s)
-				a.rows += after - before
+				a.add(before, after, t.pid != 0)
+				if a.loaderCPU >= 0 {
+					a.loaderCPU += load1 - load0
+				}
 				a.keys += distinct(int64(len(s.latencies)))
 			}
 		}
@@ -322,6 +435,9 @@ func runTarget(ctx context.Context, t *target, cfg *Config, runID string) ([]Res
 			if base != nil && base.Throughput > 0 {
 				r.Ratio = r.Throughput / base.Throughput
 				r.OverheadMicros = r.MeanMicros - base.MeanMicros
+				if r.ServerCPUMicros >= 0 && base.ServerCPUMicros >= 0 {
+					r.ExtraCPUMicros = r.ServerCPUMicros - base.ServerCPUMicros
+				}
 			}
 			out = append(out, r)
 		}
@@ -342,6 +458,20 @@ func result(t *target, v variant, conc int, a *cellAcc) Result {
 	}
 	if r.Seconds > 0 {
 		r.Throughput = float64(r.Requests) / r.Seconds
+	}
+	perReq := func(v int64, scale float64) float64 {
+		if v < 0 || r.Requests == 0 {
+			return -1
+		}
+		return float64(v) / scale / float64(r.Requests)
+	}
+	r.ServerCPUMicros, r.DBCPUMicros = perReq(a.cpu, 1e3), perReq(a.dbCPU, 1e3)
+	r.ExtraCPUMicros = -1
+	r.RoundTrips, r.Statements = perReq(a.roundTrips, 1), perReq(a.statements, 1)
+	r.Allocs, r.AllocBytes = perReq(a.mallocs, 1), perReq(a.allocBytes, 1)
+	r.LoaderBusy = -1
+	if a.loaderCPU >= 0 && r.Seconds > 0 {
+		r.LoaderBusy = float64(a.loaderCPU) / 1e9 / r.Seconds
 	}
 	if !t.replayHeader && v.keys != keysNone {
 		// Fiber does not mark replays: every 2xx answer that inserted no row was one.

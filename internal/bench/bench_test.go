@@ -76,6 +76,7 @@ func TestCheckCatchesDoubleExecution(t *testing.T) {
 	h := ordersHandler(tg.backend)
 	mux.Handle("POST /bare/orders", h)
 	mux.Handle("POST /idem/orders", h) // no idempotency at all
+	mux.Handle("GET "+statsPath, statsHandler(tg))
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

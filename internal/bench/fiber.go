@@ -46,6 +46,13 @@ func setupFiber() (*target, error) {
 	app := fiber.New(fiber.Config{DisableStartupMessage: true})
 	h := fiberOrders(t.backend)
 	app.Post("/bare/orders", h)
+	app.Get(statsPath, func(c *fiber.Ctx) error {
+		s, err := t.snapshot(c.UserContext(), c.Query("gc") == "1")
+		if err != nil {
+			return c.Status(fiber.StatusInternalServerError).SendString(err.Error())
+		}
+		return c.JSON(s)
+	})
 	app.Post("/idem/orders", idempotency.New(idempotency.Config{
 		KeyHeader: "Idempotency-Key", // the default is X-Idempotency-Key; keys are UUIDs (its default check)
 		Lifetime:  time.Hour,

@@ -66,8 +66,9 @@ func newClient(conc int) *http.Client {
 // closedLoop runs conc workers against url for d. Each worker is one client: it
 // sends the next request only when the previous one was answered (a closed loop),
 // so conc is the number of requests in flight at any time. Requests in flight
-// when d ends are finished and counted; none is cut short.
-func closedLoop(ctx context.Context, client *http.Client, url string, keys keyFunc, conc int, d time.Duration) *sample {
+// when d ends are finished and counted; none is cut short. With limit > 0 the
+// loop also stops after limit requests.
+func closedLoop(ctx context.Context, client *http.Client, url string, keys keyFunc, conc int, d time.Duration, limit int64) *sample {
 	var next atomic.Int64
 	results := make([]*sample, conc)
 	var wg sync.WaitGroup
@@ -80,9 +81,13 @@ func closedLoop(ctx context.Context, client *http.Client, url string, keys keyFu
 			s := &sample{status: map[string]int64{}, latencies: make([]time.Duration, 0, 1024)}
 			results[w] = s
 			for ctx.Err() == nil && time.Now().Before(deadline) {
+				i := next.Add(1) - 1
+				if limit > 0 && i >= limit {
+					return
+				}
 				key := ""
 				if keys != nil {
-					key = keys(next.Add(1) - 1)
+					key = keys(i)
 				}
 				t0 := time.Now()
 				status, replayed, err := send(ctx, client, url, key)

@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"sync"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/mysqlstore"
@@ -112,7 +113,8 @@ func (s *sqliteBackend) where() string { return "SQLite table " + s.table + ", s
 
 // pgBackend inserts into an orders table in the store's PostgreSQL database.
 type pgBackend struct {
-	pool  *pgxpool.Pool
+	pool  *pgxpool.Pool // the measured pool
+	admin *pgxpool.Pool // bookkeeping, not counted
 	table string
 }
 
@@ -130,7 +132,7 @@ func (p *pgBackend) insert(ctx context.Context, item string, qty int) (int64, er
 
 func (p *pgBackend) count(ctx context.Context) (int64, error) {
 	var n int64
-	err := p.pool.QueryRow(ctx, "SELECT count(*) FROM "+p.table).Scan(&n)
+	err := p.admin.QueryRow(ctx, "SELECT count(*) FROM "+p.table).Scan(&n)
 	return n, err
 }
 
@@ -140,7 +142,8 @@ func (p *pgBackend) where() string {
 
 // mysqlBackend inserts into an orders table in the store's MySQL/MariaDB database.
 type mysqlBackend struct {
-	db    *sql.DB
+	db    *sql.DB // the measured pool
+	admin *sql.DB // bookkeeping, not counted
 	table string
 }
 
@@ -161,7 +164,7 @@ func (m *mysqlBackend) insert(ctx context.Context, item string, qty int) (int64,
 
 func (m *mysqlBackend) count(ctx context.Context) (int64, error) {
 	var n int64
-	err := m.db.QueryRowContext(ctx, "SELECT count(*) FROM "+m.table).Scan(&n)
+	err := m.admin.QueryRowContext(ctx, "SELECT count(*) FROM "+m.table).Scan(&n)
 	return n, err
 }
 
@@ -176,4 +179,29 @@ func (e errUnavailable) Error() string { return e.err.Error() }
 
 func unavailable(format string, args ...any) error {
 	return errUnavailable{fmt.Errorf(format, args...)}
+}
+
+// pgBackendsCPU returns a function that sums the CPU time of the PostgreSQL
+// backends serving connections named appName (the measured pool), read from
+// /proc on this machine: it measures only when PostgreSQL runs here.
+func pgBackendsCPU(admin *pgxpool.Pool, appName string) func(ctx context.Context) int64 {
+	return func(ctx context.Context) int64 {
+		rows, err := admin.Query(ctx, "SELECT pid FROM pg_stat_activity WHERE application_name = $1", appName)
+		if err != nil {
+			return -1
+		}
+		pids, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+		if err != nil || len(pids) == 0 {
+			return -1
+		}
+		var sum int64
+		for _, pid := range pids {
+			ns := threadCPU(int(pid))
+			if ns < 0 {
+				return -1
+			}
+			sum += ns
+		}
+		return sum
+	}
 }

@@ -71,13 +71,24 @@ func goals(rep *Report) []Goal {
 		}
 		out = append(out, g)
 	}
-	perConc("PostgreSQL first-time throughput", "≥ 0.7× baseline", func(c int) (float64, bool) {
-		r := rep.find("postgres", VariantFirst, c)
-		return ratio(r)
-	}, func(v float64) bool { return v >= 0.7 }, "%.2f×")
-	perConc("PostgreSQL single-tx first-time throughput (no target; for comparison)", "—", func(c int) (float64, bool) {
-		return ratio(rep.find("postgres", VariantSingleTx, c))
-	}, func(float64) bool { return true }, "%.2f×")
+	ratioGoal := func(name, want, target, variant string, min float64) {
+		perConc(name, want, func(c int) (float64, bool) {
+			return ratio(rep.find(target, variant, c))
+		}, func(v float64) bool { return v >= min }, "%.2f×")
+	}
+	ratioGoal("PostgreSQL first-time throughput, default flow", "≥ 0.7× baseline", "postgres", VariantFirst, 0.7)
+	ratioGoal("PostgreSQL claim-then-complete first-time throughput (no target; for comparison)", "—", "postgres", VariantClaim, 0)
+	ratioGoal("PostgreSQL single-tx first-time throughput (no target; for comparison)", "—", "postgres", VariantSingleTx, 0)
+	ratioGoal("PostgreSQL hand-written pgx reference throughput (no target; for comparison)", "—", "postgres", VariantHand, 0)
+	perConc("PostgreSQL idem first-time (default flow) ÷ hand-written reference, throughput", "≥ 0.95×", func(c int) (float64, bool) {
+		i, h := rep.find("postgres", VariantFirst, c), rep.find("postgres", VariantHand, c)
+		if i == nil || h == nil || h.Throughput == 0 {
+			return 0, false
+		}
+		return i.Throughput / h.Throughput, true
+	}, func(v float64) bool { return v >= 0.95 }, "%.2f×")
+	ratioGoal("SQLite first-time throughput, default flow", "≥ 0.7× baseline", "sqlite", VariantFirst, 0.7)
+	ratioGoal("MariaDB first-time throughput, default flow", "≥ 0.5× baseline", "mysql", VariantFirst, 0.5)
 	perConc("PostgreSQL replay vs first-time throughput", "≥ 1.5×", func(c int) (float64, bool) {
 		rp, f := rep.find("postgres", VariantReplay, c), rep.find("postgres", VariantFirst, c)
 		if rp == nil || f == nil || f.Throughput == 0 {
@@ -85,13 +96,64 @@ func goals(rep *Report) []Goal {
 		}
 		return rp.Throughput / f.Throughput, true
 	}, func(v float64) bool { return v >= 1.5 }, "%.2f×")
-	perConc("idem overhead on memstore vs Fiber's idempotency overhead (first-time keys)", "≤ 1/3 (0.33)", func(c int) (float64, bool) {
-		m, f := rep.find("memory", VariantFirst, c), rep.find("fiber", VariantFirst, c)
-		if m == nil || f == nil || f.OverheadMicros <= 0 {
-			return 0, false
+	if rep.Isolated {
+		overhead := func(target, variant string) func(c int) (float64, float64, bool) {
+			return func(c int) (float64, float64, bool) {
+				m, f := rep.find(target, variant, c), rep.find("fiber", variant, c)
+				if m == nil || f == nil || m.ExtraCPUMicros == -1 || f.ExtraCPUMicros == -1 {
+					return 0, 0, false
+				}
+				return m.ExtraCPUMicros, f.ExtraCPUMicros, true
+			}
 		}
-		return m.OverheadMicros / f.OverheadMicros, true
-	}, func(v float64) bool { return v <= 1.0/3 }, "%.2f")
+		pair := func(name, want string, value func(c int) (float64, float64, bool), ok func(idem, fiber float64) bool) {
+			g := Goal{Name: name, Want: want, Met: "not measured"}
+			var parts []string
+			met, any := true, false
+			for _, c := range rep.concurrencies() {
+				a, b, have := value(c)
+				if !have {
+					continue
+				}
+				any = true
+				parts = append(parts, fmt.Sprintf("%+.1f vs %+.1f µs at %d", a, b, c))
+				met = met && ok(a, b)
+			}
+			if any {
+				g.Measured, g.Met = strings.Join(parts, ", "), yesNo(met)
+			}
+			out = append(out, g)
+		}
+		pair("memstore first-time: extra server CPU per request over bare, idem vs Fiber's middleware", "≤ Fiber's", overhead("memory", VariantFirst),
+			func(a, b float64) bool { return a <= b })
+		pair("memstore replay: extra server CPU per request over bare, idem vs Fiber's middleware", "idem < 0 (cheaper than bare)", overhead("memory", VariantReplay),
+			func(a, _ float64) bool { return a < 0 })
+		g := Goal{Name: "memory per stored record (peak RSS, net of the bare handler), memstore vs Fiber", Want: "≤ Fiber's", Met: "not measured"}
+		var m, f *MemoryResult
+		for i := range rep.Memory {
+			if rep.Memory[i].Variant == VariantFirst {
+				switch rep.Memory[i].Target {
+				case "memory":
+					m = &rep.Memory[i]
+				case "fiber":
+					f = &rep.Memory[i]
+				}
+			}
+		}
+		if m != nil && f != nil {
+			g.Measured = fmt.Sprintf("%.2f vs %.2f KiB/record (%d records; live heap %.2f vs %.2f KiB/record)", m.NetPerRecord/1024, f.NetPerRecord/1024, m.Records, m.HeapPerRecord/1024, f.HeapPerRecord/1024)
+			g.Met = yesNo(m.NetPerRecord <= f.NetPerRecord)
+		}
+		out = append(out, g)
+	} else {
+		perConc("idem overhead on memstore vs Fiber's idempotency overhead (first-time keys, client latency)", "≤ 1", func(c int) (float64, bool) {
+			m, f := rep.find("memory", VariantFirst, c), rep.find("fiber", VariantFirst, c)
+			if m == nil || f == nil || f.OverheadMicros <= 0 {
+				return 0, false
+			}
+			return m.OverheadMicros / f.OverheadMicros, true
+		}, func(v float64) bool { return v <= 1 }, "%.2f")
+	}
 
 	g := Goal{Name: "PostgreSQL claim p99, largest table vs the reference table (smallest size), timed in the same window", Want: "≤ 1.5×", Met: "not measured"}
 	if gr := rep.Growth; gr != nil && len(gr.Steps) >= 1 {
@@ -131,6 +193,14 @@ func count(n int) string {
 		return strconv.Itoa(n/1000) + "k"
 	}
 	return strconv.Itoa(n)
+}
+
+// opt formats v, or "—" when it was not measured (negative, unless signed).
+func opt(format string, v float64, signed bool) string {
+	if v == -1 || (!signed && v < 0) {
+		return "—"
+	}
+	return fmt.Sprintf(format, v)
 }
 
 // WriteJSON writes rep as indented JSON.
@@ -187,9 +257,17 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 	if len(names) > 0 {
 		b.WriteString("\n")
 	}
+	switch {
+	case r.Isolated && r.Pinned:
+		b.WriteString("Each server ran in a process of its own pinned to CPU 0, the load generator in another pinned to CPU 1; the databases were left to the scheduler.\n\n")
+	case r.Isolated:
+		b.WriteString("Each server ran in a process of its own (not pinned); the load generator in another.\n\n")
+	default:
+		b.WriteString("Server and load generator ran in one process: server CPU and allocations were not measured.\n\n")
+	}
 	if len(r.Results) > 0 {
-		b.WriteString("| target | variant | clients | req/s | × baseline | p50 µs | p99 µs | +µs/req | answers | rows | check |\n")
-		b.WriteString("|---|---|--:|--:|--:|--:|--:|--:|---|--:|---|\n")
+		b.WriteString("| target | variant | clients | req/s | × baseline | p50 µs | p99 µs | +µs/req | srv CPU µs/req | +srv µs | DB CPU µs/req | DB round trips | DB stmts | allocs/req | loader busy | answers | rows | check |\n")
+		b.WriteString("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|---|\n")
 		for _, res := range r.Results {
 			check := "ok"
 			if res.Check != "" {
@@ -200,10 +278,34 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 				ratio = fmt.Sprintf("%.2f", res.Ratio)
 				over = fmt.Sprintf("%+.0f", res.OverheadMicros)
 			}
-			fmt.Fprintf(&b, "| %s | %s | %d | %.0f | %s | %.0f | %.0f | %s | %s | %d | %s |\n",
-				res.Target, res.Variant, res.Concurrency, res.Throughput, ratio, res.P50Micros, res.P99Micros, over, statusMix(res.Status), res.Rows, check)
+			extra := opt("%+.1f", res.ExtraCPUMicros, true)
+			if res.Variant == VariantBaseline {
+				extra = "—"
+			}
+			fmt.Fprintf(&b, "| %s | %s | %d | %.0f | %s | %.0f | %.0f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %d | %s |\n",
+				res.Target, res.Variant, res.Concurrency, res.Throughput, ratio, res.P50Micros, res.P99Micros, over,
+				opt("%.1f", res.ServerCPUMicros, false), extra, opt("%.1f", res.DBCPUMicros, false),
+				opt("%.2f", res.RoundTrips, false), opt("%.2f", res.Statements, false), opt("%.0f", res.Allocs, false), opt("%.2f", res.LoaderBusy, false),
+				statusMix(res.Status), res.Rows, check)
 		}
-		b.WriteString("\nanswers: status:count; `201r` = replay (Idempotent-Replayed: true); `201r*` = Fiber replay, told apart by row count (Fiber does not mark replays).\n\n")
+		b.WriteString("\nanswers: status:count; `201r` = replay (Idempotent-Replayed: true); `201r*` = Fiber replay, told apart by row count (Fiber does not mark replays). " +
+			"srv CPU: user + system CPU of the server process per answer; +srv: minus the baseline's. DB CPU: the measured pool's PostgreSQL backends, or the whole MariaDB / Redis process. " +
+			"DB round trips and stmts: per answer, counted on the server's database connections. loader busy: the load generator's CPU over the cell's time (1.00 = its CPU was the limit). — = not measured.\n\n")
+	}
+	if len(r.Memory) > 0 {
+		b.WriteString("Memory per stored record (a fresh server process per line, peak RSS = VmHWM):\n\n")
+		b.WriteString("| target | variant | requests | RSS at start MiB | peak RSS MiB | peak RSS B/request | net of bare B/record | live heap B/request | check |\n|---|---|--:|--:|--:|--:|--:|--:|---|\n")
+		for _, m := range r.Memory {
+			check, net := "ok", "—"
+			if m.Check != "" {
+				check = "**FAIL: " + m.Check + "**"
+			}
+			if m.Variant != VariantBaseline {
+				net = fmt.Sprintf("%.0f", m.NetPerRecord)
+			}
+			fmt.Fprintf(&b, "| %s | %s | %d | %.1f | %.1f | %.0f | %s | %.0f | %s |\n", m.Target, m.Variant, m.Records, float64(m.StartRSSKiB)/1024, float64(m.PeakRSSKiB)/1024, m.PeakPerRecord, net, m.HeapPerRecord, check)
+		}
+		b.WriteString("\n")
 	}
 	if g := r.Growth; g != nil {
 		fmt.Fprintf(&b, "Growth (%s, store.Claim on fresh keys, one client, alternating with a claim on a reference table of %s records):\n\n", g.Version, count(g.RefRecords))
@@ -237,9 +339,11 @@ var variantColors = map[string]string{
 	VariantReplay:   "#2ca02c",
 	VariantHot:      "#ff7f0e",
 	VariantSingleTx: "#9467bd",
+	VariantClaim:    "#17becf",
+	VariantHand:     "#d62728",
 }
 
-var variantOrder = []string{VariantBaseline, VariantFirst, VariantSingleTx, VariantReplay, VariantHot}
+var variantOrder = []string{VariantBaseline, VariantFirst, VariantClaim, VariantSingleTx, VariantHand, VariantReplay, VariantHot}
 
 func esc(s string) string {
 	var b strings.Builder

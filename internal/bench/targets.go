@@ -11,7 +11,7 @@ import (
 	"path/filepath"
 	"time"
 
-	_ "github.com/go-sql-driver/mysql" // the MySQL/MariaDB driver the mysql target opens
+	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
@@ -26,11 +26,13 @@ import (
 
 // Variant names, as they appear in the report.
 const (
-	VariantBaseline = "baseline"        // the handler without idempotency middleware
-	VariantFirst    = "first"           // idempotency middleware, a fresh key per request
-	VariantReplay   = "replay"          // keys that completed before the cell: every answer is a replay
-	VariantHot      = "hot key"         // all clients send one key (a new one every HotKeyEvery requests)
-	VariantSingleTx = "single-tx first" // PostgreSQL, Flow = FlowSingleTx, fresh keys
+	VariantBaseline = "baseline"             // the handler without idempotency middleware
+	VariantFirst    = "first"                // idempotency middleware, a fresh key per request
+	VariantReplay   = "replay"               // keys that completed before the cell: every answer is a replay
+	VariantHot      = "hot key"              // all clients send one key (a new one every HotKeyEvery requests)
+	VariantSingleTx = "single-tx first"      // SQL stores, Flow = FlowSingleTx, fresh keys
+	VariantClaim    = "claim-complete first" // PostgreSQL, Flow = FlowClaimComplete, fresh keys
+	VariantHand     = "hand-written first"   // PostgreSQL, the hand-written pgx reference, fresh keys
 )
 
 // HotKeyEvery is how many requests of the hot-key case share one key before the
@@ -67,22 +69,37 @@ type target struct {
 	// told apart from executions by counting rows.
 	replayHeader bool
 	close        func()
+	// orders says where the orders go, for the report.
+	orders string
+	// pid is the server process of an isolated run (0: this process).
+	pid int
+	// wire counts round trips and statements to the database (nil: not counted).
+	wire *wireCounter
+	// dbCPU returns the CPU time the database has used so far, in ns (nil: not
+	// measured); dbCPUWhat says whose CPU it is.
+	dbCPU func(ctx context.Context) int64
+	// hand is the hand-written PostgreSQL reference, mounted on /hand/orders.
+	hand http.Handler
 }
 
-// idemConfig is the middleware configuration of every idem target: defaults,
-// except a TTL of one hour so that anything a crashed run leaves in Redis expires.
-func idemConfig(flow idem.Flow) *idem.Config {
-	return &idem.Config{TTL: time.Hour, Flow: flow}
+// idemConfig is the middleware configuration of every idem target: the
+// defaults (the store's default flow), except a TTL of one hour so that anything
+// a crashed run leaves in Redis expires.
+func idemConfig() *idem.Config {
+	return &idem.Config{TTL: time.Hour}
 }
 
 // serveIdem starts an HTTP server on loopback with the bare handler on
-// /bare/orders, idem in front of it on /idem/orders and, when singleTx, idem in
-// the single-transaction flow on /single/orders.
+// /bare/orders and idem with its default flow in front of it on /idem/orders;
+// for the SQL stores (singleTx) idem in the single-transaction flow on
+// /single/orders; for PostgreSQL also idem in the claim-then-complete flow on
+// /claim/orders and the hand-written reference (t.hand) on /hand/orders.
 func serveIdem(t *target, store idem.Store, singleTx bool) error {
 	h := ordersHandler(t.backend)
 	mux := http.NewServeMux()
 	mux.Handle("POST /bare/orders", h)
-	mw, err := idem.New(store, idemConfig(idem.FlowClaimComplete))
+	mux.Handle("GET "+statsPath, statsHandler(t))
+	mw, err := idem.New(store, idemConfig())
 	if err != nil {
 		return err
 	}
@@ -94,12 +111,25 @@ func serveIdem(t *target, store idem.Store, singleTx bool) error {
 		{VariantHot, "/idem/orders", keysHot},
 	}
 	if singleTx {
-		smw, err := idem.New(store, idemConfig(idem.FlowSingleTx))
+		cfg := idemConfig()
+		cfg.Flow = idem.FlowSingleTx
+		smw, err := idem.New(store, cfg)
 		if err != nil {
 			return err
 		}
 		mux.Handle("POST /single/orders", smw(h))
 		t.variants = append(t.variants, variant{VariantSingleTx, "/single/orders", keysFresh})
+	}
+	if t.hand != nil {
+		cfg := idemConfig()
+		cfg.Flow = idem.FlowClaimComplete
+		cmw, err := idem.New(store, cfg)
+		if err != nil {
+			return err
+		}
+		mux.Handle("POST /claim/orders", cmw(h))
+		mux.Handle("POST /hand/orders", t.hand)
+		t.variants = append(t.variants, variant{VariantClaim, "/claim/orders", keysFresh}, variant{VariantHand, "/hand/orders", keysFresh})
 	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -161,15 +191,28 @@ func setupTarget(ctx context.Context, name string, cfg *Config, suffix string) (
 		_ = db.QueryRowContext(ctx, "SELECT sqlite_version()").Scan(&t.version)
 		t.version = "SQLite " + t.version + " (modernc.org/sqlite, WAL)"
 		t.backend, t.store = &sqliteBackend{db: db, table: orders}, "sqlitestore, temporary file"
-		store = st
+		store, singleTx = st, true
 	case "postgres":
 		pc, err := pgxpool.ParseConfig(cfg.PostgresURL)
 		if err != nil {
 			return nil, fmt.Errorf("postgres: %w", err)
 		}
 		pc.MaxConns = int32(cfg.PoolSize)
+		appName := "idem-bench-" + suffix
+		pc.ConnConfig.RuntimeParams["application_name"] = appName
+		t.wire = &wireCounter{proto: protoPostgres}
+		pc.ConnConfig.DialFunc = t.wire.dial
 		pool, err := pgxpool.NewWithConfig(ctx, pc)
 		if err != nil {
+			return nil, unavailable("postgres: %v", err)
+		}
+		// admin does the harness's bookkeeping (row counts, backend PIDs), on
+		// connections that are neither counted nor part of the measured backends.
+		ac, _ := pgxpool.ParseConfig(cfg.PostgresURL)
+		ac.MaxConns = 2
+		admin, err := pgxpool.NewWithConfig(ctx, ac)
+		if err != nil {
+			pool.Close()
 			return nil, unavailable("postgres: %v", err)
 		}
 		pctx, cancel := context.WithTimeout(ctx, 3*time.Second)
@@ -177,16 +220,19 @@ func setupTarget(ctx context.Context, name string, cfg *Config, suffix string) (
 		cancel()
 		if err != nil {
 			pool.Close()
+			admin.Close()
 			return nil, unavailable("postgres at %s: %v", pc.ConnConfig.Host, err)
 		}
 		t.version = "PostgreSQL " + t.version
-		records, orders := "idem_bench_"+suffix, "orders_bench_"+suffix
+		records, orders, handKeys := "idem_bench_"+suffix, "orders_bench_"+suffix, "hand_keys_"+suffix
 		t.close = func() {
 			c, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			_, _ = pool.Exec(c, "DROP TABLE IF EXISTS "+records+", "+orders)
 			pool.Close()
+			_, _ = admin.Exec(c, "DROP TABLE IF EXISTS "+records+", "+orders+", "+handKeys)
+			admin.Close()
 		}
+		t.dbCPU = pgBackendsCPU(admin, appName)
 		if _, err := pool.Exec(ctx, "CREATE TABLE "+orders+" (id bigserial PRIMARY KEY, item text NOT NULL, qty integer NOT NULL, created_at timestamptz NOT NULL DEFAULT now())"); err != nil {
 			t.close()
 			return nil, err
@@ -199,13 +245,31 @@ func setupTarget(ctx context.Context, name string, cfg *Config, suffix string) (
 			t.close()
 			return nil, err
 		}
-		t.backend, t.store = &pgBackend{pool: pool, table: orders}, "pgstore, same database"
+		hand, err := newHandOrders(ctx, pool, orders, handKeys)
+		if err != nil {
+			t.close()
+			return nil, err
+		}
+		t.hand = hand
+		t.backend, t.store = &pgBackend{pool: pool, admin: admin, table: orders}, "pgstore, same database"
 		store, singleTx = st, true
 	case "mysql":
-		db, err := sql.Open("mysql", cfg.MySQLDSN)
+		mc, err := mysql.ParseDSN(cfg.MySQLDSN)
 		if err != nil {
 			return nil, fmt.Errorf("mysql: %w", err)
 		}
+		admin, err := sql.Open("mysql", cfg.MySQLDSN)
+		if err != nil {
+			return nil, fmt.Errorf("mysql: %w", err)
+		}
+		t.wire = &wireCounter{proto: protoMySQL}
+		mc.DialFunc = t.wire.dial
+		conn, err := mysql.NewConnector(mc)
+		if err != nil {
+			_ = admin.Close()
+			return nil, fmt.Errorf("mysql: %w", err)
+		}
+		db := sql.OpenDB(conn)
 		db.SetMaxOpenConns(cfg.PoolSize)
 		db.SetMaxIdleConns(cfg.PoolSize)
 		pctx, cancel := context.WithTimeout(ctx, 3*time.Second)
@@ -213,6 +277,7 @@ func setupTarget(ctx context.Context, name string, cfg *Config, suffix string) (
 		cancel()
 		if err != nil {
 			_ = db.Close()
+			_ = admin.Close()
 			return nil, unavailable("mysql: %v", err)
 		}
 		t.version = "MySQL/MariaDB " + t.version
@@ -220,8 +285,12 @@ func setupTarget(ctx context.Context, name string, cfg *Config, suffix string) (
 		t.close = func() {
 			c, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			_, _ = db.ExecContext(c, "DROP TABLE IF EXISTS "+records+", "+records+"_migrations, "+orders)
 			_ = db.Close()
+			_, _ = admin.ExecContext(c, "DROP TABLE IF EXISTS "+records+", "+records+"_migrations, "+orders)
+			_ = admin.Close()
+		}
+		if pid := findProcess("mariadbd", "mysqld"); pid > 0 {
+			t.dbCPU = func(context.Context) int64 { return procCPU(pid) }
 		}
 		if _, err := db.ExecContext(ctx, "CREATE TABLE "+orders+" (id BIGINT AUTO_INCREMENT PRIMARY KEY, item VARCHAR(255) NOT NULL, qty INT NOT NULL, created_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) ENGINE=InnoDB"); err != nil {
 			t.close()
@@ -235,13 +304,15 @@ func setupTarget(ctx context.Context, name string, cfg *Config, suffix string) (
 			t.close()
 			return nil, err
 		}
-		t.backend, t.store = &mysqlBackend{db: db, table: orders}, "mysqlstore, same database"
-		store = st
+		t.backend, t.store = &mysqlBackend{db: db, admin: admin, table: orders}, "mysqlstore, same database"
+		store, singleTx = st, true
 	case "redis":
 		opt, err := redis.ParseURL(cfg.RedisURL)
 		if err != nil {
 			return nil, fmt.Errorf("redis: %w", err)
 		}
+		t.wire = &wireCounter{proto: protoRedis}
+		opt.Dialer = t.wire.dial
 		rdb := redis.NewClient(opt)
 		pctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 		info, err := rdb.InfoMap(pctx, "server").Result()
@@ -273,6 +344,9 @@ func setupTarget(ctx context.Context, name string, cfg *Config, suffix string) (
 		if err != nil {
 			t.close()
 			return nil, err
+		}
+		if pid := findProcess("redis-server"); pid > 0 {
+			t.dbCPU = func(context.Context) int64 { return procCPU(pid) }
 		}
 		t.backend, t.store = newMemBackend(), "redisstore (not transactional)"
 		store = st
