@@ -581,14 +581,17 @@ func commitFailedDetail(relErr error) string {
 // storedHeader copies the allow-listed headers out of src, into storage of its
 // own: middleware outside idem may change the header map after the handler.
 func (h *handler) storedHeader(src http.Header) http.Header {
-	n := 0
+	n, names := 0, 0
 	for _, name := range h.storedHdrs {
-		n += len(src[name])
+		if v := src[name]; len(v) > 0 {
+			n += len(v)
+			names++
+		}
 	}
 	if n == 0 {
 		return nil
 	}
-	out := make(http.Header, len(h.storedHdrs))
+	out := make(http.Header, names)
 	vals := make([]string, 0, n)
 	for _, name := range h.storedHdrs {
 		if v, ok := src[name]; ok && len(v) > 0 {
