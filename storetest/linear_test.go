@@ -60,6 +60,31 @@ func (s unfencedCompleteStore) Complete(ctx context.Context, scope, key, _ strin
 	return s.Store.Complete(ctx, scope, key, rec.Token, resp, now, expiresAt)
 }
 
+// shortExtendStore is memstore with an Extend that moves the lease but not the
+// expiry (redisstore's bug before 14397b0): a renewal past the TTL leaves the
+// record to expire under its live lease.
+type shortExtendStore struct{ *memstore.Store }
+
+func (s shortExtendStore) Extend(ctx context.Context, scope, key, token string, now, leaseUntil time.Time) error {
+	rec, err := s.Get(ctx, scope, key, time.Time{})
+	if err != nil || rec.State != idem.StateInFlight || rec.Token != token {
+		return idem.ErrLockLost
+	}
+	if err := s.Store.Extend(ctx, scope, key, token, now, leaseUntil); err != nil {
+		return err
+	}
+	if leaseUntil.After(rec.ExpiresAt) {
+		// Put the old expiry back: release and re-claim with the same token.
+		if err := s.Release(ctx, scope, key, token); err != nil {
+			return err
+		}
+		_, _, err := s.Store.Claim(ctx, idem.ClaimRequest{Scope: scope, Key: key, Fingerprint: rec.Fingerprint, Token: token,
+			Now: rec.CreatedAt, LeaseUntil: leaseUntil, ExpiresAt: rec.ExpiresAt})
+		return err
+	}
+	return nil
+}
+
 func newMem(t *testing.T) *memstore.Store {
 	s := memstore.New(&memstore.Config{JanitorInterval: -1})
 	t.Cleanup(func() { _ = s.Close() })
@@ -76,10 +101,11 @@ func TestLinearizabilityFindsPlantedBugs(t *testing.T) {
 	}{
 		{"check-then-write claim", func(t *testing.T) idem.Store { return racyClaimStore{newMem(t)} }},
 		{"complete without the fence", func(t *testing.T) idem.Store { return unfencedCompleteStore{newMem(t)} }},
+		{"extend that keeps the expiry", func(t *testing.T) idem.Store { return shortExtendStore{newMem(t)} }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			res, err := storetest.CheckLinearizability(context.Background(), tc.store(t), storetest.LinearizabilityOptions{Ops: 2000})
+			res, err := storetest.CheckLinearizability(context.Background(), tc.store(t), storetest.LinearizabilityOptions{Ops: 20000})
 			if err != nil {
 				t.Fatal(err)
 			}

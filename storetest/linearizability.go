@@ -539,6 +539,9 @@ func (w *workload) one(ctx context.Context, rng *rand.Rand, client int) {
 	case r < 72:
 		in.Kind = kindExtend
 		in.Token = w.pickToken(rng, k)
+		if rng.IntN(2) == 0 {
+			lease = linTTLShort // a renewal that runs past the record's expiry
+		}
 	case r < 97:
 		in.Kind = kindGet
 	default:
