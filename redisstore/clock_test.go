@@ -67,12 +67,13 @@ func TestSkewedClockStore(t *testing.T) {
 				t.Fatalf("second Claim = %+v, %v, %v; want the live claim to win", rec, claimed, err)
 			}
 
-			// Extend to a lease past the expiry: the Redis TTL follows the lease.
+			// Extend to a lease past the expiry: the Redis TTL follows the lease
+			// (kept for one more lease, for a late renewal).
 			now = time.Now().Add(skew)
 			if err := tb.store.Extend(ctx, "s", "k", req.Token, now, now.Add(2*ttl)); err != nil {
 				t.Fatalf("Extend: %v", err)
 			}
-			wantPTTL(t, tb, rk, 2*ttl-5*time.Second, 2*ttl, "after Extend past the TTL")
+			wantPTTL(t, tb, rk, 4*ttl-5*time.Second, 4*ttl, "after Extend past the TTL")
 
 			now = time.Now().Add(skew)
 			if err := tb.store.Complete(ctx, "s", "k", req.Token, &idem.Response{Status: 201, Body: []byte("ok")}, now, now.Add(ttl)); err != nil {
@@ -339,4 +340,36 @@ func (l *extendLog) starved(start, retryAt time.Time, lease time.Duration) (bool
 		starved = true // the lease had lapsed when the retry came
 	}
 	return starved, b.String()
+}
+
+// TestLateRenewal: a renewal that arrives after its lease deadline, with no other
+// request having taken the key over meanwhile (a stalled application, a slow
+// network), still finds the record and keeps it, as in the SQL stores whose row
+// stays stored past the deadline. Redis keeps an extended in-flight record one
+// lease past its deadline for this.
+func TestLateRenewal(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	const lease = 100 * time.Millisecond
+	now := time.Now()
+	req := idem.ClaimRequest{Scope: "s", Key: "k", Fingerprint: "v1:late", Token: "tok-" + randomHex(8), Now: now, LeaseUntil: now.Add(lease), ExpiresAt: now.Add(lease)}
+	if _, claimed, err := tb.store.Claim(ctx, req); err != nil || !claimed {
+		t.Fatalf("Claim = %v, %v", claimed, err)
+	}
+	now = time.Now()
+	if err := tb.store.Extend(ctx, "s", "k", req.Token, now, now.Add(lease)); err != nil {
+		t.Fatalf("Extend: %v", err)
+	}
+	time.Sleep(lease + lease/2) // the renewal every Lease/3 stalled for 1.5 leases
+	now = time.Now()
+	if err := tb.store.Extend(ctx, "s", "k", req.Token, now, now.Add(lease)); err != nil {
+		t.Fatalf("late Extend, nobody having taken the key over: %v; want the record kept", err)
+	}
+	if rec, err := tb.store.Get(ctx, "s", "k", now); err != nil || rec.State != idem.StateInFlight || rec.Token != req.Token {
+		t.Fatalf("after the late Extend: %+v, %v; want in flight under the token", rec, err)
+	}
+	if err := tb.store.Complete(ctx, "s", "k", req.Token, &idem.Response{Status: 201}, now, now.Add(time.Minute)); err != nil {
+		t.Fatalf("Complete after the late Extend: %v", err)
+	}
 }

@@ -59,8 +59,11 @@
 // times stored in the record; no script reads Redis's clock. The Redis expiry of
 // the key is set as a duration computed from the same clock: ExpiresAt − Now on
 // Claim and Complete (PEXPIRE), and on Extend the longer of the key's remaining
-// time to live and LeaseUntil − Now, so that a record whose lease is live is
-// never deleted by Redis, however long its handler runs past the TTL. Skew
+// time to live and twice LeaseUntil − Now, so that a record whose lease is live
+// is never deleted by Redis, however long its handler runs past the TTL, and a
+// renewal that arrives up to one lease late, with no other request having taken
+// the key over meanwhile, still finds and keeps it (as in the SQL stores, whose
+// rows stay stored past the deadline). Skew
 // between the application's clock and the Redis server's therefore changes
 // nothing: with an application clock minutes behind Redis's, a record still lives
 // its TTL (an absolute PEXPIREAT would have lain in Redis's past and deleted a

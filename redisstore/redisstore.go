@@ -136,10 +136,15 @@ func (s *Store) Release(ctx context.Context, scope, key, token string) error {
 
 // Extend implements idem.Store: one fenced Lua script moves the lease deadline,
 // raises ExpiresAt to leaseUntil when it is earlier, and raises the Redis
-// expiry to at least leaseUntil − now, so that Redis never deletes a record
-// whose lease is live, however long its handler runs past the TTL.
+// expiry to at least twice leaseUntil − now, so that Redis never deletes a
+// record whose lease is live, however long its handler runs past the TTL. The
+// extra lease lets a renewal that arrives after the deadline (a stalled
+// application, a slow network) still find the record and keep it when no other
+// request took it over meanwhile, as the SQL stores do, whose rows stay stored;
+// Claim, Get and the other scripts go by the stored times, so the record counts
+// as lapsed and expired all the same.
 func (s *Store) Extend(ctx context.Context, scope, key, token string, now, leaseUntil time.Time) error {
-	n, err := extendScript.Run(ctx, s.client, []string{s.recordKey(scope, key)}, token, ms(leaseUntil), ttl(now, leaseUntil)).Int()
+	n, err := extendScript.Run(ctx, s.client, []string{s.recordKey(scope, key)}, token, ms(leaseUntil), ttl(now, leaseUntil.Add(leaseUntil.Sub(now)))).Int()
 	return fenced("extend", n, err)
 }
 

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -312,4 +313,53 @@ func evalCalls(info string) string {
 		return "no scripts"
 	}
 	return strings.Join(out, ", ")
+}
+
+// TestHostileInputs: scopes and keys that contain the separators a naive
+// layout would use never share a record; a 16 MiB body with every byte value
+// and non-UTF-8 header values come back byte for byte.
+func TestHostileInputs(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	now := time.Now()
+	pairs := [][2]string{{"a:b", "c"}, {"a", "b:c"}, {"a.b", "c"}, {"a", "b.c"}, {"a}", "{b"}, {"a", "}{b"}, {"é", "x"}}
+	for i, p := range pairs {
+		req := idem.ClaimRequest{Scope: p[0], Key: p[1], Fingerprint: "v1:" + strconv.Itoa(i), Token: "tok-" + randomHex(8), Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)}
+		if rec, claimed, err := tb.store.Claim(ctx, req); err != nil || !claimed {
+			t.Fatalf("Claim(%q, %q) = %+v, %v, %v; want its own record", p[0], p[1], rec, claimed, err)
+		}
+	}
+	for i, p := range pairs {
+		if rec, err := tb.store.Get(ctx, p[0], p[1], now); err != nil || rec.Fingerprint != "v1:"+strconv.Itoa(i) {
+			t.Errorf("Get(%q, %q) = %+v, %v; want fingerprint v1:%d", p[0], p[1], rec, err, i)
+		}
+	}
+
+	body := make([]byte, 16<<20)
+	for i := range body {
+		body[i] = byte(i * 7)
+	}
+	hdr := http.Header{"Content-Disposition": {"attachment; filename=\"caf\xe9\xff\x00.txt\""}, "X-Raw": {"\x80\xfe", ""}}
+	req := idem.ClaimRequest{Scope: "big", Key: "k", Fingerprint: "v1:big", Token: "tok-" + randomHex(8), Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)}
+	if _, claimed, err := tb.store.Claim(ctx, req); err != nil || !claimed {
+		t.Fatalf("Claim = %v, %v", claimed, err)
+	}
+	if err := tb.store.Complete(ctx, "big", "k", req.Token, &idem.Response{Status: 201, Header: hdr, Body: body}, now, now.Add(time.Hour)); err != nil {
+		t.Fatalf("Complete with a 16 MiB body: %v", err)
+	}
+	other := req
+	other.Token = "tok-" + randomHex(8)
+	rec, claimed, err := tb.store.Claim(ctx, other)
+	if err != nil || claimed {
+		t.Fatalf("Claim of the complete record = %v, %v", claimed, err)
+	}
+	if !bytes.Equal(rec.Response.Body, body) {
+		t.Errorf("16 MiB body came back changed (%d bytes)", len(rec.Response.Body))
+	}
+	for name, vals := range hdr {
+		if got := rec.Response.Header[name]; len(got) != len(vals) || strings.Join(got, "\n") != strings.Join(vals, "\n") {
+			t.Errorf("header %s = %q, want %q byte for byte", name, got, vals)
+		}
+	}
 }

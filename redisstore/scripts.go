@@ -91,10 +91,11 @@ redis.call('DEL', KEYS[1])
 return 1
 `)
 
-	// extendScript: ARGV = token, leaseUntil, lease (leaseUntil − now in ms, at
-	// least 1). It moves the lease, raises the expires field to leaseUntil when
-	// it is earlier, and raises the key's Redis TTL to the lease when it is
-	// shorter (never lowering it): a record whose lease is live never expires.
+	// extendScript: ARGV = token, leaseUntil, keep (2 × (leaseUntil − now) in
+	// ms, at least 1). It moves the lease, raises the expires field to
+	// leaseUntil when it is earlier, and raises the key's Redis TTL to keep when
+	// it is shorter (never lowering it): a record whose lease is live never
+	// expires, and a late renewal finds the record for one more lease.
 	// Reply: 1 extended, 0 lock lost.
 	extendScript = redis.NewScript(`
 local k = KEYS[1]
