@@ -31,15 +31,19 @@ var DefaultStoredHeaders = []string{
 	"Location", "ETag", "Last-Modified", "Link",
 }
 
-// Flow chooses how a claimed request is carried out (DESIGN.md §2).
+// Flow chooses how a claimed request is carried out.
 type Flow uint8
 
 const (
+	// FlowAuto, the zero value, is the store's preferred flow: FlowSingleTx for a
+	// SingleTxStore that reports it as its PreferredFlow (it is the faster of the
+	// two there, with the same guarantees), FlowClaimComplete otherwise.
+	FlowAuto Flow = iota
 	// FlowClaimComplete commits the claim on its own as "in flight" with a lease,
 	// runs the handler (renewing the lease), then commits the completion — inside the
 	// handler's transaction when the store is a TxStore. It works with every store
 	// and suits handlers that call outside services.
-	FlowClaimComplete Flow = iota
+	FlowClaimComplete
 	// FlowSingleTx runs claim, handler and completion in one database transaction,
 	// with a transaction-scoped lock as the in-flight signal. It needs a
 	// SingleTxStore, and suits handlers whose side effects all live in that database.
@@ -47,6 +51,25 @@ const (
 	// same key is taken over through Store.Claim once its lease lapsed.
 	FlowSingleTx
 )
+
+// String returns "auto", "claim-complete" or "single-tx".
+func (f Flow) String() string {
+	switch f {
+	case FlowAuto:
+		return "auto"
+	case FlowClaimComplete:
+		return "claim-complete"
+	case FlowSingleTx:
+		return "single-tx"
+	}
+	return fmt.Sprintf("Flow(%d)", uint8(f))
+}
+
+// FlowPreferrer is implemented by stores that name the flow FlowAuto picks for
+// them.
+type FlowPreferrer interface {
+	PreferredFlow() Flow
+}
 
 // ReplayFunc rebuilds the answer to a retry from a complete record whose body was
 // not stored: from rec.Response.Ref (a resource reference the handler recorded with
@@ -123,7 +146,8 @@ type Config struct {
 	ReplayFunc ReplayFunc
 
 	// Flow chooses claim-then-complete or the single-transaction flow.
-	// Defaults to FlowClaimComplete.
+	// Defaults to FlowAuto: the store's preferred flow (FlowPreferrer), else
+	// FlowClaimComplete.
 	Flow Flow
 
 	// NowFunc is the clock. Defaults to time.Now.
@@ -286,14 +310,22 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 	if cfg.HandlerTimeout == 0 {
 		cfg.HandlerTimeout = DefaultHandlerTimeout
 	}
+	if cfg.Flow == FlowAuto && store != nil {
+		cfg.Flow = FlowClaimComplete
+		if p, ok := store.(FlowPreferrer); ok && p.PreferredFlow() == FlowSingleTx {
+			if _, ok := store.(SingleTxStore); ok {
+				cfg.Flow = FlowSingleTx
+			}
+		}
+	}
 	switch cfg.Flow {
-	case FlowClaimComplete:
+	case FlowAuto, FlowClaimComplete:
 	case FlowSingleTx:
 		if _, ok := store.(SingleTxStore); !ok && store != nil {
 			errs = append(errs, fmt.Errorf("invalid Flow: FlowSingleTx needs an idem.SingleTxStore, and %T is not one; use pgstore, sqlitestore or mysqlstore, or FlowClaimComplete", store))
 		}
 	default:
-		errs = append(errs, fmt.Errorf("invalid Flow %d: unknown; use FlowClaimComplete or FlowSingleTx", cfg.Flow))
+		errs = append(errs, fmt.Errorf("invalid Flow %d: unknown; use FlowAuto, FlowClaimComplete or FlowSingleTx", cfg.Flow))
 	}
 	if store == nil && !validateOnly {
 		errs = append(errs, errors.New("store is nil; pass one, for example memstore.New(nil) or a SQL store"))

@@ -487,3 +487,24 @@ func hangUp(t *testing.T, url, key, body string, started <-chan struct{}) {
 		t.Fatalf("the client got an answer (%d); the test needs it to hang up while the handler runs", resp.StatusCode)
 	}
 }
+
+// preferringStore prefers the single-transaction flow but cannot run it.
+type preferringStore struct{ *memstore.Store }
+
+func (preferringStore) PreferredFlow() idem.Flow { return idem.FlowSingleTx }
+
+// FlowAuto picks a store's preferred flow only when the store can run it.
+func TestFlowAutoFallsBack(t *testing.T) {
+	t.Parallel()
+	store := preferringStore{memstore.New(nil)}
+	t.Cleanup(func() { _ = store.Close() })
+	if _, err := idem.New(store, nil); err != nil {
+		t.Fatalf("FlowAuto with a store that prefers a flow it cannot run: %v", err)
+	}
+	if _, err := idem.New(store, &idem.Config{Flow: idem.FlowSingleTx}); err == nil {
+		t.Fatal("FlowSingleTx on a store that is no SingleTxStore was accepted")
+	}
+	if idem.FlowAuto.String() != "auto" || idem.FlowSingleTx.String() != "single-tx" {
+		t.Errorf("Flow names: %v %v", idem.FlowAuto, idem.FlowSingleTx)
+	}
+}
