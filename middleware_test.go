@@ -83,7 +83,7 @@ func setup(t *testing.T, cfg *idem.Config, o *orders) *bundle {
 	}))
 	t.Cleanup(srv.Close)
 	// One attempt per request: Go's Transport re-sends requests that carry an
-	// Idempotency-Key when a reused connection drops (DESIGN.md §6).
+	// Idempotency-Key when a reused connection drops (docs/design.md §6).
 	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 30 * time.Second}
 	return &bundle{store: store, orders: o, server: srv, client: client}
 }

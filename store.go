@@ -167,7 +167,7 @@ type Store interface {
 }
 
 // TxStore is implemented by stores that can commit the completion in the same
-// database transaction as the handler's business writes (DESIGN.md §2). When the
+// database transaction as the handler's business writes (docs/design.md §2). When the
 // store passed to New implements it, the middleware runs every claimed request in
 // a transaction: BeginTx before the handler, the fenced completion inside the
 // transaction, Commit, and only then the response.

@@ -108,7 +108,7 @@ func newLossyProxy(t *testing.T, s *orderServer) *clienttest.Proxy {
 }
 
 // noKeepAlive sends every attempt on a fresh connection, so that net/http never
-// re-sends a request on its own (DESIGN.md §6) and each attempt the client counts
+// re-sends a request on its own (docs/design.md §6) and each attempt the client counts
 // is exactly one request at the server.
 func noKeepAlive() *http.Transport {
 	return &http.Transport{DisableKeepAlives: true}

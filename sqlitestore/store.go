@@ -247,7 +247,7 @@ func scanRow(sr *sql.Row) (*row, error) {
 	return &r, nil
 }
 
-// claimable reports whether req may replace r (DESIGN.md §1, idem.Store.Claim).
+// claimable reports whether req may replace r (docs/design.md §1, idem.Store.Claim).
 func (r *row) claimable(req *idem.ClaimRequest, now int64) bool {
 	if r.expires <= now {
 		return true

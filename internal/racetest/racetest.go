@@ -3,7 +3,7 @@
 // concurrently: every request is prepared and its connection dialled first, then
 // all are released from one barrier. Each request uses its own connection and is sent exactly once (Go's
 // Transport would silently re-send a request carrying an Idempotency-Key on a
-// dropped reused connection; see DESIGN.md §6).
+// dropped reused connection; see docs/design.md §6).
 package racetest
 
 import (
