@@ -1,0 +1,38 @@
+// Command quickstart is the README's quick start: an orders endpoint that runs
+// once per Idempotency-Key, on the in-memory store. Run it with
+// `go run ./examples/quickstart` and send the README's curl command twice.
+package main
+
+import (
+	"fmt"
+	"log"
+	"net/http"
+	"sync/atomic"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/memstore"
+)
+
+func main() {
+	log.Println("listening on http://127.0.0.1:8080")
+	log.Fatal(http.ListenAndServe("127.0.0.1:8080", newServer()))
+}
+
+var orderIDs atomic.Int64
+
+// ordersHandler creates an order; idem makes it run once per key.
+var ordersHandler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusCreated)
+	fmt.Fprintf(w, `{"id":%d}`, orderIDs.Add(1))
+})
+
+func newServer() http.Handler {
+	store := memstore.New(nil)           // or sqlitestore / pgstore / mysqlstore / redisstore
+	protect, err := idem.New(store, nil) // nil: defaults (POST and PATCH keyed, key required)
+	if err != nil {
+		log.Fatal(err)
+	}
+	http.Handle("POST /orders", protect(ordersHandler))
+	return http.DefaultServeMux
+}
