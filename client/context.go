@@ -56,7 +56,10 @@ func Attempts(resp *http.Response) int {
 // Replayed reports whether resp is a replay of a stored outcome (the server sent
 // Idempotent-Replayed: true): the operation had already been carried out by an
 // earlier attempt — or by an earlier operation that used the same key — and this
-// answer repeats that outcome.
+// answer repeats that outcome. The value is compared without regard to letter
+// case or surrounding whitespace ("True" counts); the header is Stripe's
+// convention, not an RFC 9651 structured field, so the sf-boolean "?1" does
+// not. idem check judges replays with this same function.
 func Replayed(resp *http.Response) bool {
 	return resp != nil && strings.EqualFold(strings.TrimSpace(resp.Header.Get(ReplayedHeader)), "true")
 }

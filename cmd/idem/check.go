@@ -27,9 +27,10 @@ Sends crafted requests to one endpoint of any HTTP API, in any language, and
 reports case by case whether it handles the Idempotency-Key header as the IETF
 draft and idem's contract say: an identical retry is replayed byte for byte, a
 changed body with a used key gets 422, a missing or over-long key gets 400, a
-new key makes a new resource, and N identical requests released at the same
-instant execute once (the others get 409 or the replay). With --tenant-b-header
-it also checks that tenants do not share keys.
+new key makes a new resource, a client that hangs up mid-request and retries
+gets the replay of the one execution, and N identical requests released at the
+same instant execute once (the others get 409 or the replay). With
+--tenant-b-header it also checks that tenants do not share keys.
 
 The body is a template: {{marker}} becomes a marker unique to each case of a
 run, {{n}} a number unique to each operation. With --count-url the checker
@@ -95,6 +96,7 @@ func runCheck(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	fs.DurationVar(&opts.Timeout, "timeout", checker.DefaultTimeout, "per-request `timeout`")
 	fs.IntVar(&opts.Concurrency, "concurrency", checker.DefaultConcurrency, "`number` of identical requests the race releases at once")
 	fs.IntVar(&opts.Rounds, "rounds", 1, "`number` of race rounds, each with a fresh key")
+	fs.DurationVar(&opts.HangupAfter, "hangup-after", 0, "hang up this `long` after sending a request, then retry it (hangup case); default: half the time an execution took, when that was at least "+checker.HangupMinWait.String())
 	fs.StringVar(&opts.CountURL, "count-url", "", "GET `URL` template listing the resources of {{marker}}, e.g. http://h/orders?cart_id={{marker}}")
 	fs.StringVar(&opts.CountPath, "count-path", "", "dotted `path` to the array or number in the count URL's JSON (default: the first array)")
 	fs.BoolVar(&requireKey, "require-key", true, "the endpoint requires a key: a request without one must get 400")

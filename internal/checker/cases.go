@@ -74,6 +74,7 @@ func (c *checker) firstExchange(ctx context.Context) *exchange {
 		if c.first.replayed() {
 			c.replayHeader = true
 		}
+		c.executed(c.first)
 	}
 	return c.first
 }
@@ -87,6 +88,21 @@ func (c *checker) needFirst(ctx context.Context) (*exchange, *Case) {
 		return nil, &cs
 	}
 	return f, nil
+}
+
+// learnMarking finds out, once per run, whether the server marks its replays
+// when no answer has shown it yet: it sends key and body again — the retry of
+// a completed operation — and notes a marked answer. It reports
+// c.replayHeader.
+func (c *checker) learnMarking(ctx context.Context, key string, body []byte, header http.Header) bool {
+	if c.replayHeader || c.probed {
+		return c.replayHeader
+	}
+	c.probed = true
+	if e := c.sendAs(ctx, key, body, header); e.replayed() {
+		c.replayHeader = true
+	}
+	return c.replayHeader
 }
 
 // checkCount adds a failure when the count URL does not list want resources.
@@ -213,6 +229,7 @@ func (c *checker) checkNewKey(ctx context.Context) Case {
 	}
 	var v verdict
 	e := c.send(ctx, newKey(), f.body)
+	c.executed(e)
 	switch {
 	case e.err != nil:
 		v.fail("the request failed: %v", e.err)
@@ -231,7 +248,11 @@ func (c *checker) checkNewKey(ctx context.Context) Case {
 	}
 	loc, firstLoc := e.header.Get("Location"), f.header.Get("Location")
 	n, counted := c.checkCount(ctx, &v, c.marker("first"), 2, "a new key must execute a new operation")
-	if !counted && bytes.Equal(e.resp, f.resp) && loc == firstLoc {
+	same := !counted && bytes.Equal(e.resp, f.resp) && loc == firstLoc
+	// Two identical answers (a 204 without a body, say) are two executions, not
+	// a cached answer, when the server marks its replays and marked neither.
+	unmarked := same && !f.replayed() && c.learnMarking(ctx, f.key, f.body, c.o.Header)
+	if same && !unmarked {
 		v.fail("the first request's body under a new key got an identical answer (same body, same Location): does the API cache by body? A new key must execute a new operation")
 		v.note(bodyNote("both", e))
 		v.note("if the answer does not name the resource, pass --count-url to count on the server")
@@ -242,6 +263,8 @@ func (c *checker) checkNewKey(ctx context.Context) Case {
 		sum += fmt.Sprintf(" (count %d)", n)
 	case loc != firstLoc:
 		sum += ", Location " + loc
+	case unmarked:
+		sum = status(e) + ", a new execution (the same answer, not marked as a replay by a server that marks replays)"
 	default:
 		sum += " (a different body)"
 	}
@@ -273,15 +296,18 @@ func (c *checker) checkMissingKey(ctx context.Context) Case {
 
 func (c *checker) checkLongKey(ctx context.Context) Case {
 	var v verdict
-	key := c.run + "-" + strings.Repeat("k", LongKeyLength-len(c.run)-1)
-	e := c.send(ctx, key, c.render(c.marker("longkey")))
+	// Two keys of LongKeyLength characters that differ only in the last one: a
+	// server that cuts keys to 255 characters takes them for one key.
+	prefix := c.run + "-" + strings.Repeat("k", LongKeyLength-len(c.run)-2)
+	key1, key2 := prefix+"1", prefix+"2"
+	e := c.send(ctx, key1, c.render(c.marker("longkey")))
 	switch {
 	case e.err != nil:
 		v.fail("the request failed: %v", e.err)
 	case e.status == http.StatusBadRequest:
 		checkProblem(&v, e)
 	case e.ok():
-		v.warn("a %d-character key was accepted (%s); DESIGN.md §1 and Stripe allow at most 255 (a larger configured limit is allowed, but such keys are not portable)", LongKeyLength, status(e))
+		c.checkLongKeyKept(ctx, &v, e, key2)
 	case e.status >= 500:
 		v.fail("a %d-character key got %s: is the key column too short? Reject over-long keys with 400", LongKeyLength, status(e))
 		v.note(bodyNote("answer", e))
@@ -289,6 +315,38 @@ func (c *checker) checkLongKey(ctx context.Context) Case {
 		v.warn("a %d-character key got %s; DESIGN.md §1 says 400", LongKeyLength, status(e))
 	}
 	return v.done("400 Bad Request, application/problem+json")
+}
+
+// checkLongKeyKept checks, after a LongKeyLength-character key was accepted
+// (first), that a second one differing only after character 255 is a key of
+// its own: a new operation, neither a replay nor a 422 or 409.
+func (c *checker) checkLongKeyKept(ctx context.Context, v *verdict, first *exchange, key2 string) {
+	marker := c.marker("longkey2")
+	e := c.send(ctx, key2, c.render(marker))
+	merged := fmt.Sprintf("two %d-character keys that differ only in character %d were taken for one key (the second got %%s): the server cuts keys short, so different operations share an outcome; reject keys over its limit with 400, never truncate them", LongKeyLength, LongKeyLength)
+	switch {
+	case e.err != nil:
+		v.fail("the request with the second long key failed: %v", e.err)
+		return
+	case e.ok() && e.replayed():
+		v.fail(merged, "a replay: Idempotent-Replayed: true")
+		v.note(bodyNote("the first key's", first), bodyNote("the second key's", e))
+		return
+	case e.status == http.StatusUnprocessableEntity:
+		v.fail(merged, "422, as for a key reused with another body")
+		v.note(bodyNote("answer", e))
+		return
+	case e.status == http.StatusConflict:
+		v.fail(merged, "409, as for a key in use")
+		v.note(bodyNote("answer", e))
+		return
+	case !e.ok():
+		v.warn("a second %d-character key got %s after the first was accepted", LongKeyLength, status(e))
+		v.note(bodyNote("answer", e))
+		return
+	}
+	c.checkCount(ctx, v, marker, 1, "the second long key's operation was not executed on its own")
+	v.warn("%d-character keys were accepted (%s), each as a key of its own; DESIGN.md §1 and Stripe allow at most 255 (a larger configured limit is allowed, but such keys are not portable)", LongKeyLength, status(first))
 }
 
 // tally counts answers by status, "error" for none.
@@ -462,10 +520,14 @@ func (c *checker) checkTenant(ctx context.Context) Case {
 		hb[k] = vals
 	}
 	b := c.sendAs(ctx, key, body, hb)
+	// Identical answers are two executions when the server marks its replays
+	// and marked neither (an answer without a body, say).
+	unmarked := b.ok() && !b.replayed() && !a.replayed() && bytes.Equal(b.resp, a.resp) &&
+		c.learnMarking(ctx, key, body, c.o.Header)
 	switch {
 	case b.err != nil:
 		v.fail("tenant B's request failed: %v", b.err)
-	case b.ok() && (b.replayed() || bytes.Equal(b.resp, a.resp)):
+	case b.ok() && !unmarked && (b.replayed() || bytes.Equal(b.resp, a.resp)):
 		v.fail("tenant B, sending tenant A's key and body, got tenant A's answer (%s): records are not scoped by tenant, so one tenant can read another's outcomes", status(b))
 		v.note(bodyNote("tenant A's", a), bodyNote("tenant B's", b))
 	case b.ok():

@@ -25,9 +25,13 @@ const (
 	// MaxConcurrency bounds Options.Concurrency: every racing request holds its
 	// own connection (a file descriptor on both ends).
 	MaxConcurrency = 1000
-	// LongKeyLength is the length of the key the long_key case sends: one more
+	// LongKeyLength is the length of the keys the long_key case sends: one more
 	// than the 255 characters DESIGN.md §1 and Stripe allow.
 	LongKeyLength = 256
+	// HangupMinWait is the least time the first request must have waited for
+	// its answer for the hangup case to find the endpoint slow enough to hang
+	// up on in the middle of a request, without Options.HangupAfter.
+	HangupMinWait = 10 * time.Millisecond
 )
 
 // The cases, in the order Run executes them. The names are stable: they appear in
@@ -39,13 +43,14 @@ const (
 	CaseNewKey          = "new_key"
 	CaseMissingKey      = "missing_key"
 	CaseLongKey         = "long_key"
+	CaseHangup          = "hangup"
 	CaseRace            = "race"
 	CaseTenantIsolation = "tenant_isolation"
 )
 
 var caseOrder = []string{
 	CaseFirstRequest, CaseReplay, CaseChangedBody, CaseNewKey,
-	CaseMissingKey, CaseLongKey, CaseRace, CaseTenantIsolation,
+	CaseMissingKey, CaseLongKey, CaseHangup, CaseRace, CaseTenantIsolation,
 }
 
 // CaseNames returns the names of all cases in the order Run executes them.
@@ -110,6 +115,12 @@ type Options struct {
 	// Defaults to the first JSON array in the answer, in document order.
 	CountPath string
 
+	// HangupAfter is how long after sending a request the hangup case hangs
+	// up: shorter than the endpoint takes to answer. Defaults to 0: half the
+	// time the first request waited for its answer, when that was at least
+	// HangupMinWait (otherwise the case is skipped).
+	HangupAfter time.Duration
+
 	// Only restricts the run to the named cases (see CaseNames); cases that need
 	// the first request send it themselves. Defaults to all cases.
 	Only []string
@@ -166,6 +177,9 @@ func (o Options) validate() (*options, error) {
 		c.Concurrency = DefaultConcurrency
 	} else if c.Concurrency < 2 || c.Concurrency > MaxConcurrency {
 		errs = append(errs, fmt.Errorf("concurrency %d: a race needs at least 2 requests and at most %d", c.Concurrency, MaxConcurrency))
+	}
+	if c.HangupAfter < 0 {
+		errs = append(errs, fmt.Errorf("hang-up delay %v is negative", c.HangupAfter))
 	}
 	if c.Rounds == 0 {
 		c.Rounds = 1
@@ -255,6 +269,18 @@ type checker struct {
 	// replayHeader is set once an answer carried Idempotent-Replayed: true, so
 	// the server is known to mark its replays.
 	replayHeader bool
+	// probed is set once learnMarking sent its probe.
+	probed bool
+	// execWait is the shortest wait for the answer of an execution (a fresh
+	// key answered 2xx without a replay mark), 0 before the first.
+	execWait time.Duration
+}
+
+// executed notes the wait of e when it is an execution.
+func (c *checker) executed(e *exchange) {
+	if e.ok() && !e.replayed() && e.wait > 0 && (c.execWait == 0 || e.wait < c.execWait) {
+		c.execWait = e.wait
+	}
 }
 
 func (c *checker) runCase(ctx context.Context, name string) Case {
@@ -271,6 +297,8 @@ func (c *checker) runCase(ctx context.Context, name string) Case {
 		return c.checkMissingKey(ctx)
 	case CaseLongKey:
 		return c.checkLongKey(ctx)
+	case CaseHangup:
+		return c.checkHangup(ctx)
 	case CaseRace:
 		return c.checkRace(ctx)
 	case CaseTenantIsolation:

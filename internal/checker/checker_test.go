@@ -71,8 +71,10 @@ func TestCorrectServerPassesEveryCase(t *testing.T) {
 				t.Errorf("%d cases ran, want %d", got, len(checker.CaseNames()))
 			}
 			for _, c := range rep.Cases {
-				if c.Result != checker.Pass {
-					t.Errorf("case %s: %s, want pass", c.Name, c.Result)
+				// On a loaded machine the 20ms order may end before the hang-up
+				// (a skip); TestHangup checks that case on its own.
+				if c.Result != checker.Pass && (c.Name != checker.CaseHangup || c.Result != checker.Skip) {
+					t.Errorf("case %s: %s (%s), want pass", c.Name, c.Result, c.Summary)
 				}
 			}
 			if rep.Failed() {
@@ -117,15 +119,23 @@ func TestFlawedServersFailTheRightCase(t *testing.T) {
 		may  []string // cases that may fail as a consequence (timing, counts)
 		// mayCounted are further cases that may fail when resources are counted.
 		mayCounted []string
+		// maySkip are cases that may be skipped: hangup when a second request
+		// with the key, sent while the first runs, is not answered 409.
+		maySkip []string
 	}{
-		{flaw: checkertest.CheckThenWrite, must: []string{checker.CaseRace}},
+		// The retry after a hang-up lands in the gap between check and write.
+		{flaw: checkertest.CheckThenWrite, must: []string{checker.CaseRace}, may: []string{checker.CaseHangup}, maySkip: []string{checker.CaseHangup}},
 		{flaw: checkertest.NoFingerprint, must: []string{checker.CaseChangedBody}},
 		{
 			flaw: checkertest.NoIdempotency,
 			must: []string{checker.CaseReplay, checker.CaseChangedBody, checker.CaseRace},
-			// The replay executed again, so the first marker counts 3, not 2.
-			mayCounted: []string{checker.CaseNewKey},
+			// The replay executed again, so the first marker counts 3, not 2;
+			// the retry after the hang-up executed again too.
+			mayCounted: []string{checker.CaseNewKey, checker.CaseHangup},
+			maySkip:    []string{checker.CaseHangup},
 		},
+		{flaw: checkertest.TruncatedKeys, must: []string{checker.CaseLongKey}},
+		{flaw: checkertest.HangupRollsBack, must: []string{checker.CaseHangup}},
 		// Replays inside the race differ too when the winner completes before
 		// others arrive.
 		{flaw: checkertest.RerenderedReplay, must: []string{checker.CaseReplay}, may: []string{checker.CaseRace}},
@@ -154,8 +164,12 @@ func TestFlawedServersFailTheRightCase(t *testing.T) {
 				if !rep.Failed() {
 					t.Error("Failed() = false")
 				}
-				if s := names(rep, checker.Skip); len(s) > 0 {
-					t.Errorf("cases skipped: %v", s)
+				for _, s := range names(rep, checker.Skip) {
+					// On a loaded machine the 20ms order may end before the
+					// hang-up; TestHangup checks that case on its own.
+					if !slices.Contains(tt.maySkip, s) && s != checker.CaseHangup {
+						t.Errorf("case %s skipped", s)
+					}
 				}
 				if t.Failed() {
 					t.Log("\n" + table(rep))
@@ -301,6 +315,7 @@ func TestWarnings(t *testing.T) {
 		checker.CaseNewKey:          checker.Pass,
 		checker.CaseMissingKey:      checker.Warn, // not a problem document
 		checker.CaseLongKey:         checker.Warn, // accepted
+		checker.CaseHangup:          checker.Warn, // no Idempotent-Replayed, no count: cannot tell
 		checker.CaseRace:            checker.Warn, // 409 without Retry-After
 		checker.CaseTenantIsolation: checker.Skip,
 	}
@@ -405,7 +420,13 @@ func TestWriteJSONAndProgress(t *testing.T) {
 	if err := json.Unmarshal(buf.Bytes(), &got); err != nil {
 		t.Fatalf("%v in\n%s", err, buf.String())
 	}
-	if got.URL != o.URL || !got.Failed || got.Failures != 1 || len(got.Cases) != len(checker.CaseNames()) {
+	fails := 0
+	for _, c := range got.Cases {
+		if c.Result == "fail" {
+			fails++
+		}
+	}
+	if got.URL != o.URL || !got.Failed || got.Failures != fails || fails == 0 || len(got.Cases) != len(checker.CaseNames()) {
 		t.Errorf("url %q failed %v failures %d cases %d:\n%s", got.URL, got.Failed, got.Failures, len(got.Cases), buf.String())
 	}
 	for _, c := range got.Cases {

@@ -20,10 +20,26 @@
 //   - changed_body: a different body with the used key gets 422 (400, 409 or
 //     another 4xx is a warning; a replay of the first answer or an execution fails).
 //   - new_key: the first request's body with a new key is a new operation: a
-//     different body or Location, or a count of 2 — not a cached answer.
+//     different body or Location, or a count of 2 — not a cached answer. Two
+//     identical answers (a 204, say) are two executions when the server marks
+//     its replays and marked neither (the checker asks once when no answer has
+//     shown whether it marks them).
 //   - missing_key: no key gets 400 (skipped with KeyOptional).
-//   - long_key: a 256-character key gets 400 (acceptance is a warning, since the
-//     limit is configurable; a 5xx fails).
+//   - long_key: two 256-character keys that differ only in the last character.
+//     400 passes; acceptance is a warning (the limit is configurable), but the
+//     second key getting a replay, a 422 or a 409 fails (the server cuts keys
+//     short and merges operations); a 5xx fails.
+//   - hangup: a request with a fresh key is hung up on (its connection
+//     closed) HangupAfter after it was sent — by default half the shortest
+//     execution seen, halved again up to three times when the answer still
+//     comes first; skipped when executions take less than HangupMinWait. Just
+//     before, a second request with the key shows whether it is in flight
+//     (409). Then the same key and body are retried until the answer is not
+//     409: it must be the replay of the one execution (2xx), and with a count
+//     URL one resource must exist. A fresh, unmarked execution from a server
+//     that marks replays fails when the request was seen in flight (the
+//     hang-up undid it: a transaction bound to the request context), and is a
+//     warning otherwise; without marks or a count it is a warning.
 //   - race: Concurrency identical requests with one fresh key, each on its own
 //     connection dialled beforehand, released together from a barrier and each
 //     sent exactly once. At most one may execute: every 2xx body is identical,
@@ -32,8 +48,13 @@
 //     smaller). With a count URL, exactly one resource must exist. Rounds repeats
 //     it with fresh keys.
 //   - tenant_isolation: tenant B (TenantBHeader) sending tenant A's key and body
-//     must get its own execution or an error, never tenant A's answer. A 409 or
-//     422 is a warning: the tenants share a key namespace.
+//     must get its own execution or an error, never tenant A's answer (a replay,
+//     or the same bytes unless the server marks replays and marked neither). A
+//     409 or 422 is a warning: the tenants share a key namespace.
+//
+// An answer is a replay when its Idempotent-Replayed header is "true" in any
+// letter case, as client.Replayed decides: the header is Stripe's convention,
+// not an RFC 9651 structured field, so "?1" does not count.
 //
 // Error answers (400, 422) that are not application/problem+json (RFC 9457) are
 // warnings.

@@ -37,6 +37,7 @@ func Example() {
 	// new_key pass
 	// missing_key pass
 	// long_key pass
+	// hangup pass
 	// race pass
 	// tenant_isolation pass
 	// failed: false

@@ -3,12 +3,16 @@ package checker
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptrace"
+	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/idemkit/idem/client"
 	"github.com/idemkit/idem/internal/racetest"
 )
 
@@ -23,11 +27,21 @@ type exchange struct {
 	header http.Header
 	resp   []byte
 	err    error
+	// wait is the time from the request's last byte to the answer's first, or
+	// 0 when there was no answer.
+	wait time.Duration
+	// hungUp is set when the checker hung up before the answer came.
+	hungUp bool
 }
 
 func (e *exchange) ok() bool { return e.err == nil && e.status >= 200 && e.status < 300 }
 
-func (e *exchange) replayed() bool { return e.header.Get("Idempotent-Replayed") == "true" }
+// replayed reports whether the answer is marked as a replay. It is the client
+// package's test (Idempotent-Replayed: "true" in any case, around it optional
+// whitespace), so that the checker and the client never disagree on it.
+func (e *exchange) replayed() bool {
+	return e.header != nil && client.Replayed(&http.Response{Header: e.header})
+}
 
 // newClient returns a client that sends each request exactly once on a fresh
 // connection: with keep-alives off, Go's Transport never re-sends a request
@@ -67,7 +81,42 @@ func (c *checker) send(ctx context.Context, key string, body []byte) *exchange {
 }
 
 func (c *checker) sendAs(ctx context.Context, key string, body []byte, header http.Header) *exchange {
+	return c.exchange(ctx, key, body, header)
+}
+
+// errHungUp is the cause with which the checker cancels the context of a
+// request it hangs up on.
+var errHungUp = errors.New("checker: hung up on purpose")
+
+// exchange sends one request and reads its answer, noting how long the answer
+// took and whether the checker hung up on it (ctx cancelled with errHungUp
+// before the answer came).
+func (c *checker) exchange(ctx context.Context, key string, body []byte, header http.Header) *exchange {
 	e := &exchange{key: key, body: body}
+	var (
+		mu           sync.Mutex
+		wrote, first time.Time
+	)
+	ctx = httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
+		WroteRequest: func(httptrace.WroteRequestInfo) {
+			mu.Lock()
+			defer mu.Unlock()
+			wrote = time.Now()
+		},
+		GotFirstResponseByte: func() {
+			mu.Lock()
+			defer mu.Unlock()
+			first = time.Now()
+		},
+	})
+	defer func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if !wrote.IsZero() && !first.IsZero() {
+			e.wait = first.Sub(wrote)
+		}
+		e.hungUp = e.status == 0 && errors.Is(context.Cause(ctx), errHungUp)
+	}()
 	r, err := c.request(ctx, key, body, header)
 	if err != nil {
 		e.err = err

@@ -18,6 +18,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/idemkit/idem"
@@ -50,9 +51,19 @@ const (
 	// SharedKeys keeps records per key only, not per tenant: a tenant sending
 	// another's key gets the other's answer.
 	SharedKeys
+	// TruncatedKeys accepts keys of up to 1024 characters but keeps only their
+	// first 255: keys that differ after that are one key.
+	TruncatedKeys
+	// HangupRollsBack binds the order's "transaction" to the request context
+	// (and takes 10×Work to make an order):
+	// when the client hangs up while the order is being made, the order is
+	// rolled back and the key released, so the client's retry executes again
+	// (what a SQL store does when its transaction follows the cancelled
+	// context of a request whose client went away).
+	HangupRollsBack
 )
 
-var flawNames = [...]string{"correct", "check_then_write", "no_fingerprint", "no_idempotency", "rerendered_replay", "shared_keys"}
+var flawNames = [...]string{"correct", "check_then_write", "no_fingerprint", "no_idempotency", "rerendered_replay", "shared_keys", "truncated_keys", "hangup_rolls_back"}
 
 // String returns the flaw's snake_case name.
 func (f Flaw) String() string {
@@ -63,7 +74,7 @@ func (f Flaw) String() string {
 }
 
 // Flaws lists every flaw but Correct.
-var Flaws = []Flaw{CheckThenWrite, NoFingerprint, NoIdempotency, RerenderedReplay, SharedKeys}
+var Flaws = []Flaw{CheckThenWrite, NoFingerprint, NoIdempotency, RerenderedReplay, SharedKeys, TruncatedKeys, HangupRollsBack}
 
 // NewServer starts a service with the given flaw. Close it when done.
 func NewServer(flaw Flaw) *httptest.Server {
@@ -73,7 +84,17 @@ func NewServer(flaw Flaw) *httptest.Server {
 // Handler returns the service with the given flaw, for callers that run their
 // own server.
 func Handler(flaw Flaw) http.Handler {
-	app := &orders{}
+	work := Work
+	if flaw == HangupRollsBack {
+		// Long enough for the hang-up to fall well inside it on a loaded machine.
+		work = 10 * Work
+	}
+	return SlowHandler(flaw, work)
+}
+
+// SlowHandler is Handler with orders that take work to make instead of Work.
+func SlowHandler(flaw Flaw, work time.Duration) http.Handler {
+	app := &orders{work: work, rollBackOnHangup: flaw == HangupRollsBack}
 	var h http.Handler = app
 	if flaw == Correct {
 		mw, err := idem.New(memstore.New(&memstore.Config{JanitorInterval: -1}), &idem.Config{Lease: 5 * time.Second})
@@ -110,6 +131,12 @@ type order struct {
 
 // orders is the business handler: no idempotency of its own.
 type orders struct {
+	// work is how long making an order takes.
+	work time.Duration
+	// rollBackOnHangup makes no order when the request's context ended while
+	// the order was being made, as a transaction bound to it would.
+	rollBackOnHangup bool
+
 	mu   sync.Mutex
 	next int
 	list []order
@@ -127,7 +154,11 @@ func (o *orders) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			http.Error(w, "send {\"cart_id\":\"…\",\"total_cents\":N}", http.StatusBadRequest)
 			return
 		}
-		time.Sleep(Work)
+		time.Sleep(o.work)
+		if o.rollBackOnHangup && r.Context().Err() != nil {
+			http.Error(w, "the request was cancelled; the order was rolled back", http.StatusServiceUnavailable)
+			return
+		}
 		o.mu.Lock()
 		o.next++
 		ord := order{ID: fmt.Sprintf("ord_%d", o.next), CartID: in.CartID, TotalCents: in.TotalCents,
@@ -181,9 +212,16 @@ func (n *naive) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	key := r.Header.Get("Idempotency-Key")
-	if key == "" || len(key) > 255 {
-		problem(w, http.StatusBadRequest, "send an Idempotency-Key of 1 to 255 characters")
+	maxKey := 255
+	if n.flaw == TruncatedKeys {
+		maxKey = 1024
+	}
+	if key == "" || len(key) > maxKey {
+		problem(w, http.StatusBadRequest, fmt.Sprintf("send an Idempotency-Key of 1 to %d characters", maxKey))
 		return
+	}
+	if n.flaw == TruncatedKeys && len(key) > 255 {
+		key = key[:255] // the flaw: a key column of 255 characters
 	}
 	body, err := io.ReadAll(r.Body)
 	if err != nil {
@@ -228,6 +266,14 @@ func (n *naive) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	done := n.execute(r, fp)
+	if n.flaw == HangupRollsBack && r.Context().Err() != nil {
+		// The flaw: the transaction followed the cancelled request context, so
+		// nothing is kept and the key is free again.
+		n.mu.Lock()
+		delete(n.recs, id)
+		n.mu.Unlock()
+		return
+	}
 	n.mu.Lock()
 	*rec = *done
 	n.mu.Unlock()
@@ -278,4 +324,25 @@ func problem(w http.ResponseWriter, status int, detail string) {
 	w.Header().Set("Content-Type", "application/problem+json")
 	w.WriteHeader(status)
 	_ = json.NewEncoder(w).Encode(map[string]any{"title": http.StatusText(status), "status": status, "detail": detail})
+}
+
+// NewNoContentServer starts a correct service — idem's middleware over memstore,
+// scoped by the bearer token — whose PATCH /orders/{id} answers 204 No Content:
+// no body and nothing else that tells one execution from another, so only
+// Idempotent-Replayed does. It counts the PATCH requests it executes. Close it
+// when done.
+func NewNoContentServer() (*httptest.Server, *atomic.Int64) {
+	var executions atomic.Int64
+	mw, err := idem.New(memstore.New(&memstore.Config{JanitorInterval: -1}), &idem.Config{Lease: 5 * time.Second})
+	if err != nil {
+		panic(err) // the config is constant
+	}
+	mux := http.NewServeMux()
+	mux.Handle("PATCH /orders/{id}", mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		time.Sleep(Work)
+		executions.Add(1)
+		w.WriteHeader(http.StatusNoContent)
+	})))
+	return httptest.NewServer(auth(mux)), &executions
 }
