@@ -122,7 +122,10 @@ func TestInFlightConcurrent(t *testing.T) {
 	outs := make([]consumer.Outcome, 16)
 	for i := range outs {
 		wg.Add(1)
-		go func() { defer wg.Done(); outs[i] = p.Process(ctx, &consumer.Message{ID: "k", Payload: []byte("p"), Delivery: 2}, h) }()
+		go func() {
+			defer wg.Done()
+			outs[i] = p.Process(ctx, &consumer.Message{ID: "k", Payload: []byte("p"), Delivery: 2}, h)
+		}()
 	}
 	wg.Wait()
 	for i, o := range outs {

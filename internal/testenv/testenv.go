@@ -53,6 +53,10 @@ func hostPort(raw string) string {
 		return net.JoinHostPort(u.Hostname(), "3306")
 	case "redis":
 		return net.JoinHostPort(u.Hostname(), "6379")
+	case "nats":
+		return net.JoinHostPort(u.Hostname(), "4222")
+	case "amqp":
+		return net.JoinHostPort(u.Hostname(), "5672")
 	}
 	return ""
 }
@@ -86,4 +90,16 @@ func MySQLDSN(raw string) string {
 // RedisURL returns IDEM_TEST_REDIS_URL, default redis://127.0.0.1:6379/0.
 func RedisURL(t testing.TB) string {
 	return service(t, "IDEM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0", "Redis")
+}
+
+// NATSURL returns IDEM_TEST_NATS_URL, default nats://127.0.0.1:4222 (a NATS
+// server with JetStream enabled: nats-server -js).
+func NATSURL(t testing.TB) string {
+	return service(t, "IDEM_TEST_NATS_URL", "nats://127.0.0.1:4222", "NATS")
+}
+
+// AMQPURL returns IDEM_TEST_AMQP_URL, default amqp://guest:guest@127.0.0.1:5672/
+// (RabbitMQ).
+func AMQPURL(t testing.TB) string {
+	return service(t, "IDEM_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/", "RabbitMQ")
 }
