@@ -185,9 +185,15 @@ const (
 	EventLeaseLost                       // the lease was lost while the handler ran
 	EventReleased                        // the key was released (panic, not kept, failed commit)
 	EventTakenOver                       // a lapsed lease was taken over
+	// EventClaimed: the request took the key (a fresh claim, a takeover, or the
+	// single-transaction flow's lock) and its handler is about to run. Only an
+	// Observer that implements ClaimObserver, with ObservesClaims true, sees it;
+	// the one later event of the same request that ends its hold on the key has
+	// Claimed set, so that together they count the claims held right now.
+	EventClaimed
 )
 
-var eventNames = [...]string{"", "executed", "replayed", "in_flight", "mismatch", "rejected", "store_error", "lease_lost", "released", "taken_over"}
+var eventNames = [...]string{"", "executed", "replayed", "in_flight", "mismatch", "rejected", "store_error", "lease_lost", "released", "taken_over", "claimed"}
 
 // String returns the event's snake_case name.
 func (k EventKind) String() string {
@@ -205,12 +211,23 @@ type Event struct {
 	Status int           // the status sent, when one was
 	Err    error         // the error behind the event, if any
 	Took   time.Duration // time since the request reached the middleware
+	// Claimed is set on the last event of a request that took the key (after its
+	// EventClaimed): the event that ends its hold on the key, whatever its Kind.
+	Claimed bool
 }
 
 // Observer receives events. Observe is called synchronously on the request's
 // goroutine (never from the lease renewal) and must not block.
 type Observer interface {
 	Observe(ctx context.Context, e Event)
+}
+
+// ClaimObserver is an Observer that also wants EventClaimed, for example to keep
+// a gauge of the claims held by this process: add one on EventClaimed, take one
+// away on every event with Claimed set. New asks ObservesClaims once.
+type ClaimObserver interface {
+	Observer
+	ObservesClaims() bool
 }
 
 // ObserverFunc adapts a function to Observer.
@@ -222,8 +239,9 @@ func (f ObserverFunc) Observe(ctx context.Context, e Event) { f(ctx, e) }
 // settings is a validated Config with defaults applied.
 type settings struct {
 	Config
-	keyed      map[string]bool
-	storedHdrs []string // canonical
+	keyed         map[string]bool
+	storedHdrs    []string // canonical
+	observeClaims bool     // the Observer wants EventClaimed
 }
 
 // Validate reports what is wrong with c, as New would, without needing a store.
@@ -309,6 +327,9 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 	}
 	if cfg.HandlerTimeout == 0 {
 		cfg.HandlerTimeout = DefaultHandlerTimeout
+	}
+	if co, ok := cfg.Observer.(ClaimObserver); ok {
+		s.observeClaims = co.ObservesClaims()
 	}
 	if cfg.Flow == FlowAuto && store != nil {
 		cfg.Flow = FlowClaimComplete

@@ -68,6 +68,7 @@ type request struct {
 	exec       execContext
 	cctx       cleanupContext
 	spilled    bool // the outcome was stored early and the response streamed
+	claimed    bool // the request holds the key: its next event ends the hold
 	renewal
 }
 
@@ -231,6 +232,7 @@ func (h *handler) serveClaim(w http.ResponseWriter, req *request) {
 // execute runs the handler of a claimed request and settles its outcome.
 func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 	r := req.r
+	h.claimed(req)
 	rw := req.recorder(w)
 	// The handler's context: the request's values, not the client's cancellation
 	// (a claimed operation runs to its end), HandlerTimeout, and ErrLockLost as the
@@ -450,7 +452,9 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 		return
 	}
 	defer req.cctx.stop()
-	if rec != nil {
+	if rec == nil {
+		h.claimed(req)
+	} else {
 		_ = tx.Rollback(req.freshCleanup())
 		switch match, _ := sameRequest(req.fp, rec.Fingerprint, r, req.body); {
 		case !match:
@@ -477,7 +481,9 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 	defer func() {
 		req.stopRenewal()
 		if !settled {
+			// The handler panicked: the rollback frees the lock, as a release would.
 			_ = tx.Rollback(req.freshCleanup())
+			h.observe(req, Event{Kind: EventReleased})
 		}
 	}()
 	h.next.ServeHTTP(rw, r.WithContext(ctx))
@@ -687,11 +693,20 @@ func (h *handler) problem(w http.ResponseWriter, req *request, kind EventKind, e
 	h.observe(req, Event{Kind: kind, Status: p.Status, Err: err})
 }
 
+// claimed marks req as holding its key, and tells an Observer that wants it.
+func (h *handler) claimed(req *request) {
+	if h.observeClaims {
+		h.observe(req, Event{Kind: EventClaimed})
+	}
+	req.claimed = true
+}
+
 func (h *handler) observe(req *request, e Event) {
 	if h.Observer == nil {
 		return
 	}
 	e.Scope, e.Key = req.scope, req.key
+	e.Claimed, req.claimed = req.claimed, false // one event ends the hold
 	e.Took = h.NowFunc().Sub(req.start)
 	h.Observer.Observe(req.r.Context(), e)
 }
