@@ -182,7 +182,7 @@ func (c *checker) checkReplay(ctx context.Context) Case {
 	}
 	_, counted := c.checkCount(ctx, &v, c.marker("first"), 1, "the retry ran the operation again")
 	if !e.replayed() && len(v.fails) == 0 {
-		v.warn("same status and body, but no Idempotent-Replayed: true header (Stripe's convention, DESIGN.md §1): clients cannot tell a replay from an execution")
+		v.warn("same status and body, but no Idempotent-Replayed: true header (Stripe's convention, docs/design.md §1): clients cannot tell a replay from an execution")
 	}
 	sum := status(e) + ", byte-identical body, Idempotent-Replayed: true"
 	if counted {
@@ -208,7 +208,7 @@ func (c *checker) checkChangedBody(ctx context.Context) Case {
 		checkProblem(&v, e)
 	case e.ok() && bytes.Equal(e.resp, f.resp):
 		v.fail("a different body with a used key got the first request's answer (%s): the key is not bound to the request it was first used with", status(e))
-		v.note("a key reused with a different body must get 422 (IETF draft; DESIGN.md §1), or a client's bug silently returns another operation's outcome")
+		v.note("a key reused with a different body must get 422 (IETF draft; docs/design.md §1), or a client's bug silently returns another operation's outcome")
 	case e.ok():
 		v.fail("a different body with a used key was executed (%s): a key reused with a different body must get 422", status(e))
 		v.note(bodyNote("answer", e))
@@ -216,7 +216,7 @@ func (c *checker) checkChangedBody(ctx context.Context) Case {
 		v.fail("a different body with a used key got %s, want 422", status(e))
 		v.note(bodyNote("answer", e))
 	default:
-		v.warn("a different body with a used key got %s; the IETF draft and DESIGN.md §1 say 422", status(e))
+		v.warn("a different body with a used key got %s; the IETF draft and docs/design.md §1 say 422", status(e))
 		v.note(bodyNote("answer", e))
 	}
 	return v.done("422 Unprocessable Entity, application/problem+json")
@@ -289,7 +289,7 @@ func (c *checker) checkMissingKey(ctx context.Context) Case {
 		v.fail("a write without %s got %s, want 400", c.o.KeyHeader, status(e))
 		v.note(bodyNote("answer", e))
 	default:
-		v.warn("a write without %s got %s; the IETF draft and DESIGN.md §1 say 400", c.o.KeyHeader, status(e))
+		v.warn("a write without %s got %s; the IETF draft and docs/design.md §1 say 400", c.o.KeyHeader, status(e))
 	}
 	return v.done("400 Bad Request, application/problem+json")
 }
@@ -312,7 +312,7 @@ func (c *checker) checkLongKey(ctx context.Context) Case {
 		v.fail("a %d-character key got %s: is the key column too short? Reject over-long keys with 400", LongKeyLength, status(e))
 		v.note(bodyNote("answer", e))
 	default:
-		v.warn("a %d-character key got %s; DESIGN.md §1 says 400", LongKeyLength, status(e))
+		v.warn("a %d-character key got %s; docs/design.md §1 says 400", LongKeyLength, status(e))
 	}
 	return v.done("400 Bad Request, application/problem+json")
 }
@@ -346,7 +346,7 @@ func (c *checker) checkLongKeyKept(ctx context.Context, v *verdict, first *excha
 		return
 	}
 	c.checkCount(ctx, v, marker, 1, "the second long key's operation was not executed on its own")
-	v.warn("%d-character keys were accepted (%s), each as a key of its own; DESIGN.md §1 and Stripe allow at most 255 (a larger configured limit is allowed, but such keys are not portable)", LongKeyLength, status(first))
+	v.warn("%d-character keys were accepted (%s), each as a key of its own; docs/design.md §1 and Stripe allow at most 255 (a larger configured limit is allowed, but such keys are not portable)", LongKeyLength, status(first))
 }
 
 // tally counts answers by status, "error" for none.
@@ -481,7 +481,7 @@ func (c *checker) judgeRace(ctx context.Context, v *verdict, res []*exchange, ma
 		}
 	}
 	if noRetryAfter > 0 {
-		v.warn("%d 409 answers carry no Retry-After header (DESIGN.md §1)", noRetryAfter)
+		v.warn("%d 409 answers carry no Retry-After header (docs/design.md §1)", noRetryAfter)
 	}
 }
 
@@ -535,7 +535,7 @@ func (c *checker) checkTenant(ctx context.Context) Case {
 	case b.status == http.StatusUnauthorized || b.status == http.StatusForbidden:
 		v.warn("tenant B was refused (%s); check --tenant-b-header", status(b))
 	case b.status == http.StatusConflict || b.status == http.StatusUnprocessableEntity:
-		v.warn("tenant B was refused because tenant A had used the key (%s): keys are shared across tenants, so one tenant can block another's; scope records by tenant (DESIGN.md §1)", status(b))
+		v.warn("tenant B was refused because tenant A had used the key (%s): keys are shared across tenants, so one tenant can block another's; scope records by tenant (docs/design.md §1)", status(b))
 		v.note(bodyNote("tenant B's", b))
 	case b.status >= 500:
 		v.warn("tenant B got %s", status(b))

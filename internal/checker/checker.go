@@ -26,7 +26,7 @@ const (
 	// own connection (a file descriptor on both ends).
 	MaxConcurrency = 1000
 	// LongKeyLength is the length of the keys the long_key case sends: one more
-	// than the 255 characters DESIGN.md §1 and Stripe allow.
+	// than the 255 characters docs/design.md §1 and Stripe allow.
 	LongKeyLength = 256
 	// HangupMinWait is the least time the first request must have waited for
 	// its answer for the hangup case to find the endpoint slow enough to hang

@@ -1,5 +1,5 @@
 // Package checker checks whether an HTTP endpoint handles the Idempotency-Key
-// header as DESIGN.md §1 and the IETF draft (draft-ietf-httpapi-idempotency-key-header)
+// header as docs/design.md §1 and the IETF draft (draft-ietf-httpapi-idempotency-key-header)
 // say. It talks HTTP only, so it checks any API in any language, whether it uses
 // idem or not. It is the logic of `idem check`; tests drive it directly:
 //
@@ -80,7 +80,7 @@
 // # Limits
 //
 // Every request uses a fresh connection without keep-alives, so Go's Transport
-// never re-sends one (DESIGN.md §6); redirects are not followed and proxy
+// never re-sends one (docs/design.md §6); redirects are not followed and proxy
 // settings from the environment are not used. HTTP/1.1 only. Answers are read up
 // to 4 MiB. The race cannot prove the absence of a race — it makes one likely:
 // raise Rounds for more confidence, and count on the server.

@@ -46,7 +46,7 @@ func (e *exchange) replayed() bool {
 // newClient returns a client that sends each request exactly once on a fresh
 // connection: with keep-alives off, Go's Transport never re-sends a request
 // (it only retries on reused connections, and would do so for requests that
-// carry an Idempotency-Key; DESIGN.md §6). Redirects are not followed, proxies
+// carry an Idempotency-Key; docs/design.md §6). Redirects are not followed, proxies
 // from the environment not used.
 func newClient(timeout time.Duration) *http.Client {
 	return &http.Client{

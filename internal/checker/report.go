@@ -15,7 +15,7 @@ type Result string
 
 // The results a case can have. Only Fail makes a report fail.
 const (
-	Pass Result = "pass" // behaves as DESIGN.md §1 and the IETF draft say
+	Pass Result = "pass" // behaves as docs/design.md §1 and the IETF draft say
 	Warn Result = "warn" // safe, but deviates from the contract or a convention
 	Fail Result = "fail" // unsafe or wrong: a double execution, a wrong replay, …
 	Skip Result = "skip" // not run: an option is missing or a prerequisite failed
