@@ -1,0 +1,152 @@
+package idemobs
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"time"
+
+	"github.com/idemkit/idem"
+)
+
+// Op names a store operation.
+type Op uint8
+
+// The store operations a decorated Store reports. Their names (String) are
+// the values of the op label of idem_store_duration_seconds and
+// idem_store_errors_total.
+const (
+	OpClaim         Op = iota // Store.Claim
+	OpComplete                // Store.Complete and Tx.Complete
+	OpCommit                  // Tx.Commit and LockedTx.Commit
+	OpRelease                 // Store.Release
+	OpExtend                  // Store.Extend (lease renewal)
+	OpGet                     // Store.Get
+	OpDeleteExpired           // Store.DeleteExpired (the janitor)
+	OpBegin                   // TxStore.BeginTx and SingleTxStore.BeginLocked
+	OpInsert                  // LockedTx.Insert (single-transaction flow)
+	NumOps                    // the number of operations, for arrays indexed by Op
+)
+
+var opNames = [NumOps]string{"claim", "complete", "commit", "release", "extend", "get", "delete_expired", "begin", "insert"}
+
+// String returns the operation's snake_case name, as used in metric labels.
+func (o Op) String() string {
+	if o < NumOps {
+		return opNames[o]
+	}
+	return "unknown"
+}
+
+// Outcomes lists the event kinds counted as request outcomes (every kind but
+// EventClaimed, which starts a hold rather than ending a request).
+var Outcomes = []idem.EventKind{
+	idem.EventExecuted, idem.EventReplayed, idem.EventInFlight, idem.EventMismatch,
+	idem.EventRejected, idem.EventStoreError, idem.EventLeaseLost, idem.EventReleased,
+	idem.EventTakenOver,
+}
+
+// Failed reports whether err, returned by a store operation, is a failure of
+// the store. The answers the protocol expects — ErrNotFound from Get,
+// ErrLockLost from a fenced write whose lease was taken over, ErrInFlight from
+// the single-transaction lock — are not failures, nor is ErrTxAborted (the
+// handler's own statement failed).
+func Failed(err error) bool {
+	if err == nil {
+		return false
+	}
+	return !errors.Is(err, idem.ErrNotFound) && !errors.Is(err, idem.ErrLockLost) &&
+		!errors.Is(err, idem.ErrInFlight) && !errors.Is(err, idem.ErrTxAborted)
+}
+
+// Hash returns a short, stable stand-in for a key or a scope: the first 8 bytes
+// of its SHA-256, in hex (16 characters). It lets one follow a key through logs
+// and traces without writing the key itself. A scope drawn from a small set of
+// guessable names (tenant IDs) can be recovered from its hash by trying them
+// all: treat scope hashes as pseudonyms, not secrets.
+func Hash(s string) string {
+	sum := sha256.Sum256([]byte(s))
+	return hex.EncodeToString(sum[:8])
+}
+
+// StoreObserver is told about every operation of a Store decorated with Store.
+type StoreObserver interface {
+	// StoreStart is called before the operation. The context it returns is
+	// passed to the operation (for example one carrying a tracing span) and to
+	// StoreDone; return ctx when there is nothing to add. For OpBegin the
+	// operation gets the original context, because the transaction's context is
+	// handed to the application's handler.
+	StoreStart(ctx context.Context, op Op) context.Context
+	// StoreDone is called after the operation with the time it took and its
+	// error (see Failed for which errors are failures).
+	StoreDone(ctx context.Context, op Op, took time.Duration, err error)
+}
+
+// Multi returns an Observer that passes every event to each of obs, in order.
+// It is a ClaimObserver when one of them is, and passes EventClaimed only to
+// those that want it.
+func Multi(obs ...idem.Observer) idem.Observer {
+	m := &multi{}
+	for _, o := range obs {
+		if o == nil {
+			continue
+		}
+		co, ok := o.(idem.ClaimObserver)
+		m.all = append(m.all, o)
+		m.claims = append(m.claims, ok && co.ObservesClaims())
+	}
+	return m
+}
+
+type multi struct {
+	all    []idem.Observer
+	claims []bool
+}
+
+// ObservesClaims reports whether one of the observers wants EventClaimed.
+func (m *multi) ObservesClaims() bool {
+	for _, c := range m.claims {
+		if c {
+			return true
+		}
+	}
+	return false
+}
+
+// Observe passes e on.
+func (m *multi) Observe(ctx context.Context, e idem.Event) {
+	for i, o := range m.all {
+		if e.Kind == idem.EventClaimed && !m.claims[i] {
+			continue
+		}
+		o.Observe(ctx, e)
+	}
+}
+
+// MultiStore returns a StoreObserver that passes every operation to each of
+// obs, in order (StoreStart's contexts are chained).
+func MultiStore(obs ...StoreObserver) StoreObserver {
+	var m multiStore
+	for _, o := range obs {
+		if o != nil {
+			m = append(m, o)
+		}
+	}
+	return m
+}
+
+type multiStore []StoreObserver
+
+func (m multiStore) StoreStart(ctx context.Context, op Op) context.Context {
+	for _, o := range m {
+		ctx = o.StoreStart(ctx, op)
+	}
+	return ctx
+}
+
+func (m multiStore) StoreDone(ctx context.Context, op Op, took time.Duration, err error) {
+	for i := len(m) - 1; i >= 0; i-- {
+		m[i].StoreDone(ctx, op, took, err)
+	}
+}
