@@ -222,4 +222,3 @@ func TestStoreKeepsTransactionalCompletion(t *testing.T) {
 		})
 	}
 }
-
