@@ -171,7 +171,9 @@ func TestFencing(t *testing.T) {
 				lease = 300 * time.Millisecond
 			}
 			causes := make(chan error, 1)
-			srv := newServer(t, s, &idem.Config{Lease: lease}, orderHandler(orders, func(r *http.Request) {
+			// Fencing is the claim-then-complete flow's (the single-transaction flow
+			// has no lease to take over), so it is chosen explicitly.
+			srv := newServer(t, s, &idem.Config{Lease: lease, Flow: idem.FlowClaimComplete}, orderHandler(orders, func(r *http.Request) {
 				once.Do(func() { close(inserted) })
 				select {
 				case <-proceed:

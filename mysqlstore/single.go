@@ -8,6 +8,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"time"
 
@@ -32,11 +33,26 @@ func (s *Store) lockExpr(scope, key string) string {
 	return "CONCAT('idem:', LEFT(SHA2(CONCAT(IFNULL(DATABASE(), ''), ':', '" + hex.EncodeToString(h.Sum(nil)) + "'), 256), 40))"
 }
 
+// PreferredFlow implements idem.FlowPreferrer: the single-transaction flow, which
+// commits once per request (claim-then-complete commits the claim on its own,
+// then the transaction: two commits, two log flushes) and needs fewer round
+// trips.
+func (s *Store) PreferredFlow() idem.Flow { return idem.FlowSingleTx }
+
+var _ idem.FlowPreferrer = (*Store)(nil)
+
 // BeginLocked implements idem.SingleTxStore. On one connection taken from the pool
 // for the whole request, it takes the named lock of (scope, key) with GET_LOCK
 // without waiting (idem.ErrInFlight when another session holds it), begins a READ
-// COMMITTED transaction and reads the record. rec is nil when there is none or it
-// expired at now.
+// COMMITTED transaction, guarded as BeginTx's is, and reads the record. rec is nil
+// when there is none or it expired at now.
+//
+// The lock is taken in the statement that turns autocommit off: SET autocommit =
+// IF(GET_LOCK(name, 0) = 1, 0, 2) fails (error 1231), changing nothing, when the
+// lock is held elsewhere. With multiStatements on the connections, that, the
+// savepoint and the read go in one round trip after START TRANSACTION; Commit
+// sends the savepoint check, the record, COMMIT, autocommit back on and the lock's
+// release in one more.
 //
 // GET_LOCK belongs to the session, not the transaction: Commit and Rollback
 // release it explicitly after ending the transaction, and when that cannot be
@@ -47,36 +63,35 @@ func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Tim
 	if err := checkLengths(scope, key, "", ""); err != nil {
 		return ctx, nil, nil, err
 	}
-	// Prepare before taking a connection: preparing needs one of its own.
-	var stmts [3]*sql.Stmt
-	for i, q := range []string{s.q.lockedRead, s.q.lockedDelete, s.q.lockedInsert} {
-		st, err := s.stmt(ctx, q)
-		if err != nil {
-			return ctx, nil, nil, err
-		}
-		stmts[i] = st
+	// Prepare before taking a connection: preparing needs one of its own. The
+	// record goes through it only when too large to send as text (inlineLimit).
+	ins, err := s.stmt(ctx, s.q.lockedInsert)
+	if err != nil {
+		return ctx, nil, nil, err
 	}
 	conn, err := s.db.Conn(ctx)
 	if err != nil {
 		return ctx, nil, nil, s.wrap(err)
 	}
-	lt := &lockedTx{s: s, conn: conn, lock: s.lockExpr(scope, key), now: now, scope: scope, key: key,
-		read: stmts[0], del: stmts[1], ins: stmts[2]}
-	var got sql.NullInt64
-	if err := conn.QueryRowContext(ctx, "SELECT GET_LOCK("+lt.lock+", 0)").Scan(&got); err != nil {
+	st, err := s.settingsFor(ctx, conn)
+	if err != nil {
+		discard(conn)
+		return ctx, nil, nil, err
+	}
+	lt := &lockedTx{s: s, st: st, conn: conn, lock: s.lockExpr(scope, key), now: now, scope: scope, key: key, ins: ins}
+	guard := "SET autocommit = IF(GET_LOCK(" + lt.lock + ", 0) = 1, 0, 2), " + s.isolationSQL(st)
+	read := "SELECT " + columns + " FROM " + s.q.table + " WHERE `scope` = " + litString(scope) + " AND `key` = " + litString(key)
+	tx, rows, err := s.beginOn(ctx, conn, st, guard, read)
+	if setFailed(err) {
+		_ = conn.Close() // the lock is held elsewhere; the session is as it was
+		return ctx, nil, nil, idem.ErrInFlight
+	}
+	if err != nil {
 		lt.discard()
 		return ctx, nil, nil, s.wrap(fmt.Errorf("taking the key's lock: %w", err))
 	}
-	if !got.Valid || got.Int64 != 1 {
-		_ = conn.Close()
-		return ctx, nil, nil, idem.ErrInFlight
-	}
-	lt.tx, err = s.beginOn(ctx, conn)
-	if err != nil {
-		lt.release()
-		return ctx, nil, nil, err
-	}
-	rec, err := scanRecord(lt.tx.StmtContext(ctx, lt.read).QueryRowContext(ctx, []byte(scope), []byte(key)))
+	lt.tx = tx
+	rec, err := scanRows(rows)
 	switch {
 	case errors.Is(err, sql.ErrNoRows):
 		rec = nil
@@ -86,29 +101,31 @@ func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Tim
 	case rec.ExpiresAt.UnixMicro() <= now.UnixMicro():
 		lt.expired, rec = true, nil
 	}
-	return context.WithValue(ctx, txKey{}, &txn{s: s, tx: lt.tx, ctx: ctx}), lt, rec, nil
+	return context.WithValue(ctx, txKey{}, &txn{s: s, st: st, tx: lt.tx, ctx: ctx}), lt, rec, nil
 }
 
 // lockedTx is the idem.LockedTx of the single-transaction flow.
 type lockedTx struct {
-	s              *Store
-	conn           *sql.Conn
-	tx             *sql.Tx
-	lock           string // SQL expression naming the lock
-	now            time.Time
-	scope, key     string
-	expired        bool // BeginLocked found an expired record to replace
-	read, del, ins *sql.Stmt
+	s          *Store
+	st         *settings
+	conn       *sql.Conn
+	tx         *sql.Tx
+	lock       string // SQL expression naming the lock
+	now        time.Time
+	scope, key string
+	expired    bool // BeginLocked found an expired record to replace
+	ins        *sql.Stmt
 
-	mu      sync.Mutex
-	checked bool // the savepoint was released: the transaction was open then
-	done    bool
+	mu   sync.Mutex
+	rec  []any // the record Insert was given, as lockedInsert's arguments
+	done bool
 }
 
-// Insert implements idem.LockedTx. It writes rec, first deleting the record that
-// had expired at the time of BeginLocked, if there was one. It returns
-// idem.ErrInFlight when a live record appeared since (a claim-then-complete request
-// took the key without the lock).
+// Insert implements idem.LockedTx. It checks rec and keeps it for Commit, which
+// writes it (first deleting the record that had expired at the time of
+// BeginLocked, if there was one) and commits, or returns idem.ErrInFlight, having
+// committed nothing, when a live record appeared since (a claim-then-complete
+// request took the key without the lock).
 func (t *lockedTx) Insert(ctx context.Context, rec *idem.Record) error {
 	if rec.Scope != t.scope || rec.Key != t.key {
 		return fmt.Errorf("mysqlstore: Insert of (%q, %q) in the transaction locked for (%q, %q)", rec.Scope, rec.Key, t.scope, t.key)
@@ -131,28 +148,123 @@ func (t *lockedTx) Insert(ctx context.Context, rec *idem.Record) error {
 		status = sql.NullInt32{Int32: int32(r.Status), Valid: true}
 		hdr, body, omitted, ref = args[1].([]byte), args[2].([]byte), r.BodyOmitted, args[4].([]byte)
 	}
-	// First the check that the server has not rolled the transaction back.
 	t.mu.Lock()
-	if !t.checked {
-		if err := t.s.checkOpen(ctx, t.tx); err != nil {
-			t.mu.Unlock()
-			return err
-		}
-		t.checked = true
+	defer t.mu.Unlock()
+	if t.done {
+		return sql.ErrTxDone
 	}
-	t.mu.Unlock()
-	if t.expired {
-		if _, err := t.tx.StmtContext(ctx, t.del).ExecContext(ctx, []byte(rec.Scope), []byte(rec.Key), t.now.UnixMicro()); err != nil {
-			if deadlocked(err) {
-				return errAborted(err)
-			}
-			return t.s.wrap(err)
-		}
-	}
-	_, err := t.tx.StmtContext(ctx, t.ins).ExecContext(ctx,
+	t.rec = []any{
 		[]byte(rec.Scope), []byte(rec.Key), uint8(rec.State), []byte(rec.Fingerprint), []byte(rec.Token),
 		rec.CreatedAt.UnixMicro(), rec.LeaseUntil.UnixMicro(), rec.ExpiresAt.UnixMicro(),
-		status, hdr, body, omitted, ref)
+		status, hdr, body, omitted, ref,
+	}
+	return nil
+}
+
+// insertSQL is lockedInsert with the record inlined as literals.
+func (t *lockedTx) insertSQL() string {
+	a := t.rec
+	status := "NULL"
+	if v := a[8].(sql.NullInt32); v.Valid {
+		status = strconv.Itoa(int(v.Int32))
+	}
+	omitted := "0"
+	if a[11].(bool) {
+		omitted = "1"
+	}
+	return "INSERT INTO " + t.s.q.table + " (" + columns + ") VALUES (" +
+		lit(a[0].([]byte)) + ", " + lit(a[1].([]byte)) + ", " + strconv.Itoa(int(a[2].(uint8))) + ", " +
+		lit(a[3].([]byte)) + ", " + lit(a[4].([]byte)) + ", " + litInt(a[5].(int64)) + ", " + litInt(a[6].(int64)) + ", " +
+		litInt(a[7].(int64)) + ", " + status + ", " + lit(a[9].([]byte)) + ", " + lit(a[10].([]byte)) + ", " + omitted + ", " + lit(a[12].([]byte)) + ")"
+}
+
+// deleteSQL is lockedDelete for the locked key with literals.
+func (t *lockedTx) deleteSQL() string {
+	return "DELETE FROM " + t.s.q.table + " WHERE `scope` = " + litString(t.scope) + " AND `key` = " + litString(t.key) +
+		" AND `expires_at` <= " + litInt(t.now.UnixMicro())
+}
+
+// Commit implements idem.LockedTx: it checks that the server has not rolled the
+// transaction back (idem.ErrTxAborted, and nothing commits), writes the record
+// Insert kept (idem.ErrInFlight, and nothing commits, when a live record
+// appeared), commits, releases the lock and returns the connection. The lock is
+// released even when the commit fails.
+func (t *lockedTx) Commit(ctx context.Context) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.done {
+		return sql.ErrTxDone
+	}
+	t.done = true
+	// First the check, so that an aborted transaction's successor (which holds
+	// the locks of the handler's statements after the abort) does not also lock
+	// the record.
+	stmts := []string{checkMark}
+	if t.expired && t.rec != nil {
+		stmts = append(stmts, t.deleteSQL())
+	}
+	inline := t.rec == nil || len(t.rec[9].([]byte))+len(t.rec[10].([]byte)) <= inlineLimit
+	if !inline || !t.st.multi {
+		// One statement at a time; the record as parameters when large.
+		if _, _, err := run(ctx, t.st, t.tx, false, stmts...); err != nil {
+			return t.fail(err)
+		}
+		if t.rec != nil {
+			var err error
+			if inline {
+				_, err = t.tx.ExecContext(ctx, t.insertSQL())
+			} else {
+				_, err = t.tx.StmtContext(ctx, t.ins).ExecContext(ctx, t.rec...)
+			}
+			if err != nil {
+				return t.fail(err)
+			}
+		}
+		err := t.tx.Commit()
+		t.release()
+		if err != nil {
+			return fmt.Errorf("mysqlstore: commit: %w", err)
+		}
+		return nil
+	}
+	if t.rec != nil {
+		stmts = append(stmts, t.insertSQL())
+	}
+	stmts = append(stmts, "COMMIT", guardOff, "SELECT RELEASE_LOCK("+t.lock+")")
+	rows, _, err := run(ctx, t.st, t.tx, true, stmts...)
+	if err != nil {
+		if !serverError(err) {
+			// The outcome is unknown (the connection broke, or ctx ended during
+			// the round trip): close the connection, which rolls back whatever did
+			// not commit and frees the lock.
+			_ = t.tx.Rollback()
+			t.discard()
+			return fmt.Errorf("mysqlstore: commit: %w", err)
+		}
+		return t.fail(err)
+	}
+	var released sql.NullInt64
+	err = scanOne(rows, &released)
+	// The transaction is committed, and the session back in autocommit mode:
+	// database/sql's Commit only closes its Tx (a COMMIT with nothing to commit).
+	_ = t.tx.Commit()
+	if err != nil || released.Int64 != 1 {
+		t.discard()
+		return nil
+	}
+	_ = t.conn.Close()
+	return nil
+}
+
+// fail ends the transaction after err, a statement of Commit failing before the
+// COMMIT: nothing was committed. It rolls back, releases the lock and says what
+// happened.
+func (t *lockedTx) fail(err error) error {
+	_ = t.tx.Rollback()
+	t.release()
+	if code, ok := errorNumber(err); ok && code == 1305 { // ER_SP_DOES_NOT_EXIST
+		return errAborted(err)
+	}
 	if code, ok := errorNumber(err); ok && code == 1062 { // ER_DUP_ENTRY
 		return idem.ErrInFlight
 	}
@@ -162,36 +274,7 @@ func (t *lockedTx) Insert(ctx context.Context, rec *idem.Record) error {
 	if serr := t.s.statementLogged(err); serr != nil {
 		return serr
 	}
-	if err != nil {
-		return t.s.wrap(err)
-	}
-	return nil
-}
-
-// Commit implements idem.LockedTx: it commits, then releases the lock, and
-// returns the connection. The lock is released even when the commit fails.
-// Without a successful Insert before it, it first checks that the server has not
-// rolled the transaction back (idem.ErrTxAborted, and nothing commits).
-func (t *lockedTx) Commit(ctx context.Context) error {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.done {
-		return sql.ErrTxDone
-	}
-	t.done = true
-	if !t.checked {
-		if err := t.s.checkOpen(ctx, t.tx); err != nil {
-			_ = t.tx.Rollback()
-			t.release()
-			return err
-		}
-	}
-	err := t.tx.Commit()
-	t.release()
-	if err != nil {
-		return fmt.Errorf("mysqlstore: commit: %w", err)
-	}
-	return nil
+	return t.s.wrap(err)
 }
 
 // Rollback implements idem.LockedTx. It is a no-op after Commit.
@@ -210,18 +293,19 @@ func (t *lockedTx) Rollback(context.Context) error {
 	return nil
 }
 
-// release frees the lock, turns autocommit back on (see Store.BeginTx) and returns the connection to the pool; when either cannot be
+// release frees the lock and turns autocommit back on (see Store.BeginTx) in one
+// statement, which fails, changing nothing, when the lock was not this
+// session's; then it returns the connection to the pool. When either cannot be
 // confirmed, it closes the connection instead, which frees every lock the
 // session holds.
 func (t *lockedTx) release() {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	var released sql.NullInt64
-	if err := t.conn.QueryRowContext(ctx, "SELECT RELEASE_LOCK("+t.lock+")").Scan(&released); err != nil || released.Int64 != 1 {
+	if _, err := t.conn.ExecContext(ctx, "SET autocommit = IF(RELEASE_LOCK("+t.lock+") = 1, 1, 2)"); err != nil {
 		t.discard()
 		return
 	}
-	unguard(ctx, t.conn)
+	_ = t.conn.Close()
 }
 
 // discard closes the connection rather than returning it to the pool.

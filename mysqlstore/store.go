@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"reflect"
 	"regexp"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -60,8 +61,11 @@ type Store struct {
 	mu    sync.Mutex
 	stmts map[string]*sql.Stmt
 
+	// settings are read on first use (see settingsFor).
+	settings atomic.Pointer[settings]
+
 	// isolation is the isolation level of the transactions BeginTx and
-	// BeginLocked open, decided on first use (see isolationFor): 0 not yet,
+	// BeginLocked open, decided on first use (see settingsFor): 0 not yet,
 	// else a sql.IsolationLevel.
 	isolation atomic.Int32
 }
@@ -123,12 +127,18 @@ const claimCond = "(`expires_at` <= ? OR (`state` = 1 AND `lease_until` <= ? AND
 const claimOurs = "(`token` = ? OR " + claimCond + ")"
 
 type queries struct {
+	table                                                           string // quoted
+	insertClaim                                                     string
 	claim, claimRead, complete, release, extend, get, deleteExpired string
-	lockedRead, lockedDelete, lockedInsert                          string
+	lockedInsert                                                    string
 }
 
 func newQueries(t string) queries {
 	return queries{
+		table: t,
+		// A claim of an absent key: the insert succeeds, or fails with a duplicate
+		// key (1062) and changes nothing.
+		insertClaim: "INSERT INTO " + t + " (`scope`, `key`, `state`, `fingerprint`, `token`, `created_at`, `lease_until`, `expires_at`) VALUES (?, ?, 1, ?, ?, ?, ?, ?)",
 		// The claim is decided by this one statement (see the package doc). MySQL
 		// applies ON DUPLICATE KEY UPDATE assignments left to right, each seeing the
 		// columns already changed by the earlier ones; MariaDB does too, except under
@@ -176,8 +186,6 @@ func newQueries(t string) queries {
 		// requires of DELETE … LIMIT; it still reads the expires_at index in order.
 		deleteExpired: "DELETE FROM " + t + " WHERE `expires_at` <= ? ORDER BY `expires_at`, `scope`, `key` LIMIT ?",
 		// The single-transaction flow (single.go).
-		lockedRead:   "SELECT " + columns + " FROM " + t + " WHERE `scope` = ? AND `key` = ?",
-		lockedDelete: "DELETE FROM " + t + " WHERE `scope` = ? AND `key` = ? AND `expires_at` <= ?",
 		lockedInsert: "INSERT INTO " + t + " (" + columns + ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
 	}
 }
@@ -344,11 +352,33 @@ func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record,
 	if err != nil {
 		return nil, false, err
 	}
-	switch rec, err := scanRecord(get.QueryRowContext(ctx, scope, key, now)); {
+	rec, err := scanRecord(get.QueryRowContext(ctx, scope, key, now))
+	switch {
 	case err == nil && !claimable(rec, req):
 		return rec, false, nil
-	case err != nil && !errors.Is(err, sql.ErrNoRows):
+	case errors.Is(err, sql.ErrNoRows):
+		rec = nil
+	case err != nil:
 		return nil, false, s.wrap(err)
+	}
+
+	// The key is absent (or was, at the read): a plain INSERT claims it in one
+	// round trip, with nothing to read back, since the stored row is exactly the
+	// one inserted. A duplicate key means another request got there first (or the
+	// read found a record to replace): the statement below decides then.
+	if rec == nil {
+		st, err := s.stmt(ctx, s.q.insertClaim)
+		if err != nil {
+			return nil, false, err
+		}
+		_, err = st.ExecContext(ctx, scope, key, fp, tok, now, lease, exp)
+		if err == nil {
+			return &idem.Record{Scope: req.Scope, Key: req.Key, State: idem.StateInFlight, Fingerprint: req.Fingerprint,
+				Token: req.Token, CreatedAt: time.UnixMicro(now), LeaseUntil: time.UnixMicro(lease), ExpiresAt: time.UnixMicro(exp)}, true, nil
+		}
+		if code, ok := errorNumber(err); !ok || code != 1062 { // ER_DUP_ENTRY
+			return nil, false, s.wrap(err)
+		}
 	}
 
 	ours := []any{tok, now, now, fp}                    // claimOurs
@@ -362,7 +392,6 @@ func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record,
 	for range 6 {                                       // renewals, status, headers, body, body_omitted, ref
 		args = append(args, ours...)
 	}
-	var rec *idem.Record
 	err = retry(ctx, func() error {
 		tx, err := s.db.BeginTx(ctx, nil)
 		if err != nil {
@@ -421,6 +450,20 @@ func completeArgs(scope, key, token string, resp *idem.Response, expiresAt time.
 		resp.Status, hdr, body, resp.BodyOmitted, ref, expiresAt.UnixMicro(),
 		[]byte(scope), []byte(key), []byte(token),
 	}, nil
+}
+
+// completeSQL is the complete query with completeArgs inlined as literals, for a
+// group of statements sent together.
+func completeSQL(q queries, args []any) string {
+	omitted := "0"
+	if args[3].(bool) {
+		omitted = "1"
+	}
+	return "UPDATE " + q.table + " SET `state` = 2, `status` = " + strconv.Itoa(args[0].(int)) +
+		", `headers` = " + lit(args[1].([]byte)) + ", `body` = " + lit(args[2].([]byte)) +
+		", `body_omitted` = " + omitted + ", `ref` = " + lit(args[4].([]byte)) + ", `expires_at` = " + litInt(args[5].(int64)) +
+		" WHERE `scope` = " + lit(args[6].([]byte)) + " AND `key` = " + lit(args[7].([]byte)) +
+		" AND `token` = " + lit(args[8].([]byte)) + " AND `state` = 1"
 }
 
 // Release implements idem.Store: it deletes the record only while it is in flight
@@ -501,7 +544,25 @@ func (s *Store) DeleteExpired(ctx context.Context, now time.Time, limit int) (in
 	return int(n), nil
 }
 
-func scanRecord(row *sql.Row) (*idem.Record, error) {
+// scanRows scans the one record rows hold (sql.ErrNoRows when none) and closes
+// them.
+func scanRows(rows *sql.Rows) (*idem.Record, error) {
+	defer rows.Close()
+	if !rows.Next() {
+		if err := rows.Err(); err != nil {
+			return nil, err
+		}
+		return nil, sql.ErrNoRows
+	}
+	rec, err := scanRecord(rows)
+	if err != nil {
+		return nil, err
+	}
+	return rec, rows.Close()
+}
+
+// scanRecord scans the columns of a record from a *sql.Row or *sql.Rows.
+func scanRecord(row interface{ Scan(dest ...any) error }) (*idem.Record, error) {
 	var (
 		rec                     idem.Record
 		scope, key, fp, tok     []byte

