@@ -169,6 +169,41 @@ type Config struct {
 	// lease is lost (context.Cause is then ErrLockLost). A negative value sets no
 	// deadline. Defaults to 1 minute.
 	HandlerTimeout time.Duration
+
+	// LapsedLease decides what a request gets when it finds its key in flight
+	// with a lapsed lease: the holder crashed, stalled, or reported with
+	// MarkOutcomeUnknown that it cannot know whether its operation took effect.
+	// Defaults to LapsedTakeOver: take the key over and run the handler again.
+	// LapsedRefuse answers 503 (idempotency_outcome_unknown) instead, until an
+	// operator resolves the key (idem resolve).
+	LapsedLease LapsedLease
+}
+
+// LapsedLease is the policy for an in-flight record whose lease lapsed.
+type LapsedLease uint8
+
+const (
+	// LapsedTakeOver, the zero value, takes the key over with a fresh claim and
+	// runs the handler again. The holder that lapsed can no longer complete.
+	// Choose it when running the operation twice is harmless, or when the
+	// handler's effects commit with the stored outcome (a SQL TxStore).
+	LapsedTakeOver LapsedLease = iota
+	// LapsedRefuse answers 503 (idempotency_outcome_unknown) to every request
+	// with the key, and leaves the record in flight with its lease lapsed, until
+	// an operator completes it with an answer or releases it (idem resolve), or
+	// it expires at its TTL. The holder that lapsed can no longer complete.
+	LapsedRefuse
+)
+
+// String returns "take-over" or "refuse".
+func (l LapsedLease) String() string {
+	switch l {
+	case LapsedTakeOver:
+		return "take-over"
+	case LapsedRefuse:
+		return "refuse"
+	}
+	return fmt.Sprintf("LapsedLease(%d)", uint8(l))
 }
 
 // EventKind names a decision of the middleware.
@@ -327,6 +362,9 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 	}
 	if cfg.HandlerTimeout == 0 {
 		cfg.HandlerTimeout = DefaultHandlerTimeout
+	}
+	if cfg.LapsedLease > LapsedRefuse {
+		errs = append(errs, fmt.Errorf("invalid LapsedLease %d: use LapsedTakeOver or LapsedRefuse", cfg.LapsedLease))
 	}
 	if co, ok := cfg.Observer.(ClaimObserver); ok {
 		s.observeClaims = co.ObservesClaims()

@@ -224,9 +224,25 @@ func (h *handler) serveClaim(w http.ResponseWriter, req *request) {
 		}
 	}
 	if now.Sub(rec.CreatedAt) > time.Millisecond { // a takeover keeps the first claim's CreatedAt; stores may round to milliseconds
+		if h.LapsedLease == LapsedRefuse {
+			h.refuseLapsed(w, req, claim.Token, now)
+			return
+		}
 		h.observe(req, Event{Kind: EventTakenOver})
 	}
 	h.execute(w, req, claim.Token)
+}
+
+// refuseLapsed answers a request that took over a lapsed lease under
+// LapsedRefuse. The takeover fenced the lapsed holder out; the lease is put back
+// to lapsed under the new token, so that the record stays in flight, unresolved,
+// and the next request with the key is refused in the same way.
+func (h *handler) refuseLapsed(w http.ResponseWriter, req *request, token string, now time.Time) {
+	cctx := req.freshCleanup()
+	err := h.store.Extend(cctx, req.scope, req.key, token, now, now)
+	req.cctx.stop()
+	h.problem(w, req, EventInFlight, errors.Join(ErrOutcomeUnknown, err), CodeOutcomeUnknown,
+		"an earlier request with this key did not finish (its server or upstream failed mid-request), so whether its operation took effect is unknown; it is not run again on its own. An operator resolves the key with idem resolve (an answer, or a release so that the next request runs it); until then every request with this key gets this answer", 0)
 }
 
 // execute runs the handler of a claimed request and settles its outcome.
@@ -283,6 +299,16 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 	defer req.cctx.stop()
 	if req.spilled {
 		return // too large to keep: stored without its body and streamed already
+	}
+	if rw.unknown {
+		// The handler cannot know its outcome: neither kept nor released, the
+		// record stays in flight until its lease lapses (Config.LapsedLease).
+		if tx != nil {
+			_ = tx.Rollback(cctx)
+		}
+		h.observe(req, Event{Kind: EventInFlight, Status: rw.statusOrOK(), Err: ErrOutcomeUnknown})
+		rw.send()
+		return
 	}
 	status := rw.statusOrOK()
 	if !h.KeepFunc(status) {

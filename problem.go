@@ -25,6 +25,7 @@ const (
 	CodeResponseTooLarge = "idempotency_response_too_large"
 	CodeReplayFailed     = "idempotency_replay_failed"
 	CodeTxAborted        = "idempotency_transaction_aborted"
+	CodeOutcomeUnknown   = "idempotency_outcome_unknown"
 )
 
 // Problem is an RFC 9457 problem details object with idem's extension member
@@ -54,6 +55,7 @@ var problemTitles = map[string]struct {
 	CodeResponseTooLarge: {http.StatusInternalServerError, "Response too large to keep for replay"},
 	CodeReplayFailed:     {http.StatusInternalServerError, "Stored outcome could not be replayed"},
 	CodeTxAborted:        {http.StatusInternalServerError, "The database rolled back the handler's transaction"},
+	CodeOutcomeUnknown:   {http.StatusServiceUnavailable, "The outcome of the request with this key is unknown"},
 }
 
 // NewProblem returns the problem for code, one of the Code constants, with the

@@ -3,6 +3,7 @@ package idem
 import (
 	"bytes"
 	"context"
+	"errors"
 	"maps"
 	"net/http"
 )
@@ -32,6 +33,7 @@ type recorder struct {
 	size    int // bytes the handler wrote
 	mode    recorderMode
 	spill   func() // stores the outcome early; the recorder then streams
+	unknown bool   // MarkOutcomeUnknown was called
 }
 
 type recorderMode uint8
@@ -149,6 +151,27 @@ func SetRef(ctx context.Context, ref string) bool {
 	rw, ok := ctx.Value(recorderKey{}).(*recorder)
 	if ok {
 		rw.ref = ref
+	}
+	return ok
+}
+
+// ErrOutcomeUnknown is the Err of the Observer event of a request whose
+// handler called MarkOutcomeUnknown, and of one refused under LapsedRefuse.
+var ErrOutcomeUnknown = errors.New("idem: the outcome of the operation is unknown")
+
+// MarkOutcomeUnknown tells the middleware that the handler cannot know whether
+// its operation took effect (an upstream service went away mid-request). The
+// handler's answer is sent but neither stored nor replayed, the key is not
+// released (with a TxStore the transaction is rolled back), and the record stays
+// in flight until its lease lapses, at most Config.Lease later: retries get 409
+// until then, and afterwards what Config.LapsedLease says. It reports false,
+// and does nothing, when ctx is not the context of a request idem is executing.
+// In the single-transaction flow there is no record to leave in flight: the
+// call changes nothing there.
+func MarkOutcomeUnknown(ctx context.Context) bool {
+	rw, ok := ctx.Value(recorderKey{}).(*recorder)
+	if ok {
+		rw.unknown = true
 	}
 	return ok
 }
