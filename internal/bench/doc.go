@@ -5,11 +5,26 @@
 // # What runs
 //
 // For each store (memory, sqlite, postgres, mysql, redis) Run starts an HTTP
-// server on 127.0.0.1 with one orders handler mounted three ways:
+// server on 127.0.0.1 with one orders handler mounted several ways:
 //
 //	POST /bare/orders    the handler alone (the baseline)
-//	POST /idem/orders    idem.New(store, nil) in front of it (claim-then-complete)
-//	POST /single/orders  idem with Flow = FlowSingleTx (PostgreSQL only)
+//	POST /idem/orders    idem in front of it, with the store's default flow
+//	POST /single/orders  idem with Flow = FlowSingleTx (SQL stores)
+//	POST /claim/orders   idem with Flow = FlowClaimComplete (PostgreSQL)
+//	POST /hand/orders    the hand-written pgx reference (PostgreSQL, see handOrders)
+//
+// With Config.Isolate the server runs in a process of its own (Serve, started
+// as Config.ServerCommand and, with Config.Pin, pinned to CPU 0 with taskset),
+// and the load generator in the calling process, pinned to CPU 1. Before and
+// after every slice the harness reads the server's counters (GET
+// /_bench/stats): orders stored, the server process's CPU time (getrusage),
+// heap allocations, the round trips and statements on its database connections
+// (counted by a wrapping net.Conn that parses the client side of the wire
+// protocol), and the database's CPU time (/proc of the PostgreSQL backends of
+// the measured pool, or of the whole MariaDB or Redis process). Differences
+// divided by the answers of the slice give the per-request figures. A memory
+// phase (Config.MemoryRecords) then sends first-time requests to fresh memstore
+// and Fiber servers and reads their peak RSS.
 //
 // The handler decodes {"item": "widget", "qty": 1}, inserts one order row and
 // answers 201 with the order as JSON and a Location header. For the SQL stores
@@ -26,11 +41,12 @@
 //   - hot key: all clients send the same key, a new one every HotKeyEvery
 //     requests: one execution per key, the rest 409s (while it is in flight) and
 //     replays;
-//   - single-tx first: PostgreSQL's single-transaction flow with fresh keys.
+//   - single-tx first, claim-complete first, hand-written first: the explicit
+//     flows and the hand-written reference, with fresh keys.
 //
 // # Load
 //
-// The load generator is a closed loop of its own, in the same process: N
+// The load generator is a closed loop of its own (net/http clients): N
 // goroutines, each one client that sends its next request when the previous one
 // was answered, over kept-alive loopback connections. N is therefore the number
 // of requests in flight, which is what "N concurrent clients" means; an
@@ -74,9 +90,9 @@
 //
 // # Limits
 //
-// Load generator and servers share the machine's CPUs, so on a small machine the
-// generator's own cost is part of every number (it is the same for baseline and
-// variants, which makes ratios conservative: they understate the middleware's
-// relative cost). The database servers are used as configured; commit latency
-// (fsync) dominates the SQL numbers.
+// Without Config.Isolate, load generator and server share one process and the
+// machine's CPUs, so the generator's own cost is part of every number and CPU
+// per request is not measured. With it, the databases still share the two CPUs
+// with both processes. Commit latency (fsync) dominates the SQL numbers at one
+// client.
 package bench
