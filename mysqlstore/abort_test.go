@@ -85,8 +85,10 @@ func countAll(t testing.TB, db *sql.DB, table string) int {
 // after ignoring the error — and neither does the completion: Complete (or a
 // Commit without Complete) reports idem.ErrTxAborted. Found: the later statements
 // and the completion autocommitted, storing a 201 while no order existed.
-func TestDeadlockVictimCommitsNothing(t *testing.T) {
-	t.Parallel()
+// TestDeadlockVictimCommitsNothing runs testDeadlockVictimCommitsNothing with and without multiStatements (see bothModes).
+func TestDeadlockVictimCommitsNothing(t *testing.T) { bothModes(t, testDeadlockVictimCommitsNothing) }
+
+func testDeadlockVictimCommitsNothing(t *testing.T) {
 	for _, mode := range []string{"complete", "commit only", "single tx"} {
 		t.Run(mode, func(t *testing.T) {
 			t.Parallel()
@@ -179,8 +181,10 @@ func TestDeadlockVictimCommitsNothing(t *testing.T) {
 
 // A transaction that ends normally leaves its connection writable for the rest
 // of the application, after Commit and after Rollback.
-func TestSessionRestoredAfterTx(t *testing.T) {
-	t.Parallel()
+// TestSessionRestoredAfterTx runs testSessionRestoredAfterTx with and without multiStatements (see bothModes).
+func TestSessionRestoredAfterTx(t *testing.T) { bothModes(t, testSessionRestoredAfterTx) }
+
+func testSessionRestoredAfterTx(t *testing.T) {
 	db := openDB(t, 1, "")
 	s := newStore(t, db)
 	orders := ordersTable(t, db)
@@ -217,8 +221,10 @@ func TestSessionRestoredAfterTx(t *testing.T) {
 // Through the middleware: the handler inserts an order, a best-effort counter
 // update deadlocks, the handler ignores it and answers 201. That 201 must not be
 // stored (0 orders exist), and a retry runs afresh and creates the one order.
-func TestDeadlockThroughMiddleware(t *testing.T) {
-	t.Parallel()
+// TestDeadlockThroughMiddleware runs testDeadlockThroughMiddleware with and without multiStatements (see bothModes).
+func TestDeadlockThroughMiddleware(t *testing.T) { bothModes(t, testDeadlockThroughMiddleware) }
+
+func testDeadlockThroughMiddleware(t *testing.T) {
 	db := openDB(t, 8, "")
 	s := newStore(t, db)
 	orders := ordersTable(t, db)
@@ -274,8 +280,10 @@ func TestDeadlockThroughMiddleware(t *testing.T) {
 // the completion, or the completion is larger than max_allowed_packet: the
 // completion fails, nothing commits, the record stays in flight, and the pool
 // goes on working.
-func TestCompletionFailsCommitsNothing(t *testing.T) {
-	t.Parallel()
+// TestCompletionFailsCommitsNothing runs testCompletionFailsCommitsNothing with and without multiStatements (see bothModes).
+func TestCompletionFailsCommitsNothing(t *testing.T) { bothModes(t, testCompletionFailsCommitsNothing) }
+
+func testCompletionFailsCommitsNothing(t *testing.T) {
 	for _, mode := range []string{"killed connection", "packet too large"} {
 		t.Run(mode, func(t *testing.T) {
 			t.Parallel()

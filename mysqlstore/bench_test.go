@@ -9,6 +9,7 @@ import (
 	"runtime"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 
 	"github.com/idemkit/idem"
@@ -18,16 +19,26 @@ import (
 // BenchmarkOrder measures a handler that inserts one order, over loopback HTTP:
 //
 //	mode=bare    the handler runs its own READ COMMITTED transaction, no idem
-//	mode=first   through idem, a new key per request (claim, transaction, completion)
-//	mode=replay  through idem, one key already complete (one read)
+//	mode=first   through idem with the default flow (the store's preferred), a new key per request
+//	mode=replay  through idem, one key already complete
 //	mode=single  through idem with idem.FlowSingleTx, a new key per request
+//	mode=claim   through idem with idem.FlowClaimComplete, a new key per request
 //
-// at 1 and 32 concurrent clients. Compare the modes with
+// at 1, 8 and 32 concurrent clients, with and without multiStatements=true on the
+// DSN (dsn=multi, dsn=plain). Besides ns/op it reports cpu-ns/op, the process's
+// CPU time per request (which other processes on the machine do not inflate; the
+// database server's CPU is not in it). Compare the modes with
 //
 //	go test -run '^$' -bench BenchmarkOrder -benchtime 1s -count 6 ./mysqlstore/ > new.txt
 //	benchstat -col /mode new.txt
 func BenchmarkOrder(b *testing.B) {
-	db := openDB(b, 40, "&interpolateParams=true")
+	for _, dsn := range []struct{ name, extra string }{{"plain", ""}, {"multi", "&multiStatements=true"}} {
+		b.Run("dsn="+dsn.name, func(b *testing.B) { benchmarkOrder(b, dsn.extra) })
+	}
+}
+
+func benchmarkOrder(b *testing.B, extra string) {
+	db := openDB(b, 40, "&interpolateParams=true"+extra)
 	s := newStore(b, db)
 	orders := ordersTable(b, db)
 	insert := "INSERT INTO `" + orders + "` (item) VALUES (?)"
@@ -68,6 +79,12 @@ func BenchmarkOrder(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
+	mwClaim, err := idem.New(s, &idem.Config{Flow: idem.FlowClaimComplete})
+	if err != nil {
+		b.Fatal(err)
+	}
+	claimSrv := httptest.NewServer(mwClaim(viaIdem))
+	defer claimSrv.Close()
 	singleSrv := httptest.NewServer(mwSingle(viaIdem))
 	defer singleSrv.Close()
 	bareSrv := httptest.NewServer(bare)
@@ -109,10 +126,14 @@ func BenchmarkOrder(b *testing.B) {
 		{"single", func(b *testing.B) {
 			post(b, singleSrv.URL, fmt.Sprintf("bench-%s-%d", replayKey, seq.Add(1)), http.StatusCreated)
 		}},
+		{"claim", func(b *testing.B) {
+			post(b, claimSrv.URL, fmt.Sprintf("bench-%s-%d", replayKey, seq.Add(1)), http.StatusCreated)
+		}},
 	}
 	for _, m := range modes {
-		for _, clients := range []int{1, 32} {
+		for _, clients := range []int{1, 8, 32} {
 			b.Run(fmt.Sprintf("mode=%s/clients=%d", m.name, clients), func(b *testing.B) {
+				defer cpuPerOp(b)()
 				if clients == 1 {
 					for b.Loop() {
 						m.do(b)
@@ -128,6 +149,21 @@ func BenchmarkOrder(b *testing.B) {
 			})
 		}
 	}
+}
+
+// cpuPerOp reports the process's CPU time per operation (user and system) as
+// cpu-ns/op; call the returned function after the loop.
+func cpuPerOp(b *testing.B) func() {
+	start := cpuTime()
+	return func() {
+		b.ReportMetric(float64(cpuTime()-start)/float64(b.N), "cpu-ns/op")
+	}
+}
+
+func cpuTime() int64 {
+	var ru syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return ru.Utime.Nano() + ru.Stime.Nano()
 }
 
 func writeOrder(w http.ResponseWriter, id int64) {

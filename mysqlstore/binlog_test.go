@@ -98,6 +98,9 @@ func statementBinlogServer(t *testing.T) string {
 // binlogPool opens a pool of at most maxConns connections on dsn.
 func binlogPool(t *testing.T, dsn string, maxConns int) *sql.DB {
 	t.Helper()
+	if m := modeDSN(t); m != "" {
+		dsn += "?" + m[1:]
+	}
 	pool, err := sql.Open("mysql", dsn)
 	if err != nil {
 		t.Fatal(err)
@@ -115,14 +118,16 @@ func binlogPool(t *testing.T, dsn string, maxConns int) *sql.DB {
 // With a statement-based binary log, InnoDB refuses writes under READ COMMITTED
 // (error 1665); the store's transactions must not be READ COMMITTED there, or
 // every keyed request fails.
-func TestStatementBinlog(t *testing.T) {
-	t.Parallel()
+// TestStatementBinlog runs testStatementBinlog with and without multiStatements (see bothModes).
+func TestStatementBinlog(t *testing.T) { bothModes(t, testStatementBinlog) }
+
+func testStatementBinlog(t *testing.T) {
 	dsn := statementBinlogServer(t)
-	t.Run("requests", func(t *testing.T) { testStatementBinlog(t, dsn) })
+	t.Run("requests", func(t *testing.T) { testStatementBinlogRequests(t, dsn) })
 	t.Run("format switched later", func(t *testing.T) { testStatementBinlogLater(t, dsn) })
 }
 
-func testStatementBinlog(t *testing.T, dsn string) {
+func testStatementBinlogRequests(t *testing.T, dsn string) {
 	db := binlogPool(t, dsn, 8)
 	s := newStore(t, db)
 	orders := ordersTable(t, db)

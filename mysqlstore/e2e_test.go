@@ -84,20 +84,22 @@ func newServer(t testing.TB, s *mysqlstore.Store, cfg *idem.Config, h http.Handl
 
 // 100 concurrent requests with one key, released from a barrier: exactly one order
 // exists afterwards, and every answer is the 201, its byte-identical replay, or a 409.
-func TestEndToEndRace(t *testing.T) {
-	t.Parallel()
+// TestEndToEndRace runs testEndToEndRace with and without multiStatements (see bothModes).
+func TestEndToEndRace(t *testing.T) { bothModes(t, testEndToEndRace) }
+
+func testEndToEndRace(t *testing.T) {
 	for _, flow := range []struct {
 		name string
 		flow idem.Flow
 	}{{"ClaimComplete", idem.FlowClaimComplete}, {"SingleTx", idem.FlowSingleTx}} {
 		t.Run(flow.name, func(t *testing.T) {
 			t.Parallel()
-			testEndToEndRace(t, flow.flow)
+			testEndToEndRaceFlow(t, flow.flow)
 		})
 	}
 }
 
-func testEndToEndRace(t *testing.T, flow idem.Flow) {
+func testEndToEndRaceFlow(t *testing.T, flow idem.Flow) {
 	db := openDB(t, 32, "")
 	s := newStore(t, db)
 	orders := ordersTable(t, db)
@@ -152,8 +154,10 @@ func testEndToEndRace(t *testing.T, flow idem.Flow) {
 
 // A handler whose lease is taken over while it runs cannot commit: its order is
 // rolled back, and the taker's order commits once.
-func TestFencing(t *testing.T) {
-	t.Parallel()
+// TestFencing runs testFencing with and without multiStatements (see bothModes).
+func TestFencing(t *testing.T) { bothModes(t, testFencing) }
+
+func testFencing(t *testing.T) {
 	for _, order := range []string{"taker commits first", "holder finishes first", "renewal notices"} {
 		t.Run(order, func(t *testing.T) {
 			t.Parallel()
@@ -293,8 +297,10 @@ func TestFencing(t *testing.T) {
 
 // The claim and the business write never leave half a result: when the handler's
 // transaction cannot commit, nothing is stored and the key is free again.
-func TestHandlerErrorRollsBack(t *testing.T) {
-	t.Parallel()
+// TestHandlerErrorRollsBack runs testHandlerErrorRollsBack with and without multiStatements (see bothModes).
+func TestHandlerErrorRollsBack(t *testing.T) { bothModes(t, testHandlerErrorRollsBack) }
+
+func testHandlerErrorRollsBack(t *testing.T) {
 	db := openDB(t, 8, "")
 	s := newStore(t, db)
 	orders := ordersTable(t, db)
@@ -346,8 +352,10 @@ func TestHandlerErrorRollsBack(t *testing.T) {
 
 // Every pooled connection held by a handler's transaction must not stall the
 // completion: it runs on the transaction's own connection.
-func TestCompleteWithPoolExhausted(t *testing.T) {
-	t.Parallel()
+// TestCompleteWithPoolExhausted runs testCompleteWithPoolExhausted with and without multiStatements (see bothModes).
+func TestCompleteWithPoolExhausted(t *testing.T) { bothModes(t, testCompleteWithPoolExhausted) }
+
+func testCompleteWithPoolExhausted(t *testing.T) {
 	const n = 2
 	db := openDB(t, n, "")
 	s := newStore(t, db)

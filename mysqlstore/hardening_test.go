@@ -25,8 +25,10 @@ func sqlModeDSN(mode string) string {
 // The claim must not depend on the order in which the server applies the
 // assignments of ON DUPLICATE KEY UPDATE: MariaDB's SIMULTANEOUS_ASSIGNMENT (also
 // part of sql_mode=ORACLE) makes every assignment see the old row.
-func TestConformanceSQLModes(t *testing.T) {
-	t.Parallel()
+// TestConformanceSQLModes runs testConformanceSQLModes with and without multiStatements (see bothModes).
+func TestConformanceSQLModes(t *testing.T) { bothModes(t, testConformanceSQLModes) }
+
+func testConformanceSQLModes(t *testing.T) {
 	for _, mode := range []string{"SIMULTANEOUS_ASSIGNMENT,STRICT_TRANS_TABLES", "ORACLE"} {
 		t.Run(mode, func(t *testing.T) {
 			t.Parallel()
@@ -46,8 +48,10 @@ func TestConformanceSQLModes(t *testing.T) {
 // The two claim transitions that rewrite an existing row, under
 // SIMULTANEOUS_ASSIGNMENT: an expired complete record is replaced whole, and a
 // lapsed lease is taken over with the new lease (not the old, lapsed one).
-func TestClaimSimultaneousAssignment(t *testing.T) {
-	t.Parallel()
+// TestClaimSimultaneousAssignment runs testClaimSimultaneousAssignment with and without multiStatements (see bothModes).
+func TestClaimSimultaneousAssignment(t *testing.T) { bothModes(t, testClaimSimultaneousAssignment) }
+
+func testClaimSimultaneousAssignment(t *testing.T) {
 	db := openDB(t, 4, sqlModeDSN("SIMULTANEOUS_ASSIGNMENT,STRICT_TRANS_TABLES"))
 	var got string
 	if err := db.QueryRowContext(ctxFor(t), "SELECT @@SESSION.sql_mode").Scan(&got); err != nil || !strings.Contains(got, "SIMULTANEOUS_ASSIGNMENT") {
@@ -101,8 +105,10 @@ func TestClaimSimultaneousAssignment(t *testing.T) {
 
 // Header values that are not valid UTF-8 replay byte for byte, through every
 // path that stores a response.
-func TestNonUTF8HeadersByteExact(t *testing.T) {
-	t.Parallel()
+// TestNonUTF8HeadersByteExact runs testNonUTF8HeadersByteExact with and without multiStatements (see bothModes).
+func TestNonUTF8HeadersByteExact(t *testing.T) { bothModes(t, testNonUTF8HeadersByteExact) }
+
+func testNonUTF8HeadersByteExact(t *testing.T) {
 	db := openDB(t, 4, "")
 	s := newStore(t, db)
 	ctx := ctxFor(t)
@@ -190,8 +196,10 @@ func TestReadsJSONHeaders(t *testing.T) {
 // The longest scope the middleware hands a store (idem.MaxStoredScopeLength bytes,
 // here of 4-byte UTF-8 characters) and the longest key (255 bytes) work in every
 // statement: claim, complete, get, the single-transaction lock and insert, expiry.
-func TestLongestScopeAndKey(t *testing.T) {
-	t.Parallel()
+// TestLongestScopeAndKey runs testLongestScopeAndKey with and without multiStatements (see bothModes).
+func TestLongestScopeAndKey(t *testing.T) { bothModes(t, testLongestScopeAndKey) }
+
+func testLongestScopeAndKey(t *testing.T) {
 	s := newStore(t, openDB(t, 4, ""))
 	ctx := ctxFor(t)
 	now := time.Now()
@@ -244,8 +252,10 @@ func TestLongestScopeAndKey(t *testing.T) {
 // for, a string the column refuses that it answers 422 for) does not end the
 // transaction on MySQL/MariaDB: the answer is stored and replayed, and the
 // handler's other writes commit with it. No retryable 5xx.
-func TestHandledSQLErrorIsStored(t *testing.T) {
-	t.Parallel()
+// TestHandledSQLErrorIsStored runs testHandledSQLErrorIsStored with and without multiStatements (see bothModes).
+func TestHandledSQLErrorIsStored(t *testing.T) { bothModes(t, testHandledSQLErrorIsStored) }
+
+func testHandledSQLErrorIsStored(t *testing.T) {
 	db := openDB(t, 8, "")
 	s := newStore(t, db)
 	orders := randomName("uorders_")

@@ -29,7 +29,7 @@ var (
 // IDEM_REQUIRE_SERVICES=1) when it cannot be reached. extra is appended to the DSN.
 func openDB(t testing.TB, maxConns int, extra string) *sql.DB {
 	t.Helper()
-	dsn := testenv.MySQLDSN(testenv.MySQLURL(t)) + extra
+	dsn := testenv.MySQLDSN(testenv.MySQLURL(t)) + extra + modeDSN(t)
 	db, err := sql.Open("mysql", dsn)
 	if err != nil {
 		t.Fatalf("sql.Open: %v", err)
@@ -47,6 +47,28 @@ func openDB(t testing.TB, maxConns int, extra string) *sql.DB {
 		t.Skip(msg)
 	}
 	return db
+}
+
+// bothModes runs f twice, in parallel: as "plain", with the DSN as it is, and as
+// "multi", where every pool openDB and binlogPool open has go-sql-driver's
+// multiStatements=true, with which the store sends its statements in fewer
+// round trips. Every guarantee must hold both ways.
+func bothModes(t *testing.T, f func(t *testing.T)) {
+	t.Parallel()
+	for _, mode := range []string{"plain", "multi"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
+			f(t)
+		})
+	}
+}
+
+// modeDSN returns the DSN parameters of the mode bothModes runs t in.
+func modeDSN(t testing.TB) string {
+	if strings.Contains(t.Name(), "/multi") {
+		return "&multiStatements=true"
+	}
+	return ""
 }
 
 func randomName(prefix string) string {
@@ -92,8 +114,10 @@ func ctxFor(t testing.TB) context.Context {
 	return ctx
 }
 
-func TestConformance(t *testing.T) {
-	t.Parallel()
+// TestConformance runs testConformance with and without multiStatements (see bothModes).
+func TestConformance(t *testing.T) { bothModes(t, testConformance) }
+
+func testConformance(t *testing.T) {
 	db := openDB(t, 24, "")
 	storetest.Run(t, func(t *testing.T) idem.Store { return newStore(t, db) })
 }
@@ -306,8 +330,10 @@ func TestUnreachable(t *testing.T) {
 	}
 }
 
-func TestTxRollbackAfterCommit(t *testing.T) {
-	t.Parallel()
+// TestTxRollbackAfterCommit runs testTxRollbackAfterCommit with and without multiStatements (see bothModes).
+func TestTxRollbackAfterCommit(t *testing.T) { bothModes(t, testTxRollbackAfterCommit) }
+
+func testTxRollbackAfterCommit(t *testing.T) {
 	db := openDB(t, 4, "")
 	s := newStore(t, db)
 	ctx := ctxFor(t)
@@ -347,8 +373,10 @@ func TestTxRollbackAfterCommit(t *testing.T) {
 
 // A response larger than the server's max_allowed_packet cannot be stored: Complete
 // fails and the record stays in flight, so nothing half-stored is ever replayed.
-func TestResponseLargerThanPacket(t *testing.T) {
-	t.Parallel()
+// TestResponseLargerThanPacket runs testResponseLargerThanPacket with and without multiStatements (see bothModes).
+func TestResponseLargerThanPacket(t *testing.T) { bothModes(t, testResponseLargerThanPacket) }
+
+func testResponseLargerThanPacket(t *testing.T) {
 	db := openDB(t, 2, "")
 	s := newStore(t, db)
 	ctx := ctxFor(t)

@@ -83,7 +83,20 @@ func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Tim
 	read := "SELECT " + columns + " FROM " + s.q.table + " WHERE `scope` = " + litString(scope) + " AND `key` = " + litString(key)
 	tx, rows, err := s.beginOn(ctx, conn, st, guard, read)
 	if setFailed(err) {
-		_ = conn.Close() // the lock is held elsewhere; the session is as it was
+		// The lock is held elsewhere (the session is as it was). By a request
+		// that runs, or by one that reads a complete record to replay it: then
+		// this one replays it too, rather than answer 409. A live record read
+		// without the lock is the record as it is: a complete one does not change
+		// before it expires, and an in-flight one (claim-then-complete) is only
+		// ever taken over through the fenced Claim.
+		rec, err := scanRecord(conn.QueryRowContext(ctx, read+" AND `expires_at` > "+litInt(now.UnixMicro())))
+		_ = conn.Close()
+		if err == nil {
+			return ctx, &lockedTx{done: true}, rec, nil
+		}
+		if !errors.Is(err, sql.ErrNoRows) {
+			return ctx, nil, nil, s.wrap(err)
+		}
 		return ctx, nil, nil, idem.ErrInFlight
 	}
 	if err != nil {

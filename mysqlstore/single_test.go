@@ -46,8 +46,10 @@ func storePair(t *testing.T, conns int) (*mysqlstore.Store, *mysqlstore.Store) {
 	return a, b
 }
 
-func TestSingleTx(t *testing.T) {
-	t.Parallel()
+// TestSingleTx runs testSingleTx with and without multiStatements (see bothModes).
+func TestSingleTx(t *testing.T) { bothModes(t, testSingleTx) }
+
+func testSingleTx(t *testing.T) {
 	s, other := storePair(t, 4)
 	ctx := ctxFor(t)
 	now := time.Now()
@@ -100,8 +102,10 @@ func TestSingleTx(t *testing.T) {
 	}
 }
 
-func TestSingleTxExpiredAndRaces(t *testing.T) {
-	t.Parallel()
+// TestSingleTxExpiredAndRaces runs testSingleTxExpiredAndRaces with and without multiStatements (see bothModes).
+func TestSingleTxExpiredAndRaces(t *testing.T) { bothModes(t, testSingleTxExpiredAndRaces) }
+
+func testSingleTxExpiredAndRaces(t *testing.T) {
 	s, other := storePair(t, 4)
 	ctx := ctxFor(t)
 	now := time.Now()
@@ -153,8 +157,10 @@ func TestSingleTxExpiredAndRaces(t *testing.T) {
 
 // The lock never outlives its transaction: not after Commit or Rollback, not when
 // the request's context ends, and not when the session dies.
-func TestSingleTxLockReleased(t *testing.T) {
-	t.Parallel()
+// TestSingleTxLockReleased runs testSingleTxLockReleased with and without multiStatements (see bothModes).
+func TestSingleTxLockReleased(t *testing.T) { bothModes(t, testSingleTxLockReleased) }
+
+func testSingleTxLockReleased(t *testing.T) {
 	s, other := storePair(t, 1) // one connection: a leaked lock would stay on it
 	ctx := ctxFor(t)
 	for i := range 6 {
