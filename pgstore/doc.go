@@ -48,24 +48,32 @@
 //
 // # Which flow
 //
-// Claim-then-complete (idem.FlowClaimComplete, the default) commits an in-flight
-// claim with a lease first, runs the handler in a transaction while renewing the
-// lease, and commits the completion with the business writes. A crashed holder's
-// key is taken over when its lease lapses. Choose it for handlers that call other
-// services or may run long, and whenever other stores share the keys.
+// The single transaction (idem.FlowSingleTx, the store's preferred flow, which
+// idem.FlowAuto picks) takes a transaction-scoped advisory lock on the key
+// instead of writing a claim, and writes the record once, already complete,
+// with the one COMMIT. A first-time request costs three round trips and one
+// commit, the least a transaction with an in-flight lock can cost: BEGIN, the
+// lock and the record lookup pipelined (the lookup runs after the lock was
+// granted, so it sees what any earlier holder committed); the handler's
+// statements; the record INSERT pipelined with COMMIT. A live record answers
+// the request whether or not the lock was granted, so retries of a completed
+// key replay side by side. A crash frees the key at once, because the lock dies
+// with the connection. It holds a connection and a transaction for the
+// handler's whole run, so it suits handlers whose effects all live in this
+// database.
 //
-// The single transaction (idem.FlowSingleTx) takes a transaction-scoped advisory
-// lock on the key instead of writing a claim, and writes the record once,
-// already complete, just before the one COMMIT. It costs fewer round trips and
-// writes (BEGIN, the lookup and the lock are pipelined in one round trip; the
-// lock is tried only when no live record exists, so replays run side by side; the
-// record INSERT travels with COMMIT), and a
-// crash frees the key at once, because the lock dies with the connection. It holds
-// a connection and a transaction for the handler's whole run, so choose it for
-// short handlers whose effects all live in this database. Both flows may serve the
-// same table and keys at once: a single-transaction request that finds a claim
-// in its way when it writes its record rolls back and answers 409, so only one
-// of them commits.
+// Claim-then-complete (idem.FlowClaimComplete) commits an in-flight claim with a
+// lease first (asynchronously, one round trip), runs the handler in a
+// transaction while renewing the lease, and commits the completion with the
+// business writes: four round trips and two commits for a first-time request.
+// A crashed holder's key is taken over when its lease lapses. Choose it for
+// handlers that call other services or may run long, and whenever other stores
+// share the keys.
+//
+// Both flows may serve the same table and keys at once: a single-transaction
+// request that finds a claim in its way when it writes its record rolls back
+// and answers 409, so only one of them commits; one that finds a crashed
+// claim's lapsed lease takes it over through the claim.
 //
 // # Schema
 //
@@ -150,7 +158,9 @@
 //
 // so that a write that matched no row raises division_by_zero, the transaction
 // aborts, the COMMIT behind it does nothing, and Tx.Commit returns
-// idem.ErrLockLost (LockedTx.Commit: idem.ErrInFlight). Commit always ends the
+// idem.ErrLockLost (LockedTx.Commit: idem.ErrInFlight). When the lookup found no
+// row at all, the single transaction's record insert is a plain INSERT, which
+// fails with unique_violation, to the same effect, when a claim appeared since. Commit always ends the
 // transaction: rolled back unless committed, the connection back in the pool.
 // When the connection fails after COMMIT was sent, Commit says the outcome is
 // unknown: the fenced release the middleware then sends changes nothing if the

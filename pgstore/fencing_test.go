@@ -18,6 +18,8 @@ import (
 // waits, request B (on a server whose clock runs an hour ahead, so A's lease has
 // lapsed for it) takes the key over and commits its own order. When A finishes,
 // its fenced completion fails and its order is rolled back: one order, B's.
+// Leases and takeovers of a live holder belong to claim-then-complete (in the
+// single-transaction flow, B gets 409 while A's transaction holds the lock).
 func TestFencing(t *testing.T) {
 	t.Parallel()
 	db := newTestDB(t, 6)
@@ -43,10 +45,10 @@ func TestFencing(t *testing.T) {
 			events[name] = append(events[name], e.Kind)
 		})
 	}
-	srvA := httptest.NewServer(app.serve(t, &idem.Config{Lease: 30 * time.Second, Observer: observer("A")}, app.handler("A", hookA)))
+	srvA := httptest.NewServer(app.serve(t, &idem.Config{Flow: idem.FlowClaimComplete, Lease: 30 * time.Second, Observer: observer("A")}, app.handler("A", hookA)))
 	defer srvA.Close()
 	later := func() time.Time { return time.Now().Add(time.Hour) }
-	srvB := httptest.NewServer(app.serve(t, &idem.Config{Lease: 30 * time.Second, NowFunc: later, Observer: observer("B")}, app.handler("B", nil)))
+	srvB := httptest.NewServer(app.serve(t, &idem.Config{Flow: idem.FlowClaimComplete, Lease: 30 * time.Second, NowFunc: later, Observer: observer("B")}, app.handler("B", nil)))
 	defer srvB.Close()
 
 	answerA := make(chan answer, 1)

@@ -129,7 +129,7 @@ func (t *txEnd) commitWith(ctx context.Context, op, stmt string, args []any, fen
 			return nil
 		}
 		_, err := c.Conn().Exec(ctx, stmt, args...)
-		if isDivisionByZero(err) {
+		if isFenceError(err) {
 			return fenceErr
 		}
 		if err != nil {
@@ -154,7 +154,7 @@ func (t *txEnd) commitWith(ctx context.Context, op, stmt string, args []any, fen
 	}
 	closeErr := br.Close()
 	switch {
-	case isDivisionByZero(stmtErr):
+	case isFenceError(stmtErr):
 		return fenceErr
 	case isInFailedTx(stmtErr), stmtErr == nil && commitErr == nil && closeErr == nil && tag.String() == "ROLLBACK",
 		errors.Is(commitErr, pgx.ErrTxCommitRollback):
@@ -230,11 +230,14 @@ func isServerAnswer(err error) bool {
 	return errors.As(err, &pgErr) && pgErr.Severity != "FATAL" && pgErr.Severity != "PANIC"
 }
 
-// isDivisionByZero reports whether err is the error completeAndCommitSQL raises
-// when its fence matched no row.
-func isDivisionByZero(err error) bool {
+// isFenceError reports whether err is the error a statement sent with COMMIT
+// raises when its write found the key held by another request: division_by_zero
+// (22012) from completeAndCommitSQL or insertAndCommitSQL when their write
+// matched no row, unique_violation (23505) from insertFreshSQL when a record
+// appeared after BeginLocked's lookup.
+func isFenceError(err error) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "22012"
+	return errors.As(err, &pgErr) && (pgErr.Code == "22012" || pgErr.Code == "23505")
 }
 
 // lockKey is the 64-bit advisory lock key of (scope, key) in this store's table.
@@ -250,52 +253,40 @@ func (s *Store) lockKey(scope, key string) int64 {
 }
 
 // BeginLocked implements idem.SingleTxStore. It sends BEGIN, the advisory lock
-// and the record lookup in one pipelined round trip (pgx.Batch.BeginTx).
+// and the record lookup in one pipelined round trip (pgx.Batch.BeginTx). The
+// lookup runs after the lock was granted, with a snapshot of its own (READ
+// COMMITTED), so it sees the record of any earlier holder of the lock, which
+// committed before releasing it.
 //
-// The lock is tried only when no live record exists: a live record answers the
-// request (replay, 409 or 422) without the lock, so concurrent retries of a
-// completed key replay in parallel instead of turning each other away with 409.
+// A live record answers the request (replay, 409 or 422) whether or not the
+// lock was granted: another reader of a complete key holds the lock only for
+// its own lookup, and a complete record never changes until it expires, so
+// concurrent retries of a completed key replay side by side instead of turning
+// each other away with 409. Without the lock and without a live record, the key
+// is in flight in another transaction: ErrInFlight.
 func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Time) (context.Context, idem.LockedTx, *idem.Record, error) {
 	if err := checkIDs("begin locked transaction", scope, key); err != nil {
 		return ctx, nil, nil, err
 	}
-	for range maxClaimRounds {
-		ctx, tx, rec, err := s.beginLocked(ctx, scope, key, now)
-		if !errors.Is(err, errVanished) {
-			return ctx, tx, rec, err
-		}
-	}
-	return ctx, nil, nil, idem.ErrInFlight
-}
-
-// errVanished: the live record that made beginLocked skip the lock was gone
-// when it was read.
-var errVanished = errors.New("record vanished")
-
-func (s *Store) beginLocked(ctx context.Context, scope, key string, now time.Time) (context.Context, idem.LockedTx, *idem.Record, error) {
 	b := &pgx.Batch{}
 	b.BeginTx(pgx.TxOptions{})
-	b.Queue(s.lockSQL, s.lockKey(scope, key), []byte(scope), []byte(key), now)
-	b.Queue(s.getSQL, []byte(scope), []byte(key), now)
+	b.Queue(s.lockSQL, s.lockKey(scope, key))
+	b.Queue(s.lookupSQL, []byte(scope), []byte(key), now)
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
 		return ctx, nil, nil, s.wrap("begin locked transaction", err)
 	}
 	br := conn.Conn().SendBatch(ctx, b)
 	tx := br.Tx()
-	var locked, tried bool
+	var locked, live bool
 	rec := scanRecord{Record: &idem.Record{Scope: scope, Key: key}}
 	_, err = br.Exec()
 	if err == nil {
 		err = br.QueryRow().Scan(&locked)
-		tried = err == nil
-		if errors.Is(err, pgx.ErrNoRows) {
-			err = nil // a live record exists: the lock was not tried
-		}
 	}
 	found := false
 	if err == nil {
-		err = br.QueryRow().Scan(rec.scanTargets()...)
+		err = br.QueryRow().Scan(append([]any{&live}, rec.scanTargets()...)...)
 		found = err == nil
 		if errors.Is(err, pgx.ErrNoRows) {
 			err = nil
@@ -304,16 +295,15 @@ func (s *Store) beginLocked(ctx context.Context, scope, key string, now time.Tim
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	if err == nil && found {
+	live = found && live
+	if err == nil && live {
 		err = rec.finish()
 	}
 	switch {
 	case err != nil:
 		err = s.wrap("begin locked transaction", err)
-	case tried && !locked:
+	case !locked && !live:
 		err = idem.ErrInFlight
-	case !tried && !found:
-		err = errVanished
 	}
 	end := txEnd{s: s, conn: conn, htx: newHandlerTx(tx)}
 	if err != nil {
@@ -321,24 +311,28 @@ func (s *Store) beginLocked(ctx context.Context, scope, key string, now time.Tim
 		return ctx, nil, nil, err
 	}
 	var out *idem.Record
-	if found {
+	if live {
 		out = rec.Record
 	}
-	return context.WithValue(ctx, txKey{}, pgx.Tx(end.htx)), &lockedTx{txEnd: end, now: now}, out, nil
+	return context.WithValue(ctx, txKey{}, pgx.Tx(end.htx)), &lockedTx{txEnd: end, now: now, fresh: !found}, out, nil
 }
 
 // lockedTx is the idem.LockedTx of the single-transaction flow.
 type lockedTx struct {
 	txEnd
-	now time.Time // the clock reading BeginLocked judged expiry by
-	// insert holds the arguments of the record insert that Commit sends.
+	now   time.Time // the clock reading BeginLocked judged expiry by
+	fresh bool      // BeginLocked found no record, not even an expired one
+	// stmt and insert are the record insert that Commit sends, and its arguments.
+	stmt   string
 	insert []any
 }
 
 // Insert prepares the insert of rec, which replaces a record that expired at the
 // time of BeginLocked; Commit sends it together with COMMIT in one round trip,
 // and returns idem.ErrInFlight, committing nothing, when a live record holds the
-// key (a claim-then-complete request claimed it after the lookup).
+// key (a claim-then-complete request claimed it after the lookup). When
+// BeginLocked found no record at all, the insert is a plain INSERT; otherwise
+// an upsert that replaces the record only if it is still expired.
 func (t *lockedTx) Insert(_ context.Context, rec *idem.Record) error {
 	if err := checkIDs("insert record", rec.Scope, rec.Key); err != nil {
 		return err
@@ -362,13 +356,17 @@ func (t *lockedTx) Insert(_ context.Context, rec *idem.Record) error {
 	t.insert = []any{[]byte(rec.Scope), []byte(rec.Key), int16(rec.State),
 		[]byte(rec.Fingerprint), rec.Token, rec.CreatedAt, rec.LeaseUntil, rec.ExpiresAt,
 		status, hdr, body, omitted, ref, t.now}
+	t.stmt = t.s.insertAndCommitSQL
+	if t.fresh {
+		t.stmt, t.insert = t.s.insertFreshSQL, t.insert[:13]
+	}
 	return nil
 }
 
 // Commit sends the prepared insert and COMMIT in one round trip; the lock goes
 // with the transaction.
 func (t *lockedTx) Commit(ctx context.Context) error {
-	return t.commitWith(ctx, "insert record", t.s.insertAndCommitSQL, t.insert, idem.ErrInFlight)
+	return t.commitWith(ctx, "insert record", t.stmt, t.insert, idem.ErrInFlight)
 }
 
 // Rollback aborts the transaction and frees the lock; a no-op after Commit.
