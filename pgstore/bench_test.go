@@ -6,18 +6,26 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"runtime"
+	"strconv"
+	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/pgstore"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // BenchmarkOrders measures a handler that inserts one order, served in process
 // (ServeHTTP) so that the database dominates: bare (its own transaction, no idem)
-// against idem's first execution in both flows and against replays, at 1 and 32
-// concurrent clients. Compare ns/op with benchstat; throughput ratio = inverse.
+// against idem's first execution in the default flow and in both flows, and
+// against replays, at 1, 8 and 32 concurrent clients. Compare ns/op with
+// benchstat; throughput ratio = inverse. cpu-ns/op is this process's CPU per
+// request and db-ns/op that of the pool's PostgreSQL backends (when PostgreSQL
+// runs on this machine): both are robust to other processes taking the cores.
 //
 //	go test -run '^$' -bench BenchmarkOrders -count 6 -benchtime 2s ./pgstore/ | tee bench.txt
 func BenchmarkOrders(b *testing.B) {
@@ -50,6 +58,7 @@ func BenchmarkOrders(b *testing.B) {
 	syncApp := &orderApp{db: db, store: db.newStoreWith(b, pgstore.Config{SynchronousClaim: true}), orders: app.orders}
 	claimSync := syncApp.serve(b, &idem.Config{Flow: idem.FlowClaimComplete}, order)
 	single := app.serve(b, &idem.Config{Flow: idem.FlowSingleTx}, order)
+	auto := app.serve(b, nil, order)
 
 	body := []byte(`{"item":"book","qty":1}`)
 	run := prefixRun()
@@ -78,6 +87,7 @@ func BenchmarkOrders(b *testing.B) {
 		replay bool
 	}{
 		{"bare", bare, false},
+		{"default", auto, false},
 		{"claim", claim, false},
 		{"claim-sync", claimSync, false},
 		{"single", single, false},
@@ -85,8 +95,9 @@ func BenchmarkOrders(b *testing.B) {
 		{"replay-single", single, true},
 	}
 	for _, tc := range cases {
-		for _, clients := range []int{1, 32} {
+		for _, clients := range []int{1, 8, 32} {
 			b.Run(fmt.Sprintf("%s/c%d", tc.name, clients), func(b *testing.B) {
+				defer cpuPerOp(b, db.pool)()
 				var n atomic.Int64
 				key := func() string {
 					if tc.replay {
@@ -112,3 +123,75 @@ func BenchmarkOrders(b *testing.B) {
 }
 
 func prefixRun() string { return "bench-" + randomHex(4) }
+
+// cpuPerOp reports, per operation, the CPU time of this process (user and
+// system, the garbage collector included) as cpu-ns/op and that of the pool's
+// PostgreSQL backends as db-ns/op (read from /proc: only when PostgreSQL runs
+// on this machine and its processes are readable). Call the returned function
+// after the loop.
+func cpuPerOp(b *testing.B, pool *pgxpool.Pool) func() {
+	start, db := processCPU(), backendsCPU(pool)
+	return func() {
+		b.ReportMetric(float64(processCPU()-start)/float64(b.N), "cpu-ns/op")
+		end := backendsCPU(pool)
+		if db == nil || end == nil {
+			return
+		}
+		var sum int64
+		for pid, ns := range end {
+			sum += ns - db[pid] // a backend started during the loop counts whole
+		}
+		b.ReportMetric(float64(sum)/float64(b.N), "db-ns/op")
+	}
+}
+
+func processCPU() int64 {
+	var ru syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return ru.Utime.Nano() + ru.Stime.Nano()
+}
+
+// backendsCPU returns the CPU time of the backend of each idle connection of
+// the pool, by PID, or nil when one cannot be read.
+func backendsCPU(pool *pgxpool.Pool) map[uint32]int64 {
+	conns := pool.AcquireAllIdle(context.Background())
+	defer func() {
+		for _, c := range conns {
+			c.Release()
+		}
+	}()
+	m := make(map[uint32]int64, len(conns))
+	for _, c := range conns {
+		pid := c.Conn().PgConn().PID()
+		ns := processCPUOf(pid)
+		if ns < 0 {
+			return nil
+		}
+		m[pid] = ns
+	}
+	return m
+}
+
+// processCPUOf reads utime + stime of process pid from /proc, in nanoseconds
+// (clock ticks of 10 ms), or -1.
+func processCPUOf(pid uint32) int64 {
+	b, err := os.ReadFile("/proc/" + strconv.FormatUint(uint64(pid), 10) + "/stat")
+	if err != nil {
+		return -1
+	}
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	if i < 0 || i+2 > len(s) {
+		return -1
+	}
+	f := strings.Fields(s[i+2:])
+	if len(f) < 13 {
+		return -1
+	}
+	u, err1 := strconv.ParseInt(f[11], 10, 64)
+	k, err2 := strconv.ParseInt(f[12], 10, 64)
+	if err1 != nil || err2 != nil {
+		return -1
+	}
+	return (u + k) * 10_000_000
+}
