@@ -122,7 +122,9 @@ type broker struct {
 	subj   string
 }
 
-func newBroker(t *testing.T) *broker {
+func newBroker(t *testing.T) *broker { return newBrokerB(t) }
+
+func newBrokerB(t testing.TB) *broker {
 	t.Helper()
 	url := testenv.NATSURL(t)
 	nc, err := nats.Connect(url)
@@ -153,6 +155,19 @@ func (b *broker) consumer(t *testing.T, name string, ackWait time.Duration) jets
 		t.Fatal(err)
 	}
 	return c
+}
+
+func (b *broker) publishB(t testing.TB, all []string) {
+	t.Helper()
+	for _, id := range all {
+		m := nats.NewMsg(b.subj + ".orders")
+		m.Header.Set(jetstream.MsgIDHeader, id)
+		m.Data = []byte(payload(id))
+		if _, err := b.js.PublishMsgAsync(m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	<-b.js.PublishAsyncComplete()
 }
 
 // publish sends the messages with their IDs in header (Nats-Msg-Id by default).
