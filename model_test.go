@@ -20,10 +20,15 @@ package idem_test
 //   - burst: 2–4 identical requests released at the same moment;
 //   - advance / boundary: the clock jumps by 1 s, half or a whole lease, a TTL, or
 //     exactly to a record's lease deadline or expiry;
-//   - crash: the middleware is dropped and rebuilt over the same store (SQLite:
-//     the database is closed and reopened), optionally leaving an in-flight
-//     record behind, claimed through the store as a crashed request's;
+//   - crash: the middleware is dropped and rebuilt over the same records (memory:
+//     the same store, as a shared one; SQLite: a new Store on the database, the
+//     old one closed), optionally leaving an in-flight record behind, claimed
+//     through the store as a crashed request's;
 //   - sweep: idem.Janitor.Sweep on the model's clock.
+//
+// Each sequence draws its configuration: TTL equal to the lease or four times
+// it, KeepFunc keeping everything or only status < 500, and with SQLite the
+// claim-then-complete or the single-transaction flow.
 //
 // Invariants, after every step:
 //   - every answer is the predicted one: a fresh handler answer, a byte-identical
@@ -41,14 +46,15 @@ package idem_test
 //     model is transient, so such an answer would send clients into retries that
 //     can never succeed.
 //
-// The default run (rapid's 100 checks of about 30 steps) takes a few seconds per
-// store. Long mode:
+// The default run (rapid's 100 checks, each sequence cut at defaultBudget
+// actions) takes about a second per store, a few under -race. Long mode, with
+// rapid's full sequences (about -rapid.steps actions each) and no budget:
 //
-//	go test -run 'TestModel(Memstore|SQLite)$' -rapid.checks=20000 -timeout 2h .
+//	go test -run 'TestModel(Memstore|SQLite)$' -rapid.checks=50000 -rapid.steps=40 -timeout 3h .
 //
-// (-rapid.steps=N changes the average sequence length; -rapid.seed=N replays a
-// run.) TestModelCatchesPlantedBugs proves that the model fails on a store whose
-// claim checks then writes and on one whose completion ignores the fence.
+// Giving -rapid.checks or -rapid.steps lifts the budget; -rapid.seed=N replays
+// a run. TestModelCatchesPlantedBugs proves that the model fails on a store
+// whose claim checks then writes and on one whose completion ignores the fence.
 
 import (
 	"context"
