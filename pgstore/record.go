@@ -87,26 +87,75 @@ type b64Value struct {
 // encodeHeaders encodes h as a JSON object of arrays; values are JSON strings, or
 // {"b64": …} objects when they are not valid UTF-8 or contain NUL (which JSONB
 // rejects), so every header round-trips byte for byte. nil for an empty header.
+// It writes the JSON itself, into one buffer sized up front: it runs once per
+// stored response.
 func encodeHeaders(h http.Header) ([]byte, error) {
 	if len(h) == 0 {
 		return nil, nil
 	}
-	m := make(map[string][]any, len(h))
+	n := 2
 	for name, vs := range h {
-		if !utf8.ValidString(name) || strings.ContainsRune(name, 0) {
+		if !utf8.ValidString(name) || strings.IndexByte(name, 0) >= 0 {
 			return nil, fmt.Errorf("pgstore: header name %s is not valid UTF-8; store only well-formed header names", quoteShort(name))
 		}
-		out := make([]any, len(vs))
-		for i, v := range vs {
-			if utf8.ValidString(v) && !strings.ContainsRune(v, 0) {
-				out[i] = v
-			} else {
-				out[i] = b64Value{B64: base64.StdEncoding.EncodeToString([]byte(v))}
-			}
+		n += len(name) + 6
+		for _, v := range vs {
+			n += len(v) + 3
 		}
-		m[name] = out
 	}
-	return json.Marshal(m)
+	buf := make([]byte, 0, n+n/8)
+	buf = append(buf, '{')
+	for name, vs := range h {
+		if len(buf) > 1 {
+			buf = append(buf, ',')
+		}
+		buf = appendJSONString(buf, name)
+		buf = append(buf, ':', '[')
+		for i, v := range vs {
+			if i > 0 {
+				buf = append(buf, ',')
+			}
+			if utf8.ValidString(v) && strings.IndexByte(v, 0) < 0 {
+				buf = appendJSONString(buf, v)
+				continue
+			}
+			buf = append(buf, `{"b64":"`...)
+			buf = base64.StdEncoding.AppendEncode(buf, []byte(v))
+			buf = append(buf, '"', '}')
+		}
+		buf = append(buf, ']')
+	}
+	return append(buf, '}'), nil
+}
+
+// appendJSONString appends s, valid UTF-8, as a JSON string: quotes,
+// backslashes and control characters escaped, everything else as is.
+func appendJSONString(buf []byte, s string) []byte {
+	const hex = "0123456789abcdef"
+	buf = append(buf, '"')
+	start := 0
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c >= 0x20 && c != '"' && c != '\\' {
+			continue
+		}
+		buf = append(buf, s[start:i]...)
+		switch c {
+		case '"', '\\':
+			buf = append(buf, '\\', c)
+		case '\n':
+			buf = append(buf, '\\', 'n')
+		case '\r':
+			buf = append(buf, '\\', 'r')
+		case '\t':
+			buf = append(buf, '\\', 't')
+		default:
+			buf = append(buf, '\\', 'u', '0', '0', hex[c>>4], hex[c&0xf])
+		}
+		start = i + 1
+	}
+	buf = append(buf, s[start:]...)
+	return append(buf, '"')
 }
 
 func decodeHeaders(b []byte) (http.Header, error) {

@@ -184,7 +184,7 @@ func TestHeaderBytesRoundTrip(t *testing.T) {
 	db := newTestDB(t, 2)
 	s := db.newStore(t)
 	now := time.Now()
-	h := http.Header{"Content-Disposition": {"attachment; filename=\"caf\xe9.txt\"", "nul\x00byte", "plain", ""}, "Link": {"<\u00fc>"}}
+	h := http.Header{"Content-Disposition": {"attachment; filename=\"caf\xe9.txt\"", "nul\x00byte", "plain", ""}, "Link": {"<\u00fc>"}, "X-Escaped": {"q\"b\\s\x01\x1f\t\r\n\u2028\U0001f600"}}
 	req := idem.ClaimRequest{Scope: "s", Key: "k", Fingerprint: "v1:\xff\x00raw", Token: "t1", Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)}
 	if _, claimed, err := s.Claim(ctx30(t), req); err != nil || !claimed {
 		t.Fatalf("Claim: %v %v", claimed, err)
