@@ -1,0 +1,189 @@
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"io"
+	"net/http"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// pyOrders is the Python orders app of proxy/testdata/orders.py.
+type pyOrders struct {
+	URL, Port string
+	cmd       *exec.Cmd
+}
+
+var pyListenRE = regexp.MustCompile(`^listening on (http://127\.0\.0\.1:(\d+))$`)
+
+func startPyOrders(t *testing.T, dbPath string, args ...string) *pyOrders {
+	t.Helper()
+	py, err := exec.LookPath("python3")
+	if err != nil {
+		t.Fatalf("python3 is needed for the upstream app: %v", err)
+	}
+	cmd := exec.Command(py, append([]string{"../../proxy/testdata/orders.py", "--db", dbPath}, args...)...)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	line, _ := bufio.NewReader(out).ReadString('\n')
+	m := pyListenRE.FindStringSubmatch(strings.TrimSpace(line))
+	if m == nil {
+		t.Fatalf("the upstream app printed %q", line)
+	}
+	return &pyOrders{URL: m[1], Port: m[2], cmd: cmd}
+}
+
+func (p *pyOrders) executions(t *testing.T) int {
+	t.Helper()
+	resp, err := http.Get(p.URL + "/executions")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var doc struct{ Count int }
+	if err := json.NewDecoder(resp.Body).Decode(&doc); err != nil {
+		t.Fatal(err)
+	}
+	return doc.Count
+}
+
+var proxyListenRE = regexp.MustCompile(`^idem proxy: listening on (http://127\.0\.0\.1:\d+),`)
+
+// startProxyCmd runs `idem proxy --listen 127.0.0.1:0 args…` and returns its URL.
+func startProxyCmd(t *testing.T, args ...string) string {
+	t.Helper()
+	cmd := exec.Command(idemBin, append([]string{"proxy", "--listen", "127.0.0.1:0"}, args...)...)
+	cmd.Env = cliEnv()
+	var errb strings.Builder
+	cmd.Stderr = &errb
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Signal(syscall.SIGINT); _ = cmd.Wait() })
+	line, _ := bufio.NewReader(out).ReadString('\n')
+	m := proxyListenRE.FindStringSubmatch(line)
+	if m == nil {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		t.Fatalf("idem proxy printed %q; stderr:\n%s", line, errb.String())
+	}
+	return m[1]
+}
+
+type proxyAnswer struct {
+	status int
+	header http.Header
+	body   string
+	code   string
+}
+
+func proxyPost(t *testing.T, url, key, body string) proxyAnswer {
+	t.Helper()
+	req, _ := http.NewRequest("POST", url, strings.NewReader(body))
+	req.Header.Set("Idempotency-Key", key)
+	req.Header.Set("X-Tenant-ID", "t1")
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := (&http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: time.Minute}).Do(req)
+	if err != nil {
+		t.Fatalf("POST %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	var p struct{ Code string }
+	_ = json.Unmarshal(b, &p)
+	return proxyAnswer{resp.StatusCode, resp.Header, string(b), p.Code}
+}
+
+func TestProxyUnknownOutcomeThenResolve(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	ordersDB := filepath.Join(dir, "orders.db")
+	app := startPyOrders(t, ordersDB)
+	keysDB := "sqlite:" + filepath.Join(dir, "keys.db")
+	px := startProxyCmd(t, "--upstream", app.URL, "--db", keysDB, "--route", "POST /orders",
+		"--scope-header", "X-Tenant-ID", "--lease", "1s", "--upstream-timeout", "2s")
+
+	if resp, err := http.Get(px + "/healthz"); err != nil || resp.StatusCode != 200 {
+		t.Fatalf("/healthz: %v %v", resp, err)
+	}
+
+	// The upstream commits the order, then dies before it answers.
+	done := make(chan proxyAnswer, 1)
+	go func() { done <- proxyPost(t, px+"/orders", "k-kill", `{"cart_id":"kill","sleep_ms":30000}`) }()
+	deadline := time.Now().Add(30 * time.Second)
+	for app.executions(t) != 1 {
+		if time.Now().After(deadline) {
+			t.Fatal("the upstream never executed the order")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	_ = app.cmd.Process.Kill()
+	if a := <-done; a.status != 502 || a.code != "upstream_failed" {
+		t.Fatalf("the request whose upstream died: %d %s, want 502 upstream_failed", a.status, a.body)
+	}
+	if a := proxyPost(t, px+"/orders", "k-kill", `{"cart_id":"kill","sleep_ms":30000}`); a.status != 409 {
+		t.Fatalf("retry while the lease runs: %d %s, want 409", a.status, a.body)
+	}
+	time.Sleep(1200 * time.Millisecond)
+	for range 3 {
+		if a := proxyPost(t, px+"/orders", "k-kill", `{"cart_id":"kill","sleep_ms":30000}`); a.status != 503 || a.code != "idempotency_outcome_unknown" {
+			t.Fatalf("retry after the lease lapsed: %d %s, want 503 idempotency_outcome_unknown", a.status, a.body)
+		}
+	}
+	// The operator looks at the upstream's database (one order), and resolves.
+	code, out, errOut := runIdem(t, dir, nil, "resolve", "--db", keysDB, "--scope", "t1", "--status", "201",
+		"--header", "Content-Type: application/json", "--body", `{"id":"ord_1","resolved":true}`, "k-kill")
+	if code != 0 {
+		t.Fatalf("idem resolve: exit %d\n%s%s", code, out, errOut)
+	}
+	a := proxyPost(t, px+"/orders", "k-kill", `{"cart_id":"kill","sleep_ms":30000}`)
+	if a.status != 201 || a.body != `{"id":"ord_1","resolved":true}` || a.header.Get("Idempotent-Replayed") != "true" || a.header.Get("Content-Type") != "application/json" {
+		t.Fatalf("after idem resolve: %d %v %s, want the resolved 201, replayed", a.status, a.header, a.body)
+	}
+
+	// The upstream comes back on its port; a call that times out is unknown too,
+	// and this time the operator releases the key: the retry runs it.
+	app = startPyOrders(t, ordersDB, "--port", app.Port)
+	if a := proxyPost(t, px+"/orders", "k-slow", `{"cart_id":"slow","sleep_ms":3000}`); a.status != 504 || a.code != "upstream_timeout" {
+		t.Fatalf("slow upstream: %d %s, want 504 upstream_timeout", a.status, a.body)
+	}
+	time.Sleep(1200 * time.Millisecond)
+	if a := proxyPost(t, px+"/orders", "k-slow", `{"cart_id":"slow","sleep_ms":3000}`); a.status != 503 || a.code != "idempotency_outcome_unknown" {
+		t.Fatalf("after the timeout and the lease: %d %s, want 503 idempotency_outcome_unknown", a.status, a.body)
+	}
+	if code, out, errOut := runIdem(t, dir, nil, "resolve", "--db", keysDB, "--scope", "t1", "--release", "k-slow"); code != 0 {
+		t.Fatalf("idem resolve --release: exit %d\n%s%s", code, out, errOut)
+	}
+	before := app.executions(t)
+	if a := proxyPost(t, px+"/orders", "k-slow", `{"cart_id":"slow","sleep_ms":3000}`); a.status != 504 {
+		t.Fatalf("the retry after the release: %d %s, want it sent upstream again (and time out again)", a.status, a.body)
+	}
+	if n := app.executions(t); n != before+1 {
+		t.Errorf("upstream executions after the release: %d, want %d", n, before+1)
+	}
+	resp, err := http.Get(px + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	m, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != 200 || !strings.Contains(string(m), `idem_requests_total{outcome="replayed"} 1`) {
+		t.Errorf("/metrics: %d, no replayed request counted:\n%.2000s", resp.StatusCode, m)
+	}
+}

@@ -1,0 +1,164 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/dbopen"
+	"github.com/idemkit/idem/proxy"
+)
+
+func init() {
+	register(&command{
+		name:    "resolve",
+		summary: "settle a key whose outcome is unknown: store the answer it gets, or release it",
+		run:     runResolve,
+	})
+}
+
+const resolveUsage = `Usage: idem resolve --db URL --scope TENANT KEY (--status N [--body TEXT] | --release)
+
+Settles a key left in flight by a request whose outcome is unknown (its
+upstream or server died mid-request; idem proxy answers retries with 503
+idempotency_outcome_unknown until then). Find out first, at the upstream,
+whether the operation took effect. Then:
+
+  --status N [--body …]   it did: every request with the key gets this answer,
+                          replayed, and the operation does not run again
+  --release               it did not: the next request with the key runs it
+
+A key held by a request that is running now (its lease is live) is left alone
+unless --force.
+
+Example:
+  idem resolve --db sqlite:keys.db --scope acme --status 201 \
+    --header 'Content-Type: application/json' --body '{"id":"ord_42"}' 8e03978e-40d5-43e8
+  idem resolve --db sqlite:keys.db --scope acme --release 8e03978e-40d5-43e8
+
+Exit codes: 0 resolved, 1 nothing to resolve (no record, already complete, held
+now) or the database failed, 2 bad usage.
+
+Flags:
+`
+
+func runResolve(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("idem resolve", flag.ContinueOnError)
+	db, keys, table := storeFlags(fs, "")
+	scope := fs.String("scope", "", "the tenant the key belongs to (idem proxy --scope-header: the header's value; --scope-jwt-claim: the claim's)")
+	bearer := fs.String("bearer", "", "with idem proxy --scope-bearer: the client's bearer token, instead of --scope")
+	status := fs.Int("status", 0, "mark the key complete with this status")
+	body := fs.String("body", "", "the answer's body, with --status")
+	bodyFile := fs.String("body-file", "", "read the answer's body from this file, with --status")
+	var headers multiFlag
+	fs.Var(&headers, "header", "an answer header 'Name: value', with --status; repeatable")
+	release := fs.Bool("release", false, "release the key: the next request with it runs the operation")
+	ttl := fs.Duration("ttl", idem.DefaultTTL, "with --status: how long the answer is kept and replayed")
+	force := fs.Bool("force", false, "also settle a key whose lease is live (its holder is running now, or hung)")
+	fs.Usage = storeUsage(fs, resolveUsage, storeCmdEnv)
+	pos, code, ok := storeParse(fs, args, storeCmdEnv, stdout, stderr)
+	if !ok {
+		return code
+	}
+	if len(pos) != 1 {
+		return storeUsageError(stderr, fs, fmt.Sprintf("give exactly one KEY (got %d arguments)", len(pos)))
+	}
+	if *db == "" {
+		return storeUsageError(stderr, fs, "--db is required; the database idem proxy keeps its keys in, for example --db sqlite:keys.db")
+	}
+	if (*status != 0) == *release {
+		return storeUsageError(stderr, fs, "give one of --status N (the operation took effect) and --release (it did not)")
+	}
+	if *status != 0 && (*status < 200 || *status > 599) {
+		return storeUsageError(stderr, fs, fmt.Sprintf("--status %d: use an HTTP status from 200 to 599", *status))
+	}
+	if *release && (*body != "" || *bodyFile != "" || len(headers) > 0) {
+		return storeUsageError(stderr, fs, "--body, --body-file and --header go with --status, not --release")
+	}
+	if *body != "" && *bodyFile != "" {
+		return storeUsageError(stderr, fs, "give --body or --body-file, not both")
+	}
+	if *bearer != "" {
+		if *scope != "" {
+			return storeUsageError(stderr, fs, "give --scope or --bearer, not both")
+		}
+		*scope = proxy.BearerScopeOf(*bearer)
+	}
+	key, err := idem.ParseKey(pos[0], idem.DefaultMaxKeyLength)
+	if err != nil {
+		return storeUsageError(stderr, fs, err.Error())
+	}
+	resp := &idem.Response{Status: *status, Body: []byte(*body)}
+	if *bodyFile != "" {
+		if resp.Body, err = os.ReadFile(*bodyFile); err != nil {
+			return storeUsageError(stderr, fs, "--body-file: "+err.Error())
+		}
+	}
+	for _, hv := range headers {
+		name, value, ok := strings.Cut(hv, ":")
+		if !ok || strings.TrimSpace(name) == "" {
+			return storeUsageError(stderr, fs, fmt.Sprintf("--header %q: write it as 'Name: value'", hv))
+		}
+		if resp.Header == nil {
+			resp.Header = http.Header{}
+		}
+		resp.Header.Add(strings.TrimSpace(name), strings.TrimSpace(value))
+	}
+	opts := dbopen.Options{DB: *db, Keys: *keys, KeyTable: *table}
+	if err := opts.Check(); err != nil {
+		return storeUsageError(stderr, fs, err.Error())
+	}
+	h, err := dbopen.Open(ctx, opts)
+	if err != nil {
+		fmt.Fprintf(stderr, "idem resolve: %v\n", err)
+		return exitFailure
+	}
+	defer h.Close()
+	stored := idem.StoredScope(*scope)
+	// A refused retry takes the record over for a moment (a new token): read it
+	// again and retry when the token moved under us.
+	for attempt := 0; ; attempt++ {
+		now := time.Now()
+		rec, err := h.Store.Get(ctx, stored, key, now)
+		switch {
+		case errors.Is(err, idem.ErrNotFound):
+			fmt.Fprintf(stdout, "no record for key %q in scope %q (%s): nothing to resolve; the next request with it runs afresh\n", key, *scope, h.KeysAt)
+			return exitFailure
+		case err != nil:
+			fmt.Fprintf(stderr, "idem resolve: %v\n", err)
+			return exitFailure
+		case rec.State == idem.StateComplete:
+			fmt.Fprintf(stdout, "key %q in scope %q is already complete (status %d): nothing to resolve\n", key, *scope, rec.Response.Status)
+			return exitFailure
+		case rec.LeaseUntil.After(now) && !*force:
+			fmt.Fprintf(stdout, "key %q in scope %q is held by a request running now (lease until %s); wait for it, or give --force if its holder is gone\n", key, *scope, rec.LeaseUntil.Format(time.RFC3339))
+			return exitFailure
+		}
+		if *release {
+			err = h.Store.Release(ctx, stored, key, rec.Token)
+		} else {
+			err = h.Store.Complete(ctx, stored, key, rec.Token, resp, now, now.Add(*ttl))
+		}
+		if errors.Is(err, idem.ErrLockLost) && attempt < 10 {
+			time.Sleep(20 * time.Millisecond)
+			continue
+		}
+		if err != nil {
+			fmt.Fprintf(stderr, "idem resolve: %v\n", err)
+			return exitFailure
+		}
+		if *release {
+			fmt.Fprintf(stdout, "released key %q in scope %q: the next request with it runs the operation\n", key, *scope)
+		} else {
+			fmt.Fprintf(stdout, "resolved key %q in scope %q: every request with it now gets %d (%d bytes), replayed\n", key, *scope, resp.Status, len(resp.Body))
+		}
+		return exitOK
+	}
+}

@@ -1,0 +1,67 @@
+package main
+
+import (
+	"context"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/sqlitestore"
+	"github.com/idemkit/idem/sqlitestore/embedded"
+)
+
+func TestResolveRefusals(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	path := filepath.Join(dir, "keys.db")
+	db, err := embedded.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	s, err := sqlitestore.New(db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := s.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	claim := func(key string, lease time.Duration) {
+		if _, ok, err := s.Claim(ctx, idem.ClaimRequest{Scope: "t1", Key: key, Fingerprint: "v2:x", Token: "tok-" + key, Now: now, LeaseUntil: now.Add(lease), ExpiresAt: now.Add(time.Hour)}); !ok || err != nil {
+			t.Fatalf("claim %s: %v %v", key, ok, err)
+		}
+	}
+	claim("live", time.Hour)
+	claim("done", time.Hour)
+	if err := s.Complete(ctx, "t1", "done", "tok-done", &idem.Response{Status: 201}, now, now.Add(time.Hour)); err != nil {
+		t.Fatal(err)
+	}
+	dbURL := "sqlite:" + path
+	for _, c := range []struct {
+		args []string
+		code int
+		want string
+	}{
+		{[]string{"--scope", "t1", "--status", "201"}, 2, "exactly one KEY"},
+		{[]string{"--scope", "t1", "live"}, 2, "--status N"},
+		{[]string{"--scope", "t1", "--status", "201", "--release", "live"}, 2, "--status N"},
+		{[]string{"--scope", "t1", "--status", "99", "live"}, 2, "200 to 599"},
+		{[]string{"--scope", "t1", "--release", "--body", "x", "live"}, 2, "go with --status"},
+		{[]string{"--scope", "t1", "--release", "absent"}, 1, "no record"},
+		{[]string{"--scope", "t1", "--release", "done"}, 1, "already complete"},
+		{[]string{"--scope", "t1", "--release", "live"}, 1, "running now"},
+		{[]string{"--scope", "t1", "--release", "--force", "live"}, 0, "released"},
+	} {
+		code, out, errOut := runIdem(t, dir, nil, append([]string{"resolve", "--db", dbURL}, c.args...)...)
+		if code != c.code || !strings.Contains(out+errOut, c.want) {
+			t.Errorf("idem resolve %v: exit %d, output %q; want exit %d and %q", c.args, code, out+errOut, c.code, c.want)
+		}
+	}
+	if _, err := s.Get(ctx, "t1", "live", time.Now()); err != idem.ErrNotFound {
+		t.Errorf("after --release --force: %v, want no record", err)
+	}
+}
