@@ -82,7 +82,7 @@ func (a *upstreamApp) executions(t *testing.T) int {
 }
 
 // sqliteStore is a real SQLite store in a file of the test's own.
-func sqliteStore(t *testing.T) idem.Store {
+func sqliteStore(t testing.TB) idem.Store {
 	t.Helper()
 	db, err := embedded.Open(filepath.Join(t.TempDir(), "keys.db"))
 	if err != nil {
