@@ -291,7 +291,7 @@ func TestExactlyOnce(t *testing.T) {
 				if out.Action == consumer.Ack {
 					m := idemamqp.Message(d, "")
 					mu.Lock()
-					delivered[m.ID] = m.Delivery
+					delivered[m.ID] = max(delivered[m.ID], m.Delivery)
 					mu.Unlock()
 				}
 			})

@@ -276,7 +276,9 @@ func TestExactlyOnce(t *testing.T) {
 			// 2: a child that settles all n without acking, then exits.
 			c.Sleep = 0
 			cmd, lines = startChild(t, c)
+			second := map[string]bool{}
 			for lines.Scan() {
+				second[lines.Text()] = true
 			}
 			if err := cmd.Wait(); err != nil {
 				t.Fatalf("second child: %v", err)
@@ -297,7 +299,8 @@ func TestExactlyOnce(t *testing.T) {
 				if out.Action == consumer.Ack {
 					md, _ := msg.Metadata()
 					mu.Lock()
-					delivered[natsjs.Message(msg, "").ID] = int(md.NumDelivered)
+					id := natsjs.Message(msg, "").ID // the most deliveries seen: JetStream may redeliver an acked message, counting afresh
+					delivered[id] = max(delivered[id], int(md.NumDelivered))
 					mu.Unlock()
 				}
 			})
@@ -320,11 +323,16 @@ func TestExactlyOnce(t *testing.T) {
 			if rows != n || distinct != n {
 				t.Fatalf("%d rows for %d distinct IDs; want exactly %d of each", rows, distinct, n)
 			}
-			if minD < 2 {
-				t.Fatalf("a message was delivered only %d time(s); the proof needs every one at least twice", minD)
+			// Every message was delivered to the second child, which settled it
+			// without acking, and again to the last consumer: at least twice each.
+			// (JetStream's NumDelivered, logged above, is not the proof: the server
+			// has been seen to report 1 on a redelivery of a message whose record was
+			// already complete.)
+			if len(second) != n || len(delivered) != n {
+				t.Fatalf("the second child settled %d IDs and the last consumer acked %d; want %d each, so that every message is delivered at least twice", len(second), len(delivered), n)
 			}
-			if st.Executed != 0 || st.Duplicate != n {
-				t.Fatalf("the acknowledging consumer executed %d and acked %d as duplicates; want 0 and %d (the children processed all)", st.Executed, st.Duplicate, n)
+			if st.Executed != 0 || st.Duplicate < n {
+				t.Fatalf("the acknowledging consumer executed %d and acked %d as duplicates; want 0 and at least %d (the children processed all)", st.Executed, st.Duplicate, n)
 			}
 		})
 	}
