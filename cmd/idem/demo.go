@@ -22,8 +22,14 @@ import (
 
 	"github.com/go-chi/httprate"
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/idemobs"
+	"github.com/idemkit/idem/idemprom"
+	"github.com/idemkit/idem/idemslog"
 	"github.com/idemkit/idem/internal/dbopen"
 	"github.com/idemkit/idem/internal/orders"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
 func init() {
@@ -56,6 +62,13 @@ open and before the database is reached, is
 until the database is ready every request gets 503 with Retry-After. Then it
 prints a curl command to paste, ending with "Press Ctrl-C to stop.".
 
+Prometheus metrics (idem_requests_total by outcome, idem_in_flight, store
+operation timings, …) are served at GET /metrics on --metrics-addr
+(127.0.0.1:9464 by default; empty turns them off), without the bearer token
+the API wants. When that address is taken the demo runs without metrics and
+says so. idem's decisions are logged on stderr (store errors, lost leases,
+released keys, takeovers), with hashes of keys and scopes, never the raw ones.
+
 Ctrl-C (SIGINT) or SIGTERM stops it: requests in flight finish, a second one
 stops it at once. It also stops when the process that started it exits (for
 example a killed "go run"), unless --exit-with-parent=false.
@@ -78,6 +91,7 @@ var demoEnv = []storeEnvVar{
 	{"lease", "IDEM_LEASE"}, {"ttl", "IDEM_TTL"}, {"handler-delay", "IDEM_HANDLER_DELAY"},
 	{"require-key", "IDEM_REQUIRE_KEY"}, {"rate-limit", "IDEM_RATE_LIMIT"},
 	{"read-timeout", "IDEM_READ_TIMEOUT"}, {"exit-with-parent", "IDEM_EXIT_WITH_PARENT"},
+	{"metrics-addr", "IDEM_METRICS_ADDR"},
 }
 
 // demoShutdownTimeout bounds how long in-flight requests may take to finish after
@@ -120,6 +134,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	requireKey := fs.Bool("require-key", true, "answer 400 to POST /orders without an Idempotency-Key; false lets it through unprotected")
 	rate := fs.Int("rate-limit", 0, "per-tenant `requests` per second, answered 429 beyond (never bound to a key); 0 is off")
 	readTimeout := fs.Duration("read-timeout", demoReadTimeout, "how long a client may take to send a whole request, headers and body; a slower one is disconnected")
+	metricsAddr := fs.String("metrics-addr", "127.0.0.1:9464", "`host:port` serving GET /metrics (Prometheus text format, no token); empty for none")
 	withParent := fs.Bool("exit-with-parent", true, "stop when the process that started the demo exits (for example a killed go run); false for nohup and the like")
 	fs.Usage = storeUsage(fs, demoUsage, demoEnv)
 	pos, code, ok := storeParse(fs, args, demoEnv, stdout, stderr)
@@ -145,11 +160,18 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return storeUsageError(stderr, fs, fmt.Sprintf("--schema %q is not usable; use up to 63 lower-case letters, digits and underscores, not starting with a digit, such as shop", *schema))
 	}
 	logger := demoLogger(stderr)
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	metrics, err := idemprom.New(reg, nil)
+	if err != nil {
+		fmt.Fprintf(stderr, "idem demo: %v\n", err)
+		return exitFailure
+	}
 	mwCfg := &idem.Config{
 		Lease:       *lease,
 		TTL:         *ttl,
 		KeyOptional: !*requireKey,
-		Observer:    demoObserver(logger),
+		Observer:    idemobs.Multi(metrics, demoObserver(logger)),
 		// A 5xx says the order was not made (the database failed, the request was
 		// cancelled): keeping it would replay the failure to every retry until the
 		// TTL; releasing the key lets a retry try again.
@@ -211,10 +233,23 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- srv.Serve(ln) }()
+	metricsURL := ""
+	if *metricsAddr != "" {
+		if mln, err := net.Listen("tcp", *metricsAddr); err != nil {
+			fmt.Fprintf(stderr, "idem demo: metrics are not served: cannot listen on %s (%v); pick another --metrics-addr, or empty for none\n", *metricsAddr, err)
+		} else {
+			metricsURL = demoBaseURL(mln.Addr()) + "/metrics"
+			mux := http.NewServeMux()
+			mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{ErrorLog: slog.NewLogLogger(logger.Handler(), slog.LevelWarn)}))
+			msrv := &http.Server{Handler: mux, ReadHeaderTimeout: demoHeaderTimeout, ReadTimeout: demoReadTimeout, WriteTimeout: demoReadTimeout, IdleTimeout: demoIdleTimeout}
+			go func() { _ = msrv.Serve(mln) }()
+			defer msrv.Close()
+		}
+	}
 
 	code = demoServe(ctx, srv, serveErr, &app, demoSetup{
 		base: base, opts: opts, ordersTable: ordersTable, schema: *schema, delay: *delay, lease: *lease, ttl: *ttl,
-		requireKey: *requireKey, rate: *rate, mwCfg: mwCfg, logger: logger,
+		requireKey: *requireKey, rate: *rate, mwCfg: mwCfg, logger: logger, metrics: metrics, metricsURL: metricsURL,
 	}, stdout, stderr)
 	fmt.Fprintln(stderr, "idem demo: stopped")
 	return code
@@ -231,6 +266,8 @@ type demoSetup struct {
 	rate              int
 	mwCfg             *idem.Config
 	logger            *slog.Logger
+	metrics           *idemprom.Metrics // fed by the middleware, the store and the janitor
+	metricsURL        string            // where GET /metrics answers; empty when not served
 }
 
 // demoServe opens the database while srv already answers 503, then serves the
@@ -279,7 +316,8 @@ func demoServe(ctx context.Context, srv *http.Server, serveErr chan error, app *
 	if err := svc.Migrate(ctx); err != nil {
 		return fail(err)
 	}
-	mw, err := idem.New(h.Store, c.mwCfg)
+	store := c.metrics.Store(h.Store) // times every store operation, keeps its transactions
+	mw, err := idem.New(store, c.mwCfg)
 	if err != nil {
 		return fail(err)
 	}
@@ -301,7 +339,7 @@ func demoServe(ctx context.Context, srv *http.Server, serveErr chan error, app *
 	root.Handle("/", orders.Authenticate(routes))
 	var ready http.Handler = root
 	app.Store(&ready)
-	demoBanner(stdout, c.base, h, svc, c.lease, c.ttl, c.delay, c.requireKey, c.rate)
+	demoBanner(stdout, c.base, h, svc, c.lease, c.ttl, c.delay, c.requireKey, c.rate, c.metricsURL)
 
 	jctx, jcancel := context.WithCancel(context.WithoutCancel(ctx))
 	var wg sync.WaitGroup
@@ -309,9 +347,10 @@ func demoServe(ctx context.Context, srv *http.Server, serveErr chan error, app *
 	go func() {
 		defer wg.Done()
 		j := &idem.Janitor{
-			Store:    h.Store,
+			Store:    store,
 			Interval: time.Minute, // expired records already count as absent
 			OnSweep: func(n int, err error) {
+				c.metrics.OnSweep(n, err)
 				if err != nil {
 					c.logger.Warn("janitor", "deleted", n, "err", err)
 				} else if n > 0 {
@@ -356,7 +395,7 @@ func demoBaseURL(addr net.Addr) string {
 
 // demoBanner prints, after the "listening on" line, where the data lives and a
 // curl command to paste.
-func demoBanner(w io.Writer, base string, h *dbopen.Handle, svc *orders.Service, lease, ttl, delay time.Duration, requireKey bool, rate int) {
+func demoBanner(w io.Writer, base string, h *dbopen.Handle, svc *orders.Service, lease, ttl, delay time.Duration, requireKey bool, rate int, metricsURL string) {
 	fmt.Fprintf(w, "  orders: %s (table %s)\n", h.Target.Display, svc.Table())
 	if h.Transactional() {
 		fmt.Fprintf(w, "  keys:   %s; an order and its stored answer commit in one transaction\n", h.KeysAt)
@@ -372,6 +411,9 @@ func demoBanner(w io.Writer, base string, h *dbopen.Handle, svc *orders.Service,
 		rl = fmt.Sprintf("rate limit %d/s per tenant", rate)
 	}
 	fmt.Fprintf(w, "  lease %v, ttl %v, %s, %s, handler delay %v\n", lease, ttl, req, rl, delay)
+	if metricsURL != "" {
+		fmt.Fprintf(w, "  metrics: %s (Prometheus text format, no token)\n", metricsURL)
+	}
 	fmt.Fprintf(w, `
 Create an order; run the curl twice: the second answer is the stored one, with
 "Idempotent-Replayed: true", and there is still one order.
@@ -460,18 +502,18 @@ func demoBound(v string) string {
 	return v[:cut] + fmt.Sprintf("…(%d bytes)", len(v))
 }
 
-// demoObserver logs what an operator must know about: store failures, lost
-// leases and released keys. Scope and key come from the client: they are
-// quoted and bounded.
+// demoObserver logs, through idemslog, what an operator must know about:
+// store failures and lost leases (Warn, Error), released keys and takeovers
+// (Info). The client's own mistakes (409, 422, 400) and the ordinary outcomes
+// are Debug, below the demo's level. Keys and scopes appear as hashes.
 func demoObserver(logger *slog.Logger) idem.Observer {
-	return idem.ObserverFunc(func(ctx context.Context, e idem.Event) {
+	return idemslog.New(&idemslog.Config{Logger: logger, Level: func(e idem.Event) slog.Level {
 		switch e.Kind {
-		case idem.EventStoreError, idem.EventLeaseLost:
-			logger.Warn("idem: "+e.Kind.String(), "scope", orders.Quote(e.Scope), "key", orders.Quote(e.Key), "status", e.Status, "err", e.Err)
-		case idem.EventReleased, idem.EventTakenOver:
-			logger.Info("idem: "+e.Kind.String(), "scope", orders.Quote(e.Scope), "key", orders.Quote(e.Key), "err", e.Err)
+		case idem.EventInFlight, idem.EventMismatch, idem.EventRejected:
+			return slog.LevelDebug
 		}
-	})
+		return idemslog.DefaultLevel(e)
+	}})
 }
 
 // demoLockedWriter serialises writes from concurrent goroutines.

@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"sort"
 	"strconv"
 	"strings"
@@ -24,6 +25,8 @@ import (
 	"github.com/idemkit/idem/internal/testenv"
 	"github.com/idemkit/idem/sqlitestore/embedded"
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
 )
 
 type httpAnswer struct {
@@ -1101,5 +1104,86 @@ func TestDemoDatabaseFailureNotKept(t *testing.T) {
 	a := sendHTTP(t, "POST", d.URL+"/orders", "t1", "fail-1", body)
 	if a.Status != 201 || a.replayed() {
 		t.Fatalf("retry once the table is back: %d replayed=%v %s, want an executed 201", a.Status, a.replayed(), a.Body)
+	}
+}
+
+var metricsRE = regexp.MustCompile(`metrics: (http://127\.0\.0\.1:\d+/metrics)`)
+
+// TestDemoMetrics: the demo serves GET /metrics on its own address without a
+// token; after an executed order, its replay, a 422 and a 400, the scrape
+// (parsed by the Prometheus text parser) counts each exactly once, the store
+// operations are timed, nothing is held in flight, and no key is a label.
+func TestDemoMetrics(t *testing.T) {
+	t.Parallel()
+	d := startDemo(t, t.TempDir(), nil, "--metrics-addr", "127.0.0.1:0")
+	m := metricsRE.FindStringSubmatch(d.output())
+	if m == nil {
+		t.Fatalf("the banner names no metrics address:\n%s", d.output())
+	}
+	key := "metrics-" + cliRandHex(6)
+	body := `{"cart_id":"c_metrics","total_cents":100}`
+	for i, want := range []int{201, 201} {
+		if a := sendHTTP(t, "POST", d.URL+"/orders", "t1", key, body); a.Status != want {
+			t.Fatalf("POST %d: %d %s", i, a.Status, a.Body)
+		}
+	}
+	if a := sendHTTP(t, "POST", d.URL+"/orders", "t1", key, `{"cart_id":"c_other","total_cents":1}`); a.Status != 422 {
+		t.Fatalf("reused key: %d %s", a.Status, a.Body)
+	}
+	if a := sendHTTP(t, "POST", d.URL+"/orders", "t1", "", body); a.Status != 400 {
+		t.Fatalf("no key: %d %s", a.Status, a.Body)
+	}
+	resp, err := http.Get(m[1]) // no Authorization: scrapers send none
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("GET /metrics: %d %s", resp.StatusCode, raw)
+	}
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := p.TextToMetricFamilies(strings.NewReader(string(raw)))
+	if err != nil {
+		t.Fatalf("parse /metrics: %v", err)
+	}
+	got := map[string]float64{}
+	for name, f := range fams {
+		for _, mt := range f.Metric {
+			label := ""
+			for _, l := range mt.Label {
+				if strings.Contains(l.GetValue(), key) {
+					t.Errorf("%s has the key as label %s", name, l.GetName())
+				}
+				label += "{" + l.GetValue() + "}"
+			}
+			switch {
+			case mt.Counter != nil:
+				got[name+label] = mt.Counter.GetValue()
+			case mt.Gauge != nil:
+				got[name+label] = mt.Gauge.GetValue()
+			case mt.Histogram != nil:
+				got[name+label] = float64(mt.Histogram.GetSampleCount())
+			}
+		}
+	}
+	for k, want := range map[string]float64{
+		"idem_requests_total{executed}": 1, "idem_requests_total{replayed}": 1, "idem_requests_total{mismatch}": 1,
+		"idem_requests_total{rejected}": 1, "idem_requests_total{store_error}": 0, "idem_in_flight": 0,
+		"idem_store_errors_total{claim}": 0,
+	} {
+		if v, ok := got[k]; !ok || v != want {
+			t.Errorf("%s = %v (present %v), want %v", k, v, ok, want)
+		}
+	}
+	// Each keyed request that reached the store started with a claim
+	// (claim-then-complete) or a locked transaction (single-transaction flow);
+	// one transaction committed.
+	claims, begins := got["idem_store_duration_seconds{claim}"], got["idem_store_duration_seconds{begin}"]
+	if claims != 3 && begins != 3 {
+		t.Errorf("claims %v, begins %v; want 3 of one of them (one per keyed request)", claims, begins)
+	}
+	if c := got["idem_store_duration_seconds{commit}"]; c != 1 {
+		t.Errorf("commits %v, want 1", c)
 	}
 }

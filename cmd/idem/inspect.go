@@ -12,6 +12,7 @@ import (
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/internal/dbopen"
+	"github.com/idemkit/idem/internal/orders"
 )
 
 func init() {
@@ -23,11 +24,18 @@ func init() {
 }
 
 const inspectUsage = `Usage: idem inspect --db URL --scope TENANT KEY [flags]
+       idem inspect --db URL --summary
 
 Shows the record idem keeps for (scope, key): its state, age, lease, expiry,
 request fingerprint, and the stored status, headers, body size and resource
 reference, with what the next request with this key will get. Use it when a
 client asks why a request was replayed (or answered 409 or 422).
+
+With --summary (and no KEY) it counts the records by state instead — complete,
+in flight, expired — and shows the oldest in-flight record and the in-flight
+records whose lease lapsed (their holders crashed or stalled: the next retry
+of each takes it over). It works on the SQL stores; Redis records expire by
+themselves and are not counted.
 
 The scope is the tenant the service put the request under (in idem demo, the
 bearer token). Quote keys that start with "-" after "--".
@@ -35,6 +43,7 @@ bearer token). Quote keys that start with "-" after "--".
 Example:
   idem inspect --db sqlite:idem-demo.db --scope t1 8e03978e-40d5-43e8-bc93-6894a57f9324
   idem inspect --db postgres://postgres@127.0.0.1:5432/app --scope acme --body -- -odd-key
+  idem inspect --db sqlite:idem-demo.db --summary
 
 Exit codes: 0 a record exists, 1 no record (never used, or expired) or the
 database failed, 2 bad usage.
@@ -47,10 +56,14 @@ func runInspect(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	db, keys, table := storeFlags(fs, "")
 	scope := fs.String("scope", "", "the tenant or principal the key belongs to (idem demo: the bearer token); empty for unscoped services")
 	showBody := fs.Bool("body", false, "also print the stored response body")
+	summary := fs.Bool("summary", false, "count the records by state and show those past their lease, instead of one KEY")
 	fs.Usage = storeUsage(fs, inspectUsage, storeCmdEnv)
 	pos, code, ok := storeParse(fs, args, storeCmdEnv, stdout, stderr)
 	if !ok {
 		return code
+	}
+	if *summary {
+		return runInspectSummary(ctx, fs, pos, *db, *keys, *table, stdout, stderr)
 	}
 	if len(pos) != 1 {
 		return storeUsageError(stderr, fs, fmt.Sprintf("give exactly one KEY (got %d arguments); for example idem inspect --db sqlite:idem-demo.db --scope t1 KEY", len(pos)))
@@ -157,5 +170,217 @@ func inspectPrint(w io.Writer, rec *idem.Record, now time.Time, showBody bool) {
 	if showBody && rec.Response != nil && !rec.Response.BodyOmitted {
 		fmt.Fprintln(w)
 		fmt.Fprintln(w, strings.TrimRight(string(rec.Response.Body), "\n"))
+	}
+}
+
+// inspectSummaryRows is how many records past their lease --summary lists.
+const inspectSummaryRows = 10
+
+// recordSummary is what `idem inspect --summary` reports about a store.
+type recordSummary struct {
+	Complete, InFlight, Expired int64
+	PastLease                   int64       // in flight, lease lapsed, not expired
+	OldestInFlight              time.Time   // zero when nothing is in flight
+	Lapsed                      []lapsedKey // the first inspectSummaryRows past their lease, oldest lease first
+}
+
+type lapsedKey struct {
+	Scope, Key string
+	LeaseUntil time.Time
+}
+
+// recordSummarizer is what a store would implement to answer --summary
+// itself. No store does yet; summarizeSQL answers for the SQL stores.
+type recordSummarizer interface {
+	Summary(ctx context.Context, now time.Time, limit int) (recordSummary, error)
+}
+
+func runInspectSummary(ctx context.Context, fs *flag.FlagSet, pos []string, db, keys, table string, stdout, stderr io.Writer) int {
+	if len(pos) != 0 {
+		return storeUsageError(stderr, fs, fmt.Sprintf("--summary takes no KEY (got %d arguments); drop --summary to inspect one key", len(pos)))
+	}
+	if db == "" {
+		return storeUsageError(stderr, fs, "--db is required; for example --db sqlite:idem-demo.db or --db postgres://…")
+	}
+	opts := dbopen.Options{DB: db, Keys: keys, KeyTable: table}
+	if err := opts.Check(); err != nil {
+		return storeUsageError(stderr, fs, err.Error())
+	}
+	h, err := dbopen.Open(ctx, opts)
+	if err != nil {
+		fmt.Fprintf(stderr, "idem inspect: %v\n", err)
+		return exitFailure
+	}
+	defer h.Close()
+	now := time.Now()
+	var sum recordSummary
+	if s, ok := h.Store.(recordSummarizer); ok {
+		sum, err = s.Summary(ctx, now, inspectSummaryRows)
+	} else if h.Redis != nil {
+		fmt.Fprintf(stderr, "idem inspect: --summary counts the records of a SQL store; the keys are in Redis (%s), where they expire by themselves\n", h.KeysAt)
+		return exitFailure
+	} else {
+		sum, err = summarizeSQL(ctx, h, now, inspectSummaryRows)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "idem inspect: %v\n", err)
+		fmt.Fprintln(stderr, "idem inspect: if the table does not exist, run `idem migrate` with the same --db first")
+		return exitFailure
+	}
+	inspectPrintSummary(stdout, h.KeysAt, sum, now)
+	return exitOK
+}
+
+// summarizeSQL counts the records of the SQL store in h with plain queries on
+// its table (the schema each store documents).
+func summarizeSQL(ctx context.Context, h *dbopen.Handle, now time.Time, limit int) (recordSummary, error) {
+	tabler, ok := h.Store.(interface{ Table() string })
+	if !ok {
+		return recordSummary{}, fmt.Errorf("the store %T does not name its table", h.Store)
+	}
+	var sum recordSummary
+	// Each dialect keeps times its own way; t converts a time to it, back
+	// converts a scanned value into a time.
+	var (
+		table string
+		t     func(time.Time) any
+		back  func(any) (time.Time, error)
+	)
+	switch h.Target.Dialect {
+	case orders.SQLite:
+		table = `"` + strings.ReplaceAll(tabler.Table(), `"`, `""`) + `"`
+		t = func(x time.Time) any { return x.UnixNano() }
+		back = func(v any) (time.Time, error) {
+			n, ok := v.(int64)
+			if !ok {
+				return time.Time{}, fmt.Errorf("unexpected time %T", v)
+			}
+			return time.Unix(0, n), nil
+		}
+	case orders.MySQL:
+		table = "`" + tabler.Table() + "`"
+		t = func(x time.Time) any { return x.UnixMicro() }
+		back = func(v any) (time.Time, error) {
+			var n int64
+			switch x := v.(type) {
+			case int64:
+				n = x
+			case []byte:
+				if _, err := fmt.Sscan(string(x), &n); err != nil {
+					return time.Time{}, err
+				}
+			default:
+				return time.Time{}, fmt.Errorf("unexpected time %T", v)
+			}
+			return time.UnixMicro(n), nil
+		}
+	case orders.Postgres:
+		table = tabler.Table() // already quoted
+		t = func(x time.Time) any { return x }
+		back = func(v any) (time.Time, error) {
+			x, ok := v.(time.Time)
+			if !ok {
+				return time.Time{}, fmt.Errorf("unexpected time %T", v)
+			}
+			return x, nil
+		}
+	default:
+		return sum, fmt.Errorf("--summary does not know the dialect of %s", h.Target.Display)
+	}
+	ph := func(n int) string { // the n-th placeholder
+		if h.Target.Dialect == orders.Postgres {
+			return fmt.Sprintf("$%d", n)
+		}
+		return "?"
+	}
+	counts := `SELECT
+		COALESCE(SUM(CASE WHEN expires_at > ` + ph(1) + ` AND state = 2 THEN 1 ELSE 0 END), 0),
+		COALESCE(SUM(CASE WHEN expires_at > ` + ph(2) + ` AND state = 1 THEN 1 ELSE 0 END), 0),
+		COALESCE(SUM(CASE WHEN expires_at <= ` + ph(3) + ` THEN 1 ELSE 0 END), 0),
+		COALESCE(SUM(CASE WHEN expires_at > ` + ph(4) + ` AND state = 1 AND lease_until <= ` + ph(5) + ` THEN 1 ELSE 0 END), 0)
+		FROM ` + table
+	oldest := `SELECT MIN(created_at) FROM ` + table + ` WHERE state = 1 AND expires_at > ` + ph(1)
+	lapsed := `SELECT scope, ` + map[bool]string{true: "`key`", false: "key"}[h.Target.Dialect == orders.MySQL] + `, lease_until FROM ` + table +
+		` WHERE state = 1 AND expires_at > ` + ph(1) + ` AND lease_until <= ` + ph(2) + ` ORDER BY lease_until LIMIT ` + fmt.Sprint(limit)
+	n := t(now)
+	if h.Pool != nil {
+		if err := h.Pool.QueryRow(ctx, counts, n, n, n, n, n).Scan(&sum.Complete, &sum.InFlight, &sum.Expired, &sum.PastLease); err != nil {
+			return sum, fmt.Errorf("count the records of %s: %w", table, err)
+		}
+		var old *time.Time
+		if err := h.Pool.QueryRow(ctx, oldest, n).Scan(&old); err != nil {
+			return sum, fmt.Errorf("find the oldest in-flight record: %w", err)
+		}
+		if old != nil {
+			sum.OldestInFlight = *old
+		}
+		rows, err := h.Pool.Query(ctx, lapsed, n, n)
+		if err != nil {
+			return sum, fmt.Errorf("list the records past their lease: %w", err)
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var scope, key []byte
+			var lease time.Time
+			if err := rows.Scan(&scope, &key, &lease); err != nil {
+				return sum, err
+			}
+			sum.Lapsed = append(sum.Lapsed, lapsedKey{string(scope), string(key), lease})
+		}
+		return sum, rows.Err()
+	}
+	db := h.SQL
+	if err := db.QueryRowContext(ctx, counts, n, n, n, n, n).Scan(&sum.Complete, &sum.InFlight, &sum.Expired, &sum.PastLease); err != nil {
+		return sum, fmt.Errorf("count the records of %s: %w", table, err)
+	}
+	var old any
+	if err := db.QueryRowContext(ctx, oldest, n).Scan(&old); err != nil {
+		return sum, fmt.Errorf("find the oldest in-flight record: %w", err)
+	}
+	if old != nil {
+		x, err := back(old)
+		if err != nil {
+			return sum, err
+		}
+		sum.OldestInFlight = x
+	}
+	rows, err := db.QueryContext(ctx, lapsed, n, n)
+	if err != nil {
+		return sum, fmt.Errorf("list the records past their lease: %w", err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var scope, key []byte
+		var lease any
+		if err := rows.Scan(&scope, &key, &lease); err != nil {
+			return sum, err
+		}
+		x, err := back(lease)
+		if err != nil {
+			return sum, err
+		}
+		sum.Lapsed = append(sum.Lapsed, lapsedKey{string(scope), string(key), x})
+	}
+	return sum, rows.Err()
+}
+
+// inspectPrintSummary writes sum for a human.
+func inspectPrintSummary(w io.Writer, where string, sum recordSummary, now time.Time) {
+	ago := func(x time.Time) string { return now.Sub(x).Round(time.Millisecond).String() }
+	fmt.Fprintf(w, "records in %s at %s:\n", where, now.UTC().Format(time.RFC3339))
+	fmt.Fprintf(w, "%-18s %d\n", "complete:", sum.Complete)
+	fmt.Fprintf(w, "%-18s %d\n", "in flight:", sum.InFlight)
+	fmt.Fprintf(w, "%-18s %d (their holders crashed or stalled: the next retry of each takes it over)\n", "past their lease:", sum.PastLease)
+	fmt.Fprintf(w, "%-18s %d (they count as absent; `idem gc` or the janitor deletes them)\n", "expired:", sum.Expired)
+	if sum.OldestInFlight.IsZero() {
+		fmt.Fprintf(w, "%-18s none\n", "oldest in flight:")
+	} else {
+		fmt.Fprintf(w, "%-18s created %s ago (%s)\n", "oldest in flight:", ago(sum.OldestInFlight), sum.OldestInFlight.UTC().Format(time.RFC3339Nano))
+	}
+	if len(sum.Lapsed) > 0 {
+		fmt.Fprintf(w, "\npast their lease (oldest first, at most %d):\n", inspectSummaryRows)
+		for _, l := range sum.Lapsed {
+			fmt.Fprintf(w, "  scope %q key %q: lease lapsed %s ago\n", l.Scope, l.Key, ago(l.LeaseUntil))
+		}
 	}
 }
