@@ -21,7 +21,8 @@
 //
 // No DSN option is required: times are stored as BIGINT Unix microseconds, so
 // parseTime and loc do not matter, and affected-row counts are right with or
-// without clientFoundRows.
+// without clientFoundRows. multiStatements=true makes the store faster (see
+// "Round trips" below); it is detected, never required.
 //
 // # Schema
 //
@@ -94,7 +95,13 @@
 // into a 503. There is no check-then-write anywhere, and times are compared with
 // the Now the middleware passed, never the server's clock.
 //
-// Before that transaction, Claim reads the committed row without locking it. When
+// A key the read below finds absent is first claimed with a plain INSERT of the
+// in-flight record, in one round trip and without a transaction: it succeeds
+// exactly when no row exists, and the row is then the one inserted. When it
+// fails with a duplicate key (another request got there first), the statement
+// above decides.
+//
+// Before all that, Claim reads the committed row without locking it. When
 // the row, as read, fails the same condition (complete and live, or in flight
 // under a live lease or with another fingerprint), the statement would have failed
 // at that instant too, so the claim is answered "no" with the row as read. The read
@@ -133,8 +140,8 @@
 // it reports idem.ErrTxAborted and nothing is committed: not the handler's writes
 // before the abort, not those after it, not the completion. The middleware then
 // rolls back. The connection's autocommit is turned back on before it returns to
-// the pool (or the connection is closed). The guard costs four round trips per
-// request (SET autocommit = 0, SAVEPOINT, RELEASE SAVEPOINT, SET autocommit = 1).
+// the pool (or the connection is closed). The guard's statements share round
+// trips with others (see "Round trips").
 // It does not cover a handler that ends the transaction itself (COMMIT, or a
 // statement with an implicit commit such as CREATE TABLE): never do that in the
 // request's transaction.
@@ -161,11 +168,53 @@
 // session, not the transaction, so Commit and Rollback release it explicitly after
 // ending the transaction, and close the connection instead of pooling it when the
 // release cannot be confirmed; a process that dies loses its session, and the
-// server frees the lock and rolls back. The lock name is "idem:" and a hash of
+// server frees the lock and rolls back. A request that finds the lock held reads
+// the record without it: a complete record is replayed (concurrent retries of a
+// finished request do not get 409 from each other); none means 409. The lock name is "idem:" and a hash of
 // database, table, scope and key. GET_LOCK is local to one server: on a
 // multi-primary cluster (Galera, group replication in multi-primary mode) all
 // writers for a table must go to one node, and a proxy that multiplexes sessions
 // must pin them (ProxySQL and MaxScale do so for GET_LOCK).
+//
+// The store prefers this flow (idem.FlowPreferrer; idem.Config.Flow's default
+// picks it): one commit, so one redo log flush, per request instead of two, and
+// fewer round trips.
+//
+// # Round trips
+//
+// Every statement is a round trip to the server, and a first-time request is
+// mostly waiting on them. The store sends as few as it can:
+//
+//   - The transaction guard and the key's lock share one statement: SET
+//     autocommit = IF(GET_LOCK(name, 0) = 1, 0, 2), @@tx_isolation = '…'
+//     (@@transaction_isolation on MySQL; without SESSION it sets the next
+//     transaction's level only, leaving the pooled session's). A lock held
+//     elsewhere makes the value 2, which autocommit refuses (error 1231), and
+//     nothing changes. The lock's release and autocommit's return share one too:
+//     SET autocommit = IF(RELEASE_LOCK(name) = 1, 1, 2).
+//   - The single-transaction record and the completion are sent as SQL text,
+//     every value a hexadecimal literal (the same bytes whatever the character
+//     set or sql_mode; nothing in a value can change the statement). Responses
+//     over 64 KiB go as parameters of a prepared statement instead.
+//   - With go-sql-driver's multiStatements=true on the DSN, the statements of
+//     each step go in one round trip: after database/sql's START TRANSACTION,
+//     "COMMIT; SET …; SAVEPOINT idem_tx; SELECT the record" (the COMMIT ends the
+//     empty transaction, since the isolation level can only change between
+//     transactions; with autocommit off, the savepoint begins the next), and at
+//     the end "RELEASE SAVEPOINT idem_tx; INSERT the record; COMMIT; SET
+//     autocommit = 1; SELECT RELEASE_LOCK(name)"; the server stops at the first
+//     statement that fails. The store detects the option on first use (two
+//     statements in one query are a syntax error without it) and works the same
+//     without it, one statement per round trip. multiStatements lets any query
+//     of the application carry several statements, which makes SQL injection in
+//     it worse: use it with parameterised queries only.
+//
+// Per first-time request, besides the handler's statements (counted by
+// TestRoundTrips): single transaction 4 round trips with multiStatements, 8
+// without; claim-then-complete 7 and 9 (the read and the INSERT of the claim,
+// START TRANSACTION, the guard, the completion, COMMIT, autocommit back on).
+// database/sql adds one round trip at each end that cannot carry anything
+// else: START TRANSACTION, and a COMMIT of nothing after the store committed.
 //
 // # Expired records
 //

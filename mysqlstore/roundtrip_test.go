@@ -1,6 +1,7 @@
 package mysqlstore_test
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"errors"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/mysqlstore"
 )
 
 // wire counts what the store's connections send: round trips (a write after a
@@ -237,5 +239,75 @@ func testConcurrentReplaysSingleTx(t *testing.T) {
 	}
 	if c := countOrders(t, db, orders, "replayed"); c != 1 {
 		t.Fatalf("%d orders, want 1", c)
+	}
+}
+
+// Responses are stored byte for byte whether they travel as hexadecimal SQL
+// text (small) or as parameters of a prepared statement (over 64 KiB), in both
+// flows: every byte value in scope, key, headers, body and ref.
+func TestRecordBytesExact(t *testing.T) { bothModes(t, testRecordBytesExact) }
+
+func testRecordBytesExact(t *testing.T) {
+	db := openDB(t, 4, "")
+	s := newStore(t, db)
+	ctx := ctxFor(t)
+	all := make([]byte, 256)
+	for i := range all {
+		all[i] = byte(i)
+	}
+	for _, size := range []int{0, 256, 200 << 10} {
+		body := bytes.Repeat(all, size/256)
+		if size == 0 {
+			body = []byte{}
+		}
+		resp := &idem.Response{Status: 201, Header: http.Header{"Location": {"/f/\xe9\x00'\\"}}, Body: body, Ref: "ref'\\\x00\xff"}
+		scope, key := "sc'\\\x00\xff", fmt.Sprintf("k\x00'\"\\%d", size)
+		now := time.Now()
+
+		// Single transaction.
+		_, tx, rec, err := s.BeginLocked(ctx, scope, key+"s", now)
+		if err != nil || rec != nil {
+			t.Fatalf("BeginLocked = %+v, %v", rec, err)
+		}
+		want := &idem.Record{Scope: scope, Key: key + "s", State: idem.StateComplete, Fingerprint: "fp'\\\x00",
+			Token: "tok", CreatedAt: now, LeaseUntil: now, ExpiresAt: now.Add(time.Hour), Response: resp}
+		if err := tx.Insert(ctx, want); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		checkStored(t, s, scope, key+"s", resp, now)
+
+		// Claim-then-complete, in the transaction.
+		req := idem.ClaimRequest{Scope: scope, Key: key + "c", Fingerprint: "fp'\\\x00", Token: "tok'\\\x00",
+			Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)}
+		if _, claimed, err := s.Claim(ctx, req); err != nil || !claimed {
+			t.Fatalf("Claim = %v, %v", claimed, err)
+		}
+		_, ttx, err := s.BeginTx(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ttx.Complete(ctx, scope, key+"c", req.Token, resp, now, now.Add(time.Hour)); err != nil {
+			t.Fatal(err)
+		}
+		if err := ttx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		checkStored(t, s, scope, key+"c", resp, now)
+	}
+}
+
+func checkStored(t *testing.T, s *mysqlstore.Store, scope, key string, want *idem.Response, now time.Time) {
+	t.Helper()
+	rec, err := s.Get(ctxFor(t), scope, key, now)
+	if err != nil {
+		t.Fatalf("Get(%q, %q): %v", scope, key, err)
+	}
+	got := rec.Response
+	if rec.Scope != scope || rec.Key != key || got == nil || got.Status != want.Status || !bytes.Equal(got.Body, want.Body) ||
+		got.Body == nil || got.Ref != want.Ref || got.Header.Get("Location") != want.Header.Get("Location") {
+		t.Fatalf("stored (%q, %q) = %+v, want %+v", rec.Scope, rec.Key, got, want)
 	}
 }

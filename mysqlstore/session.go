@@ -37,10 +37,14 @@ func (s *Store) settingsFor(ctx context.Context, conn *sql.Conn) (*settings, err
 	)
 	st := &settings{multi: true}
 	// A connection without multiStatements refuses two statements in one query
-	// with a syntax error (1064) and runs neither.
-	err := conn.QueryRowContext(ctx, "DO 0; "+read).Scan(&logBin, &sqlLogBin, &format, &version)
-	if code, ok := errorNumber(err); ok && code == 1064 {
+	// with a syntax error (1064) and runs neither. Any other failure (a driver
+	// that does not pass over the first statement's empty result, say) also
+	// means one statement per query.
+	if err := conn.QueryRowContext(ctx, "DO 0; "+read).Scan(&logBin, &sqlLogBin, &format, &version); err != nil {
 		st.multi = false
+	}
+	var err error
+	if !st.multi {
 		err = conn.QueryRowContext(ctx, read).Scan(&logBin, &sqlLogBin, &format, &version)
 	}
 	if err != nil {

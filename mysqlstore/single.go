@@ -234,7 +234,7 @@ func (t *lockedTx) Commit(ctx context.Context) error {
 			}
 		}
 		err := t.tx.Commit()
-		t.release()
+		t.release(err == nil)
 		if err != nil {
 			return fmt.Errorf("mysqlstore: commit: %w", err)
 		}
@@ -273,8 +273,7 @@ func (t *lockedTx) Commit(ctx context.Context) error {
 // COMMIT: nothing was committed. It rolls back, releases the lock and says what
 // happened.
 func (t *lockedTx) fail(err error) error {
-	_ = t.tx.Rollback()
-	t.release()
+	t.release(t.tx.Rollback() == nil)
 	if code, ok := errorNumber(err); ok && code == 1305 { // ER_SP_DOES_NOT_EXIST
 		return errAborted(err)
 	}
@@ -299,7 +298,7 @@ func (t *lockedTx) Rollback(context.Context) error {
 	}
 	t.done = true
 	err := t.tx.Rollback()
-	t.release()
+	t.release(err == nil)
 	if err != nil && !errors.Is(err, sql.ErrTxDone) {
 		return fmt.Errorf("mysqlstore: rollback: %w", err)
 	}
@@ -309,9 +308,13 @@ func (t *lockedTx) Rollback(context.Context) error {
 // release frees the lock and turns autocommit back on (see Store.BeginTx) in one
 // statement, which fails, changing nothing, when the lock was not this
 // session's; then it returns the connection to the pool. When either cannot be
-// confirmed, it closes the connection instead, which frees every lock the
-// session holds.
-func (t *lockedTx) release() {
+// confirmed, or when ended is false (see unguard), it closes the connection
+// instead, which frees every lock the session holds.
+func (t *lockedTx) release(ended bool) {
+	if !ended {
+		t.discard()
+		return
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if _, err := t.conn.ExecContext(ctx, "SET autocommit = IF(RELEASE_LOCK("+t.lock+") = 1, 1, 2)"); err != nil {

@@ -50,6 +50,12 @@ func Tx(ctx context.Context) *sql.Tx {
 // idem.ErrTxAborted and nothing commits. The session's autocommit is set back
 // before the connection returns to the pool, or the connection is closed.
 //
+// Round trips: START TRANSACTION, then one SET (autocommit off, isolation level
+// of the next transaction) and the savepoint; Complete releases the savepoint
+// and updates; Commit commits and turns autocommit on. With multiStatements=true
+// on the DSN the statements of each step go in one round trip (see the package
+// doc, "Round trips").
+//
 // The transaction is bound to ctx: database/sql rolls it back when ctx ends,
 // which happens when the middleware finds the lease lost (the middleware does not
 // pass on the client's cancellation: a client that hangs up does not end it).
@@ -154,8 +160,17 @@ func (s *Store) checkOpen(ctx context.Context, tx *sql.Tx) error {
 }
 
 // unguard turns autocommit back on in conn's session and returns conn to the
-// pool; when that cannot be confirmed it closes the connection instead.
-func unguard(ctx context.Context, conn *sql.Conn) {
+// pool; when that cannot be confirmed it closes the connection instead. ended
+// says that this store's own COMMIT or ROLLBACK ended the transaction; without
+// it the connection is closed: turning autocommit on commits an open
+// transaction, and when database/sql ends it on its own (the context ended:
+// it marks the Tx done, then sends ROLLBACK and closes the connection), the SET
+// could reach the server before that ROLLBACK and commit the handler's writes.
+func unguard(ctx context.Context, conn *sql.Conn, ended bool) {
+	if !ended {
+		discard(conn)
+		return
+	}
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
 	if _, err := conn.ExecContext(rctx, guardOff); err != nil {
@@ -206,7 +221,8 @@ func (t *txn) Complete(ctx context.Context, scope, key, token string, resp *idem
 		return err
 	}
 	var res sql.Result
-	if t.st.multi && len(args[1].([]byte))+len(args[2].([]byte)) <= inlineLimit {
+	small := len(args[1].([]byte))+len(args[2].([]byte)) <= inlineLimit
+	if t.st.multi && small {
 		// The check and the update in one round trip (see check for the order).
 		t.mu.Lock()
 		if t.checked {
@@ -229,7 +245,9 @@ func (t *txn) Complete(ctx context.Context, scope, key, token string, resp *idem
 		}
 		// Use the statement Claim prepared; never prepare one here, which would need a
 		// second connection while this transaction holds one.
-		if st := t.s.cached(t.s.q.complete); st != nil {
+		if small {
+			res, err = t.tx.ExecContext(ctx, completeSQL(t.s.q, args))
+		} else if st := t.s.cached(t.s.q.complete); st != nil {
 			res, err = t.tx.StmtContext(ctx, st).ExecContext(ctx, args...)
 		} else {
 			res, err = t.tx.ExecContext(ctx, t.s.q.complete, args...)
@@ -287,12 +305,11 @@ func (t *txn) Commit(ctx context.Context) error {
 	}
 	t.done = true
 	if err := t.checkLocked(ctx); err != nil {
-		_ = t.tx.Rollback()
-		unguard(t.ctx, t.conn)
+		unguard(t.ctx, t.conn, t.tx.Rollback() == nil)
 		return err
 	}
 	err := t.tx.Commit()
-	unguard(t.ctx, t.conn)
+	unguard(t.ctx, t.conn, err == nil)
 	return t.explain(err)
 }
 
@@ -305,7 +322,7 @@ func (t *txn) Rollback(context.Context) error {
 	}
 	t.done = true
 	err := t.tx.Rollback()
-	unguard(t.ctx, t.conn)
+	unguard(t.ctx, t.conn, err == nil)
 	if errors.Is(err, sql.ErrTxDone) {
 		return nil
 	}
