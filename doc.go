@@ -16,6 +16,22 @@
 //   - in flight or complete with a different request fingerprint: 422
 //     (idempotency_key_reused).
 //
+// The state machine of one record, as the middleware drives it:
+//
+//	                 claim (atomic)                    complete (fenced by token)
+//	  absent ───────────────────────────▶ in flight ───────────────────────────▶ complete
+//	    ▲  ▲                              │  ▲   │                                   │
+//	    │  └──── release (panic, unkept  ─┘  │   │ lease lapsed: takeover            │
+//	    │        outcome, failed commit)     └───┘ under a new token                 │
+//	    └──────────────────────────── expired (TTL; never while a lease is live) ◀───┘
+//
+// A handler that runs longer than the TTL keeps its key: lease renewal raises
+// the record's expiry. Once claimed, the operation runs to its end whatever the
+// client does: the handler's context keeps the request's values but not the
+// client's cancellation, and ends only at Config.HandlerTimeout or when the
+// lease is lost (context.Cause is then ErrLockLost). The full contract, the two
+// flows and their limits are in docs/design.md in the repository.
+//
 // Malformed or missing keys get 400, bodies over the limit 413, and a store that
 // cannot be reached 503 — the handler never runs then. Every error answer is an
 // RFC 9457 problem (application/problem+json) with a stable "code" member.
