@@ -18,12 +18,12 @@
 //
 // The state machine of one record, as the middleware drives it:
 //
-//	                 claim (atomic)                    complete (fenced by token)
-//	  absent ───────────────────────────▶ in flight ───────────────────────────▶ complete
-//	    ▲  ▲                              │  ▲   │                                   │
-//	    │  └──── release (panic, unkept  ─┘  │   │ lease lapsed: takeover            │
-//	    │        outcome, failed commit)     └───┘ under a new token                 │
-//	    └──────────────────────────── expired (TTL; never while a lease is live) ◀───┘
+//	               claim (atomic)                    complete (fenced by token)
+//	absent ───────────────────────────▶ in flight ───────────────────────────▶ complete
+//	  ▲  ▲                              │  ▲   │                                   │
+//	  │  └──── release (panic, unkept  ─┘  │   │ lease lapsed: takeover            │
+//	  │        outcome, failed commit)     └───┘ under a new token                 │
+//	  └──────────────────────────── expired (TTL; never while a lease is live) ◀───┘
 //
 // A handler that runs longer than the TTL keeps its key: lease renewal raises
 // the record's expiry. Once claimed, the operation runs to its end whatever the
