@@ -541,7 +541,8 @@ func runModel(t *rapid.T, tg *target, run modelRun) {
 }
 
 func (h *harness) buildMiddleware() {
-	cfg := &idem.Config{Lease: modelLease, TTL: h.ttl, NowFunc: h.clock.Now}
+	// The flow is named, never FlowAuto: the model must know which one runs.
+	cfg := &idem.Config{Lease: modelLease, TTL: h.ttl, NowFunc: h.clock.Now, Flow: idem.FlowClaimComplete}
 	if h.single {
 		cfg.Flow = idem.FlowSingleTx
 	}
