@@ -195,7 +195,7 @@
 //     and key: an unrelated application's advisory lock on the same number would
 //     look like a request in flight (409), never like a free key. Spell the table
 //     the same way in every service that shares it; if two spellings race, the
-//     INSERT … ON CONFLICT still lets only one of them commit.
+//     record insert at COMMIT still lets only one of them commit.
 //   - Statements are prepared and cached by pgx; behind PgBouncer in transaction
 //     mode use a pool whose DefaultQueryExecMode is QueryExecModeExec.
 //   - The response body is kept in one bytea value (PostgreSQL's limit is 1 GB;
