@@ -1,0 +1,55 @@
+// Package idemgrpc gives unary gRPC methods the Idempotency-Key contract of
+// package idem: a retried call with the same key runs the method once, and every
+// retry gets the outcome of that one execution.
+//
+// The server interceptor (NewServer, then Server.UnaryInterceptor) reuses idem's
+// own state machine — the same stores, states, leases, fencing, TTL and
+// transactional completion as the HTTP middleware — by handing each keyed call to
+// an idem middleware as an in-process request: method POST, path the full gRPC
+// method name, body the request message's deterministic protobuf encoding, the
+// key from the "idempotency-key" metadata entry and the call's context (so the
+// scope is what an authentication interceptor in front stored with
+// idem.WithScope). The fingerprint is therefore the full method name and the
+// request message; the same key with another message is refused.
+//
+// The method's handler runs with the context idem gives a claimed request: the
+// call's values, not the client's cancellation, ending at idem.Config's
+// HandlerTimeout or when the lease is lost. With a SQL store the handler does its
+// writes in the transaction idem opened (pgstore.Tx(ctx), sqlitestore.Tx(ctx)),
+// and the stored outcome commits with them.
+//
+// What is stored and replayed is the response message, or the error status with
+// its details. A replay answers with a new message decoded from the stored bytes
+// and sets the response header "idempotent-replayed: true". Header and trailer
+// metadata the handler set are not stored: a replay carries only that header.
+//
+// idem's own answers map to gRPC status codes:
+//
+//	missing or invalid key          InvalidArgument
+//	in flight (key in use)          Aborted, with a RetryInfo detail (the lease left)
+//	lease lost to a takeover        Aborted, with a RetryInfo detail
+//	key reused with another message FailedPrecondition, ErrorInfo reason IDEMPOTENCY_KEY_REUSED
+//	request message too large       ResourceExhausted
+//	store unreachable               Unavailable, with a RetryInfo detail
+//	commit failed or unconfirmed    Unavailable
+//	transaction rolled back         Aborted
+//	outcome unknown (LapsedRefuse)  FailedPrecondition
+//	response too large to keep      Internal
+//
+// Each of these carries an ErrorInfo detail whose reason is idem's problem code
+// in upper case (IDEMPOTENCY_KEY_IN_USE, …) and whose domain is ErrorDomain.
+//
+// A handler's error is stored under an HTTP status derived from its gRPC code
+// (HTTPStatus), so idem.Config.KeepFunc decides by it: KeepFunc returning false
+// for 5xx releases the key after Internal or Unavailable errors, and the retry
+// runs again.
+//
+// The client interceptor (UnaryClientInterceptor) makes one key per call, before
+// its first attempt, and sends it with every attempt of that call: gRPC's own
+// retry policy (service config) and retry interceptors placed after it resend the
+// same metadata.
+//
+// Streaming RPCs are out of scope: there is no stream interceptor. A stream has
+// no single request and response to fingerprint and replay; make the write a
+// unary method, or key the stream's messages yourself.
+package idemgrpc
