@@ -1,0 +1,342 @@
+package idem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"time"
+)
+
+// The claim-then-complete flow: an atomic claim committed on its own, the
+// handler under a renewed lease (inside a transaction with a TxStore), and the
+// fenced completion; what happens when any of it fails.
+
+// serveClaim is the claim-then-complete flow.
+func (h *handler) serveClaim(w http.ResponseWriter, req *request) {
+	ctx := req.r.Context()
+	now := h.NowFunc()
+	claim := ClaimRequest{
+		Scope: req.scope, Key: req.key, Fingerprint: req.fp, Token: newToken(),
+		Now: now, LeaseUntil: now.Add(h.Lease), ExpiresAt: now.Add(h.TTL),
+	}
+	rec, claimed, err := h.store.Claim(ctx, claim)
+	if err != nil {
+		h.storeFailed(w, req, "claim", err)
+		return
+	}
+	if !claimed {
+		match, legacy := sameRequest(req.fp, rec.Fingerprint, req.r, req.body)
+		if !match {
+			h.mismatch(w, req, rec)
+			return
+		}
+		if rec.State == StateComplete {
+			h.replay(w, req, rec)
+			return
+		}
+		if legacy != "" && !rec.LeaseUntil.After(now) {
+			// A lapsed claim written under an older fingerprint version: claim it
+			// with the fingerprint it was stored under.
+			claim.Fingerprint = legacy
+			rec, claimed, err = h.store.Claim(ctx, claim)
+			if err != nil {
+				h.storeFailed(w, req, "claim", err)
+				return
+			}
+		}
+		if !claimed {
+			if rec.State == StateComplete {
+				h.replay(w, req, rec)
+				return
+			}
+			h.inFlight(w, req, rec.LeaseUntil.Sub(now))
+			return
+		}
+	}
+	if now.Sub(rec.CreatedAt) > time.Millisecond { // a takeover keeps the first claim's CreatedAt; stores may round to milliseconds
+		if h.LapsedLease == LapsedRefuse {
+			h.refuseLapsed(w, req, claim.Token, now)
+			return
+		}
+		h.observe(req, Event{Kind: EventTakenOver})
+	}
+	h.execute(w, req, claim.Token)
+}
+
+// refuseLapsed answers a request that took over a lapsed lease under
+// LapsedRefuse. The takeover fenced the lapsed holder out; the lease is put back
+// to lapsed under the new token, so that the record stays in flight, unresolved,
+// and the next request with the key is refused in the same way.
+func (h *handler) refuseLapsed(w http.ResponseWriter, req *request, token string, now time.Time) {
+	cctx := req.freshCleanup()
+	err := h.store.Extend(cctx, req.scope, req.key, token, now, now)
+	req.cctx.stop()
+	h.problem(w, req, EventInFlight, errors.Join(ErrOutcomeUnknown, err), CodeOutcomeUnknown,
+		"an earlier request with this key did not finish (its server or upstream failed mid-request), so whether its operation took effect is unknown; it is not run again on its own. An operator resolves the key with idem resolve (an answer, or a release so that the next request runs it); until then every request with this key gets this answer", 0)
+}
+
+// execute runs the handler of a claimed request and settles its outcome.
+func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
+	r := req.r
+	h.claimed(req)
+	rw := req.recorder(w)
+	// The handler's context: the request's values, not the client's cancellation
+	// (a claimed operation runs to its end), HandlerTimeout, and ErrLockLost as the
+	// cause when the lease is lost.
+	req.exec.init(r.Context(), h.handlerDeadline(), rw)
+	defer req.exec.end(nil)
+	hctx := &req.exec
+	var ctx context.Context = hctx
+	var tx Tx
+	if h.txStore != nil {
+		var err error
+		ctx, tx, err = h.txStore.BeginTx(ctx)
+		if err != nil {
+			cctx := req.freshCleanup()
+			defer req.cctx.stop()
+			relErr := h.releaseKey(cctx, req, token)
+			h.problem(w, req, EventStoreError, fmt.Errorf("begin transaction: %w", err), CodeStoreUnavailable,
+				"the idempotency store could not start a transaction, so the request was not executed; "+retryNote(relErr), retrySeconds(relErr, h.Lease))
+			return
+		}
+	}
+	rw.limited, rw.limit = h.ReplayFunc == nil, h.MaxStoredBody
+	if tx == nil {
+		rw.spill = req.spillOutcome
+	}
+	req.startTimer(token, true)
+	settled := false
+	defer func() {
+		if settled {
+			return
+		}
+		// The handler panicked: leave nothing behind, then let the panic go on.
+		req.stopRenewal()
+		cctx := req.freshCleanup()
+		if tx != nil {
+			_ = tx.Rollback(cctx)
+		}
+		if !req.spilled {
+			h.observe(req, Event{Kind: EventReleased, Err: h.releaseKey(cctx, req, token)})
+		}
+		req.cctx.stop()
+	}()
+	h.next.ServeHTTP(rw, r.WithContext(ctx))
+	settled = true
+	req.stopRenewal()
+
+	cctx := req.freshCleanup()
+	defer req.cctx.stop()
+	if req.spilled {
+		return // too large to keep: stored without its body and streamed already
+	}
+	if rw.unknown {
+		// The handler cannot know its outcome: neither kept nor released, the
+		// record stays in flight until its lease lapses (Config.LapsedLease).
+		if tx != nil {
+			_ = tx.Rollback(cctx)
+		}
+		h.observe(req, Event{Kind: EventInFlight, Status: rw.statusOrOK(), Err: ErrOutcomeUnknown})
+		rw.send()
+		return
+	}
+	status := rw.statusOrOK()
+	if !h.KeepFunc(status) {
+		if tx != nil {
+			_ = tx.Rollback(cctx)
+		}
+		h.observe(req, Event{Kind: EventReleased, Status: status, Err: h.releaseKey(cctx, req, token)})
+		rw.send()
+		return
+	}
+	resp := h.response(w, rw)
+	if tx == nil {
+		now := h.NowFunc()
+		err := h.store.Complete(cctx, req.scope, req.key, token, resp, now, now.Add(h.TTL))
+		h.observeCompletion(req, status, err)
+		rw.send() // the handler's effects happened; the client hears what they were
+		return
+	}
+	if rw.overLimit() {
+		_ = tx.Rollback(cctx)
+		relErr := h.releaseKey(cctx, req, token)
+		rw.discardHeaders()
+		h.responseTooLarge(w, req, rw.size, relErr)
+		return
+	}
+	now := h.NowFunc()
+	err := tx.Complete(cctx, req.scope, req.key, token, resp, now, now.Add(h.TTL))
+	committing := err == nil
+	if committing {
+		err = tx.Commit(cctx)
+	}
+	if err == nil {
+		h.observe(req, Event{Kind: EventExecuted, Status: status})
+		rw.send()
+		return
+	}
+	_ = tx.Rollback(cctx)
+	switch {
+	case h.lockLost(err, req):
+		rw.discardHeaders()
+		h.leaseLost(w, req, err)
+	case errors.Is(err, ErrTxAborted):
+		h.txAborted(w, req, resp, err, func() error { return h.storeAborted(cctx, req, token, resp) }, func() error { return h.releaseKey(cctx, req, token) })
+	case hctx.Err() != nil && !committing:
+		relErr := h.releaseKey(cctx, req, token)
+		rw.discardHeaders()
+		h.problem(w, req, EventStoreError, fmt.Errorf("complete: %w", err), CodeCommitFailed,
+			fmt.Sprintf("the handler ran past HandlerTimeout (%v), so its transaction was rolled back and nothing was committed; ", h.HandlerTimeout)+retryNote(relErr), retrySeconds(relErr, h.Lease))
+	case !committing:
+		relErr := h.releaseKey(cctx, req, token)
+		rw.discardHeaders()
+		h.problem(w, req, EventStoreError, fmt.Errorf("complete: %w", err), CodeStoreUnavailable,
+			"the idempotency store failed while storing the outcome, so the transaction was rolled back and nothing was committed; "+retryNote(relErr), retrySeconds(relErr, h.Lease))
+	default:
+		// The commit's outcome is unknown: if it went through, the record is complete
+		// and the release below changes nothing.
+		relErr := h.releaseKey(cctx, req, token)
+		rw.discardHeaders()
+		h.problem(w, req, EventStoreError, fmt.Errorf("commit: %w", err), CodeCommitFailed, commitFailedDetail(relErr), retrySeconds(relErr, h.Lease))
+	}
+}
+
+// spillOutcome is the recorder's spill in the claim-then-complete flow without a
+// transaction: the response outgrew MaxStoredBody, so its outcome is stored now,
+// without the body (retries get idempotency_response_too_large), and the rest of
+// the response streams to the client. It runs on the handler's goroutine.
+func (req *request) spillOutcome() {
+	h, rw := req.h, &req.rw
+	req.stopRenewal()
+	req.spilled = true
+	cctx := req.freshCleanup()
+	status := rw.statusOrOK()
+	if !h.KeepFunc(status) {
+		h.observe(req, Event{Kind: EventReleased, Status: status, Err: h.releaseKey(cctx, req, req.token)})
+		return
+	}
+	resp := &Response{Status: status, Header: h.storedHeader(rw.w.Header()), Ref: rw.ref, BodyOmitted: true}
+	now := h.NowFunc()
+	err := h.store.Complete(cctx, req.scope, req.key, req.token, resp, now, now.Add(h.TTL))
+	h.observeCompletion(req, status, err)
+}
+
+// response is the outcome to store for the handler's answer in rw.
+func (h *handler) response(w http.ResponseWriter, rw *recorder) *Response {
+	resp := &Response{Status: rw.statusOrOK(), Header: h.storedHeader(w.Header()), Ref: rw.ref}
+	if h.ReplayFunc != nil || rw.overLimit() {
+		resp.BodyOmitted = true
+	} else {
+		resp.Body = rw.body.Bytes()
+	}
+	return resp
+}
+
+// observeCompletion reports the outcome of a completion outside a transaction.
+func (h *handler) observeCompletion(req *request, status int, err error) {
+	switch {
+	case err == nil:
+		h.observe(req, Event{Kind: EventExecuted, Status: status})
+	case h.lockLost(err, req):
+		h.observe(req, Event{Kind: EventLeaseLost, Status: status, Err: err})
+	default:
+		h.observe(req, Event{Kind: EventStoreError, Status: status, Err: fmt.Errorf("complete: %w", err)})
+	}
+}
+
+// lockLost reports whether err, or the end of the handler's context, means the
+// request's lease was lost: the one predicate for every completion and commit.
+func (h *handler) lockLost(err error, req *request) bool {
+	return errors.Is(err, ErrLockLost) || req.exec.lockLost()
+}
+
+// storeAborted keeps the handler's answer of a request whose transaction the
+// database aborted, fenced by token, outside the transaction.
+func (h *handler) storeAborted(ctx context.Context, req *request, token string, resp *Response) error {
+	now := h.NowFunc()
+	return h.store.Complete(ctx, req.scope, req.key, token, resp, now, now.Add(h.TTL))
+}
+
+// txAborted answers a request whose transaction the database had aborted, so
+// that none of its writes committed. An error answer of the handler (a failed
+// statement it caught and answered 4xx for) is the true outcome: it is kept with
+// keep and sent, and a retry hears it again. A success answer is not true — the
+// writes it reports were rolled back — so the key is given up with release and
+// the client hears that nothing happened.
+func (h *handler) txAborted(w http.ResponseWriter, req *request, resp *Response, cause error, keep, release func() error) {
+	rw := &req.rw
+	if resp.Status >= http.StatusBadRequest {
+		err := keep()
+		switch {
+		case err == nil:
+			h.observe(req, Event{Kind: EventExecuted, Status: resp.Status, Err: cause})
+		case h.lockLost(err, req):
+			rw.discardHeaders()
+			h.leaseLost(w, req, err)
+			return
+		default:
+			// Nothing was committed, so giving the key up is safe: a retry runs afresh.
+			_ = release()
+			h.observe(req, Event{Kind: EventStoreError, Status: resp.Status, Err: fmt.Errorf("keep the answer of an aborted transaction: %w", err)})
+		}
+		rw.send()
+		return
+	}
+	relErr := release()
+	rw.discardHeaders()
+	h.problem(w, req, EventReleased, cause, CodeTxAborted,
+		fmt.Sprintf("the database rolled the handler's transaction back (a statement in it failed, or it was chosen as a deadlock victim) although the handler answered %d, so nothing was committed; ", resp.Status)+retryNote(relErr), 0)
+}
+
+// retryNote ends a problem detail with what a retry will meet, given the error
+// of releasing the key.
+func retryNote(relErr error) string {
+	if relErr == nil {
+		return "the key was released: retry with the same key"
+	}
+	return "the key could not be released either (the store failed), so retries with the same key get 409 until its lease lapses and then run afresh"
+}
+
+// retrySeconds is the Retry-After of a problem after which the key was released
+// (1 s), or could not be (the lease).
+func retrySeconds(relErr error, lease time.Duration) int {
+	if relErr == nil {
+		return 1
+	}
+	return max(1, int((lease+time.Second-1)/time.Second))
+}
+
+// commitFailedDetail explains a commit whose outcome is unknown.
+func commitFailedDetail(relErr error) string {
+	d := "the transaction's commit failed, so whether it took effect is not known here: if it did, a retry with the same key gets its stored outcome; if not, the retry runs the operation again"
+	if relErr != nil {
+		d += " (after the lease lapses: the key could not be released either)"
+	}
+	return d + "; retry with the same key"
+}
+
+// storedHeader copies the allow-listed headers out of src, into storage of its
+// own: middleware outside idem may change the header map after the handler.
+func (h *handler) storedHeader(src http.Header) http.Header {
+	n, names := 0, 0
+	for _, name := range h.storedHdrs {
+		if v := src[name]; len(v) > 0 {
+			n += len(v)
+			names++
+		}
+	}
+	if n == 0 {
+		return nil
+	}
+	out := make(http.Header, names)
+	vals := make([]string, 0, n)
+	for _, name := range h.storedHdrs {
+		if v, ok := src[name]; ok && len(v) > 0 {
+			start := len(vals)
+			vals = append(vals, v...)
+			out[name] = vals[start:len(vals):len(vals)]
+		}
+	}
+	return out
+}
