@@ -65,15 +65,16 @@ func tenantAuth(ctx context.Context, req any, info *grpc.UnaryServerInfo, handle
 	return handler(ctx, req)
 }
 
-// serve starts a gRPC server on a loopback port with tenantAuth and, when s is
-// not nil, the idem interceptor in front of svc; it returns the address.
-func serve(t testing.TB, s *idemgrpc.Server, svc *ordersService) string {
+// serve starts a gRPC server on a loopback port with the interceptors first,
+// then tenantAuth and, when s is not nil, the idem interceptor in front of svc;
+// it returns the address.
+func serve(t testing.TB, s *idemgrpc.Server, svc *ordersService, first ...grpc.UnaryServerInterceptor) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	chain := []grpc.UnaryServerInterceptor{tenantAuth}
+	chain := append(first, tenantAuth)
 	if s != nil {
 		chain = append(chain, s.UnaryInterceptor())
 	}
