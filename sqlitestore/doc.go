@@ -141,23 +141,36 @@
 //
 // # Single-transaction flow
 //
-// The Store also implements idem.SingleTxStore (idem.FlowSingleTx). BeginLocked
-// begins the transaction (taking the write lock, as BeginTx does) and reads the
-// record; the handler runs in that transaction; the record is inserted, already
-// complete, just before the one COMMIT:
+// The Store also implements idem.SingleTxStore (idem.FlowSingleTx), and prefers
+// it (idem.FlowPreferrer): with idem.Config.Flow left at idem.FlowAuto, the
+// middleware runs this flow. A first-time request costs one write transaction
+// and one commit, as the handler alone would, against two commits in the
+// claim-then-complete flow:
 //
-//	INSERT INTO idem_records AS r (…all columns…) VALUES (…)
+//	SELECT … FROM idem_records WHERE scope = ? AND key = ? AND expires_at > ?   -- no lock
+//	BEGIN IMMEDIATE                                 -- waits for the write lock
+//	UPDATE idem_records SET state = state           -- takes the write lock with any BEGIN
+//	    WHERE scope = ? AND key = ? AND expires_at > ?  -- mode, and sees a record written
+//	                                                -- since the SELECT: changes nothing
+//	…the handler's statements…
+//	INSERT INTO idem_records AS r (…all columns…) VALUES (…)   -- the record, complete
 //	ON CONFLICT (scope, key) DO UPDATE SET …all columns… = excluded.…
 //	WHERE r.expires_at <= ?   -- replaces only a record expired at the request's clock
+//	COMMIT
 //
-// SQLite has no lock per key: the write lock covers the whole file. A second
-// request for a key this Store is executing right now gets idem.ErrInFlight at
-// once (409, from an in-process set of busy keys); requests for other keys, and
-// requests for the same key from another process, wait for the write lock and
-// then find the record (a replay). A crash rolls everything back, nothing of the
-// request remains, and the retry runs at once. One commit per first-time request
-// instead of two, and no lease: prefer it for handlers whose effects all live in
-// this database.
+// The first read decides without any lock when a live record exists: a replay,
+// a 422, or a 409 for a claim-then-complete request in flight never waits for
+// the write lock, and is answered while a handler holds it. SQLite has no lock
+// per key (the write lock covers the whole file), so the key of a transaction in
+// progress is kept in a set shared by every Store on the same *sql.DB: a second
+// request for it gets idem.ErrInFlight at once (409), instead of waiting for the
+// write lock. A request for the same key from another process waits for the
+// write lock (under the busy timeout) and then finds the record, in the UPDATE
+// above: a replay. Requests for other keys wait for the write lock, as every
+// write does. A crash rolls everything back, nothing of the request remains, and
+// the retry runs at once. There is no lease, and nothing to take over: prefer
+// the claim-then-complete flow (idem.FlowClaimComplete) only for handlers with
+// effects outside this database, or longer than the busy timeout.
 //
 // # Limits
 //
@@ -166,8 +179,11 @@
 //     lock under the busy timeout.
 //   - Write throughput is that of one writer: every first-time request costs two
 //     commits in the claim-then-complete flow (the claim, then the transaction),
-//     one in the single-transaction flow. Replays and 409s of the
-//     claim-then-complete flow cost one read and never wait for the write lock.
+//     one in the single-transaction flow. Replays, 422s and 409s cost one read in
+//     either flow and never wait for the write lock.
+//   - A first-time request writes its record in three B-trees (the table, its
+//     primary key and the expires_at index): with the handler's own row, four
+//     pages per commit written to the WAL, against one for a bare insert.
 //   - Bodies are kept whole in the row; idem.Config.MaxStoredBody (1 MiB by
 //     default) bounds them. SQLite's own limit is 1 GB per value.
 package sqlitestore

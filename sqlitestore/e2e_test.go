@@ -118,12 +118,21 @@ func testRaceManyKeys(t *testing.T, flow idem.Flow) {
 // key released, so the retry runs afresh.
 func TestPanicRollsBack(t *testing.T) {
 	t.Parallel()
+	for _, flow := range []idem.Flow{idem.FlowClaimComplete, idem.FlowSingleTx} {
+		t.Run(flow.String(), func(t *testing.T) {
+			t.Parallel()
+			testPanicRollsBack(t, flow)
+		})
+	}
+}
+
+func testPanicRollsBack(t *testing.T, flow idem.Flow) {
 	db := openDB(t)
 	createOrders(t, db)
 	store := newStore(t, db)
 	var panicking atomic.Bool
 	panicking.Store(true)
-	srv := serve(t, store, nil, orderHandler(func(context.Context) {
+	srv := serve(t, store, &idem.Config{Flow: flow}, orderHandler(func(context.Context) {
 		if panicking.Load() {
 			panic(http.ErrAbortHandler) // net/http drops the connection without logging
 		}

@@ -42,7 +42,7 @@ func TestFencedCompletion(t *testing.T) {
 	createOrders(t, db)
 	store := newStore(t, db)
 	ps := &pausingStore{Store: store, paused: make(chan struct{}), proceed: make(chan struct{})}
-	srv := serve(t, ps, &idem.Config{Lease: time.Minute}, orderHandler(nil))
+	srv := serve(t, ps, &idem.Config{Lease: time.Minute, Flow: idem.FlowClaimComplete}, orderHandler(nil))
 
 	const key = "fenced-key"
 	first := make(chan answer, 1)
@@ -151,7 +151,7 @@ func TestNoTakeoverDuringTransaction(t *testing.T) {
 	}
 
 	inside, release := make(chan struct{}), make(chan struct{})
-	srv := serve(t, store, &idem.Config{Lease: 300 * time.Millisecond}, orderHandler(func(context.Context) {
+	srv := serve(t, store, &idem.Config{Lease: 300 * time.Millisecond, Flow: idem.FlowClaimComplete}, orderHandler(func(context.Context) {
 		close(inside)
 		<-release
 	}))

@@ -18,20 +18,27 @@ import (
 // the driver's busy timeout.
 type gate chan struct{}
 
-// gates holds one gate per *sql.DB, so that every Store on one database shares
-// it; an entry goes when its *sql.DB is garbage.
-var gates sync.Map // weak.Pointer[sql.DB] -> gate
+// shared is what every Store on one *sql.DB shares: the gate, and the keys of
+// the single-transaction requests in flight.
+type shared struct {
+	gate gate
+	busy busyKeys
+}
 
-func gateFor(db *sql.DB) gate {
+// dbs holds the shared state of each *sql.DB; an entry goes when its *sql.DB is
+// garbage.
+var dbs sync.Map // weak.Pointer[sql.DB] -> *shared
+
+func sharedFor(db *sql.DB) *shared {
 	k := weak.Make(db)
-	if g, ok := gates.Load(k); ok {
-		return g.(gate)
+	if sh, ok := dbs.Load(k); ok {
+		return sh.(*shared)
 	}
-	g, loaded := gates.LoadOrStore(k, make(gate, 1))
+	sh, loaded := dbs.LoadOrStore(k, &shared{gate: make(gate, 1)})
 	if !loaded {
-		runtime.AddCleanup(db, func(k weak.Pointer[sql.DB]) { gates.Delete(k) }, k)
+		runtime.AddCleanup(db, func(k weak.Pointer[sql.DB]) { dbs.Delete(k) }, k)
 	}
-	return g.(gate)
+	return sh.(*shared)
 }
 
 // errLockTimeout says what a timed-out wait for the gate means.

@@ -95,11 +95,20 @@ func TestSingleTxTakeoverOutlivesCleanupTimeout(t *testing.T) {
 // completion miss its deadline.
 func TestNowFuncBehindTheWallClock(t *testing.T) {
 	t.Parallel()
+	for _, flow := range []idem.Flow{idem.FlowClaimComplete, idem.FlowSingleTx} {
+		t.Run(flow.String(), func(t *testing.T) {
+			t.Parallel()
+			testNowFuncBehindTheWallClock(t, flow)
+		})
+	}
+}
+
+func testNowFuncBehindTheWallClock(t *testing.T, flow idem.Flow) {
 	db := openDB(t)
 	createOrders(t, db)
 	store := newStore(t, db)
 	behind := func() time.Time { return time.Now().Add(-time.Minute) }
-	srv := serve(t, store, &idem.Config{NowFunc: behind}, orderHandler(nil))
+	srv := serve(t, store, &idem.Config{NowFunc: behind, Flow: flow}, orderHandler(nil))
 	if a := post(t, srv.URL, "k", "lamp"); a.status != http.StatusCreated {
 		t.Fatalf("with NowFunc a minute behind: %d %s, want 201", a.status, a.body)
 	}
@@ -114,6 +123,15 @@ func TestNowFuncBehindTheWallClock(t *testing.T) {
 // running the handler again.
 func TestHandledConstraintViolationIsReplayed(t *testing.T) {
 	t.Parallel()
+	for _, flow := range []idem.Flow{idem.FlowClaimComplete, idem.FlowSingleTx} {
+		t.Run(flow.String(), func(t *testing.T) {
+			t.Parallel()
+			testHandledConstraintViolationIsReplayed(t, flow)
+		})
+	}
+}
+
+func testHandledConstraintViolationIsReplayed(t *testing.T, flow idem.Flow) {
 	db := openDB(t)
 	if _, err := db.Exec(`CREATE TABLE carts (id TEXT PRIMARY KEY)`); err != nil {
 		t.Fatal(err)
@@ -123,7 +141,7 @@ func TestHandledConstraintViolationIsReplayed(t *testing.T) {
 	}
 	store := newStore(t, db)
 	runs := 0
-	srv := serve(t, store, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	srv := serve(t, store, &idem.Config{Flow: flow}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		runs++
 		tx := sqlitestore.Tx(r.Context())
 		if _, err := tx.ExecContext(r.Context(), `INSERT INTO carts (id) VALUES ('c_42')`); err != nil {

@@ -2,18 +2,31 @@ package sqlitestore
 
 import (
 	"context"
+	"database/sql"
+	"fmt"
 	"sync"
 	"time"
 
 	"github.com/idemkit/idem"
 )
 
-var _ idem.SingleTxStore = (*Store)(nil)
+var (
+	_ idem.SingleTxStore = (*Store)(nil)
+	_ idem.FlowPreferrer = (*Store)(nil)
+)
 
-// recordKey identifies a record.
-type recordKey struct{ scope, key string }
+// PreferredFlow implements idem.FlowPreferrer: idem.FlowAuto runs the
+// single-transaction flow on a Store. A first-time request costs one write
+// transaction and one commit there, against two commits in the
+// claim-then-complete flow; see "Single-transaction flow" in the package
+// documentation.
+func (s *Store) PreferredFlow() idem.Flow { return idem.FlowSingleTx }
 
-// busyKeys are the keys of this Store's single-flow transactions in progress.
+// recordKey identifies a record among the stores on one *sql.DB.
+type recordKey struct{ table, scope, key string }
+
+// busyKeys are the keys of the single-flow transactions in progress on one
+// *sql.DB, in every Store on it.
 type busyKeys struct {
 	mu sync.Mutex
 	m  map[recordKey]struct{}
@@ -41,47 +54,84 @@ func (b *busyKeys) remove(k recordKey) {
 // BeginLocked implements idem.SingleTxStore (idem.FlowSingleTx). SQLite has no
 // lock per key; the transaction's write lock covers the whole database, so:
 //
-//   - When this Store already runs a single-flow transaction for (scope, key),
-//     BeginLocked returns idem.ErrInFlight at once (the middleware answers 409).
+//   - BeginLocked first reads the record without any lock. A live record (a
+//     replay, a 409 or a 422 for the middleware) is returned at once with a
+//     LockedTx that holds nothing: those answers never wait for the write lock.
+//   - When a Store on the same *sql.DB already runs a single-flow transaction
+//     for (scope, key), BeginLocked returns idem.ErrInFlight at once (the
+//     middleware answers 409).
 //   - Otherwise it waits for the write lock like BeginTx (Config.LockTimeout in
-//     this process, the busy timeout behind another process), then reads the
-//     record. A request for the same key in another process thus waits for that
-//     process's transaction and then finds its complete record (a replay), rather
-//     than a 409.
+//     this process, the busy timeout behind another process) and reads the
+//     record again, in the transaction and in the statement that takes the
+//     lock. A record written meanwhile (by another process, say) is returned
+//     and the transaction rolled back; a request for the same key in another
+//     process thus waits for that process's transaction and then finds its
+//     complete record (a replay), rather than a 409.
 //
 // Nothing is written before Insert: a crash rolls everything back, and the retry
 // runs at once.
 func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Time) (context.Context, idem.LockedTx, *idem.Record, error) {
-	k := recordKey{scope, key}
+	n := nanos(now)
+	r, err := s.read(ctx, scope, key, true, n)
+	if err != nil {
+		return ctx, nil, nil, wrap("begin locked: read record", err)
+	}
+	if r != nil {
+		rec, err := r.record(scope, key)
+		if err != nil {
+			return ctx, nil, nil, err
+		}
+		return ctx, noTx{}, rec, nil
+	}
+	k := recordKey{s.table, scope, key}
 	if !s.busy.tryAdd(k) {
 		return ctx, nil, nil, idem.ErrInFlight
 	}
-	tctx, itx, err := s.BeginTx(ctx)
+	t, err := s.begin(ctx)
 	if err != nil {
 		s.busy.remove(k)
-		return ctx, nil, nil, err
+		return ctx, nil, nil, wrap("begin locked", err)
 	}
-	t := itx.(*storeTx)
-	lt := &lockedTx{storeTx: t, now: nanos(now), release: func() { s.busy.remove(k) }}
-	st, err := s.stmt(ctx, stmtGetLive, t.tx)
-	if err != nil {
-		_ = lt.Rollback(ctx)
-		return ctx, nil, nil, wrap("begin locked: read record", err)
-	}
-	r, err := scanRow(st.QueryRowContext(ctx, scope, key, lt.now))
-	if err != nil {
-		_ = lt.Rollback(ctx)
-		return ctx, nil, nil, wrap("begin locked: read record", err)
-	}
-	var rec *idem.Record
-	if r != nil {
-		if rec, err = r.record(scope, key); err != nil {
-			_ = lt.Rollback(ctx)
-			return ctx, nil, nil, err
+	lt := &lockedTx{storeTx: t, now: n, release: func() { s.busy.remove(k) }}
+	// The write lock is held once the first statement ran: the transaction's
+	// statements never wait, so they need no cancellation (which costs the
+	// driver a goroutine per statement); database/sql still ends the
+	// transaction when ctx ends.
+	sctx := context.WithoutCancel(ctx)
+	live, err := t.exec(sctx, stmtLockLive, scope, key, n)
+	if err == nil && live > 0 {
+		// Written since the first read (by another process, say): read it under
+		// the lock.
+		var st *sql.Stmt
+		if st, err = s.stmt(sctx, stmtGetLive, t.tx); err == nil {
+			r, err = scanRow(st.QueryRowContext(sctx, scope, key, n))
 		}
 	}
-	return tctx, lt, rec, nil
+	if err != nil {
+		_ = lt.Rollback(ctx)
+		return ctx, nil, nil, wrap("begin locked: take the write lock and read the record", err)
+	}
+	if r != nil {
+		_ = lt.Rollback(ctx)
+		rec, err := r.record(scope, key)
+		if err != nil {
+			return ctx, nil, nil, err
+		}
+		return ctx, noTx{}, rec, nil
+	}
+	return context.WithValue(ctx, txKey{}, t), lt, nil, nil
 }
+
+// noTx is the LockedTx of a BeginLocked that found a live record: it holds no
+// transaction, and the middleware only rolls it back. Insert writes nothing and
+// reports the live record as idem.ErrInFlight, as a lockedTx would.
+type noTx struct{}
+
+var errNoTx = fmt.Errorf("%w (BeginLocked found a live record, so there is no transaction to write in)", idem.ErrInFlight)
+
+func (noTx) Insert(context.Context, *idem.Record) error { return wrap("insert", errNoTx) }
+func (noTx) Commit(context.Context) error               { return nil }
+func (noTx) Rollback(context.Context) error             { return nil }
 
 // lockedTx is the idem.LockedTx of a Store.
 type lockedTx struct {
@@ -103,17 +153,10 @@ func (t *lockedTx) Insert(ctx context.Context, rec *idem.Record) error {
 	if err != nil {
 		return wrap("insert", err)
 	}
-	st, err := t.s.stmt(ctx, stmtInsert, t.tx)
-	if err != nil {
-		return wrap("insert", err)
-	}
-	res, err := st.ExecContext(ctx, rec.Scope, rec.Key, int64(rec.State), rec.Fingerprint, rec.Token,
+	// Under the write lock the statement never waits: no cancellation needed.
+	n, err := t.exec(context.WithoutCancel(ctx), stmtInsert, rec.Scope, rec.Key, int64(rec.State), rec.Fingerprint, rec.Token,
 		nanos(rec.CreatedAt), nanos(rec.LeaseUntil), nanos(rec.ExpiresAt),
 		rec.Response.Status, headers, body, rec.Response.BodyOmitted, ref, t.now)
-	if err != nil {
-		return wrap("insert", err)
-	}
-	n, err := res.RowsAffected()
 	if err != nil {
 		return wrap("insert", err)
 	}

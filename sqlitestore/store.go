@@ -55,7 +55,7 @@ type Store struct {
 
 	mu       sync.Mutex // guards preparing
 	prepared [numStmts]atomic.Pointer[sql.Stmt]
-	busy     busyKeys
+	busy     *busyKeys // shared by the Stores on db
 }
 
 var (
@@ -88,10 +88,12 @@ func New(db *sql.DB, cfg *Config) (*Store, error) {
 	case c.LockTimeout < 0:
 		return nil, fmt.Errorf("sqlitestore: Config.LockTimeout is %v; use a positive duration, or 0 for the default %v", c.LockTimeout, DefaultLockTimeout)
 	}
+	sh := sharedFor(db)
 	return &Store{
 		db:          db,
 		table:       c.Table,
-		gate:        gateFor(db),
+		gate:        sh.gate,
+		busy:        &sh.busy,
 		lockTimeout: c.LockTimeout,
 		q:           newQueries(quoteIdent(c.Table)),
 	}, nil
@@ -120,6 +122,7 @@ const (
 	stmtExtend
 	stmtDeleteExpired
 	stmtLock
+	stmtLockLive
 	stmtInsert
 	numStmts
 )
@@ -159,6 +162,9 @@ WHERE r.expires_at <= ?14`,
 		// A write statement that changes nothing: run first in a transaction, it
 		// takes the write lock whatever BEGIN mode the driver uses.
 		stmtLock: `UPDATE ` + t + ` SET state = state WHERE 0`,
+		// The same for BeginLocked: it takes the write lock and counts the live
+		// records of (scope, key) in one statement, changing nothing.
+		stmtLockLive: `UPDATE ` + t + ` SET state = state WHERE scope = ? AND key = ? AND expires_at > ?`,
 	}
 }
 

@@ -36,26 +36,49 @@ func Tx(ctx context.Context) *sql.Tx {
 // it begins (whatever BEGIN mode the driver uses) and holds it until Commit or
 // Rollback, one of which must be called. The returned context carries it for Tx.
 func (s *Store) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
-	unlock, err := s.gate.lock(ctx, s.lockTimeout)
+	t, err := s.begin(ctx)
 	if err != nil {
 		return ctx, nil, wrap("begin transaction", err)
+	}
+	// With a deferred BEGIN, this statement takes the write lock, waiting for
+	// another process's under the busy timeout; it needs no cancellation beyond
+	// that bound (which would cost the driver a goroutine per statement).
+	if _, err = t.exec(context.WithoutCancel(ctx), stmtLock); err != nil {
+		_ = t.Rollback(ctx)
+		return ctx, nil, wrap("begin transaction: take the write lock", err)
+	}
+	return context.WithValue(ctx, txKey{}, t), t, nil
+}
+
+// begin waits for the gate and begins a transaction, bound to ctx: database/sql
+// rolls it back when ctx ends. With embedded.Open's BEGIN IMMEDIATE it holds the
+// write lock already; with another driver, the caller's first statement must be
+// a write.
+func (s *Store) begin(ctx context.Context) (*storeTx, error) {
+	unlock, err := s.gate.lock(ctx, s.lockTimeout)
+	if err != nil {
+		return nil, err
 	}
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
 		unlock()
-		return ctx, nil, wrap("begin transaction", err)
+		return nil, err
 	}
-	lock, err := s.stmt(ctx, stmtLock, tx)
-	if err == nil {
-		_, err = lock.ExecContext(ctx)
-	}
+	return &storeTx{s: s, tx: tx, unlock: unlock}, nil
+}
+
+// exec runs statement id in the transaction and returns the number of rows it
+// changed (or matched, for an UPDATE).
+func (t *storeTx) exec(ctx context.Context, id stmtID, args ...any) (int64, error) {
+	st, err := t.s.stmt(ctx, id, t.tx)
 	if err != nil {
-		_ = tx.Rollback()
-		unlock()
-		return ctx, nil, wrap("begin transaction: take the write lock", err)
+		return 0, err
 	}
-	t := &storeTx{s: s, tx: tx, unlock: unlock}
-	return context.WithValue(ctx, txKey{}, t), t, nil
+	res, err := st.ExecContext(ctx, args...)
+	if err != nil {
+		return 0, err
+	}
+	return res.RowsAffected()
 }
 
 // storeTx is the idem.Tx of a Store.
@@ -70,7 +93,8 @@ func (t *storeTx) done() { t.once.Do(t.unlock) }
 
 // Complete implements idem.Tx: the fenced completion, inside the transaction.
 func (t *storeTx) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, _, expiresAt time.Time) error {
-	return t.s.complete(ctx, t.tx, scope, key, token, resp, expiresAt)
+	// Under the write lock the statement never waits: no cancellation needed.
+	return t.s.complete(context.WithoutCancel(ctx), t.tx, scope, key, token, resp, expiresAt)
 }
 
 // Commit implements idem.Tx.
