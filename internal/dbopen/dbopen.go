@@ -5,8 +5,11 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net"
 	"net/url"
+	"os"
+	"regexp"
 	"strings"
 	"time"
 
@@ -48,51 +51,58 @@ type Target struct {
 //	mysql://USER[:PASS]@HOST[:PORT]/DB    MySQL or MariaDB; query parameters are
 //	                                      passed to go-sql-driver/mysql
 //
-// Errors start with "--db:" and say what to write instead.
-func ParseDB(raw string) (Target, error) {
+// Errors start with "--db" and say what to write instead.
+func ParseDB(raw string) (Target, error) { return ParseDBFlag("--db", raw) }
+
+// ParseDBFlag is ParseDB for a flag of another name (such as --postgres or
+// --mysql of idem bench): its errors start with flag.
+func ParseDBFlag(flag, raw string) (Target, error) {
 	raw = strings.TrimSpace(raw)
 	if raw == "" {
-		return Target{}, errors.New("--db is empty; use sqlite:PATH, postgres://… or mysql://…")
+		return Target{}, fmt.Errorf("%s is empty; use sqlite:PATH, postgres://… or mysql://…", flag)
+	}
+	if u, ok := MySQLURLFromDSN(raw); ok {
+		return Target{}, fmt.Errorf("%s takes a URL, not a go-sql-driver DSN; write the same database as a URL: %s", flag, u)
 	}
 	scheme, rest, ok := strings.Cut(raw, ":")
-	if !ok || strings.ContainsAny(scheme, `/\.`) {
-		return Target{}, fmt.Errorf("--db %q has no scheme; use sqlite:%s, postgres://… or mysql://…", raw, raw)
+	if !ok || strings.ContainsAny(scheme, `/\.@(`) {
+		return Target{}, fmt.Errorf("%s %q has no scheme; use sqlite:%s, postgres://… or mysql://…", flag, raw, raw)
 	}
 	switch strings.ToLower(scheme) {
 	case "sqlite", "sqlite3":
 		path := strings.TrimPrefix(rest, "//")
 		if path == "" {
-			return Target{}, errors.New("--db: sqlite: needs a file path, for example sqlite:idem-demo.db or sqlite:///var/lib/idem/idem.db")
+			return Target{}, fmt.Errorf("%s: sqlite: needs a file path, for example sqlite:idem-demo.db or sqlite:///var/lib/idem/idem.db", flag)
 		}
 		if path == ":memory:" || strings.HasPrefix(path, "file:") || strings.Contains(path, "mode=memory") {
-			return Target{}, fmt.Errorf("--db: %q: in-memory and URI databases are not supported (every pooled connection would see its own); use a file path such as sqlite:idem-demo.db", raw)
+			return Target{}, fmt.Errorf("%s: %q: in-memory and URI databases are not supported (every pooled connection would see its own); use a file path such as sqlite:idem-demo.db", flag, raw)
 		}
 		return Target{Dialect: orders.SQLite, Path: path, Display: "sqlite:" + path}, nil
 	case "postgres", "postgresql":
 		if _, err := pgxpool.ParseConfig(raw); err != nil {
-			return Target{}, fmt.Errorf("--db: not a valid PostgreSQL URL (%v); use postgres://USER[:PASS]@HOST:PORT/DB?sslmode=disable", redactErr(err, raw))
+			return Target{}, fmt.Errorf("%s: not a valid PostgreSQL URL (%v); use postgres://USER[:PASS]@HOST:PORT/DB?sslmode=disable", flag, redactErr(err, raw))
 		}
 		return Target{Dialect: orders.Postgres, URL: raw, Display: redact(raw)}, nil
 	case "mysql", "mariadb":
-		dsn, err := mysqlDSN(raw)
+		dsn, err := mysqlDSN(flag, raw)
 		if err != nil {
 			return Target{}, err
 		}
 		return Target{Dialect: orders.MySQL, DSN: dsn, Display: redact(raw)}, nil
 	}
-	return Target{}, fmt.Errorf("--db: unknown scheme %q; use sqlite:PATH, postgres://… or mysql://…", scheme)
+	return Target{}, fmt.Errorf("%s: unknown scheme %q; use sqlite:PATH, postgres://… or mysql://…", flag, scheme)
 }
 
 // mysqlDSN converts mysql://user:pass@host:port/db?params into a go-sql-driver
 // DSN with parseTime=true.
-func mysqlDSN(raw string) (string, error) {
+func mysqlDSN(flag, raw string) (string, error) {
 	u, err := url.Parse(raw)
 	if err != nil {
-		return "", fmt.Errorf("--db: not a valid MySQL URL (%v); use mysql://USER[:PASS]@HOST:PORT/DB", redactErr(err, raw))
+		return "", fmt.Errorf("%s: not a valid MySQL URL (%v); use mysql://USER[:PASS]@HOST:PORT/DB", flag, redactErr(err, raw))
 	}
 	db := strings.TrimPrefix(u.Path, "/")
 	if u.Host == "" || db == "" || strings.Contains(db, "/") {
-		return "", fmt.Errorf("--db %s: name the server and the database, as in mysql://root@127.0.0.1:3306/test", redact(raw))
+		return "", fmt.Errorf("%s %s: name the server and the database, as in mysql://root@127.0.0.1:3306/test", flag, redact(raw))
 	}
 	cfg := mysql.NewConfig()
 	cfg.User = u.User.Username()
@@ -118,9 +128,30 @@ func mysqlDSN(raw string) (string, error) {
 		}
 	}
 	if _, err := mysql.ParseDSN(dsn); err != nil {
-		return "", fmt.Errorf("--db %s: %v; see the go-sql-driver/mysql DSN parameters", redact(raw), err)
+		return "", fmt.Errorf("%s %s: %v; see the go-sql-driver/mysql DSN parameters", flag, redact(raw), err)
 	}
 	return dsn, nil
+}
+
+// MySQLURLFromDSN converts a go-sql-driver/mysql DSN over TCP
+// ("root@tcp(127.0.0.1:3306)/test") into the mysql:// URL that ParseDB takes,
+// with the password hidden; ok is false when dsn is not such a DSN.
+func MySQLURLFromDSN(dsn string) (u string, ok bool) {
+	if strings.Contains(dsn, "://") || !strings.Contains(dsn, "@tcp(") && !strings.HasPrefix(dsn, "tcp(") {
+		return "", false
+	}
+	cfg, err := mysql.ParseDSN(dsn)
+	if err != nil || cfg.Net != "tcp" || cfg.DBName == "" {
+		return "", false
+	}
+	v := &url.URL{Scheme: "mysql", Host: cfg.Addr, Path: "/" + cfg.DBName}
+	switch {
+	case cfg.Passwd != "":
+		v.User = url.UserPassword(cfg.User, "xxxxx")
+	case cfg.User != "":
+		v.User = url.User(cfg.User)
+	}
+	return v.String(), true
 }
 
 // redact hides the password of a URL.
@@ -152,8 +183,55 @@ type Options struct {
 	// redis://HOST:PORT/N (rediss:// for TLS).
 	Keys string
 	// KeyTable is the key records' table in a SQL database, or the key prefix in
-	// Redis. Defaults to the store's default ("idem_records", "idem:").
+	// Redis. Defaults to the store's default ("idem_records", "idem:"), with
+	// Prefix and Schema applied in a SQL database.
 	KeyTable string
+	// Prefix is put before the tables' names: PREFIXidem_records and PREFIXorders
+	// (--prefix). Lower-case letters, digits and underscores.
+	Prefix string
+	// Schema is the PostgreSQL schema both tables live in (--schema); Migrate
+	// creates it if missing. PostgreSQL only: on MySQL a schema is a database.
+	Schema string
+	// MustExist makes Open fail, with advice, when the SQLite file does not exist,
+	// instead of creating an empty one: for commands that read or clean up.
+	MustExist bool
+}
+
+// nameRE is what Prefix and Schema accept: lower-case SQL identifier characters,
+// so that quoted (store) and unquoted (orders) names agree.
+var nameRE = regexp.MustCompile(`^[a-z_][a-z0-9_]*$`)
+
+// checkNames validates Prefix and Schema against the database's dialect.
+func (o Options) checkNames(t Target) error {
+	if o.Prefix != "" && (!nameRE.MatchString(o.Prefix) || len(o.Prefix) > 32) {
+		return fmt.Errorf("--prefix %q is not usable; use up to 32 lower-case letters, digits and underscores, not starting with a digit, such as demo_", o.Prefix)
+	}
+	if o.Schema != "" && (!nameRE.MatchString(o.Schema) || len(o.Schema) > 63) {
+		return fmt.Errorf("--schema %q is not usable; use up to 63 lower-case letters, digits and underscores, not starting with a digit, such as shop", o.Schema)
+	}
+	if o.Schema != "" && t.Dialect != orders.Postgres {
+		return fmt.Errorf("--schema works on PostgreSQL only; on MySQL a schema is a database: name it in --db (mysql://USER@HOST/DB), and use --prefix for the table names (--db is %s)", t.Display)
+	}
+	return nil
+}
+
+// qualify applies Prefix and Schema to a table name.
+func (o Options) qualify(name string) string {
+	name = o.Prefix + name
+	if o.Schema != "" {
+		name = o.Schema + "." + name
+	}
+	return name
+}
+
+// keyTable is the key records' table (or Redis prefix) the store gets.
+func (o Options) keyTable() string {
+	if o.KeyTable == "" && o.Keys == "" {
+		if o.Prefix != "" || o.Schema != "" {
+			return o.qualify("idem_records")
+		}
+	}
+	return o.KeyTable
 }
 
 // Check parses DB and Keys without connecting, so that a command can report a
@@ -163,10 +241,14 @@ func (o Options) Check() error {
 	if db == "" {
 		db = DefaultDB
 	}
-	if _, err := ParseDB(db); err != nil {
+	t, err := ParseDB(db)
+	if err != nil {
 		return err
 	}
-	_, err := parseKeys(o.Keys)
+	if err := o.checkNames(t); err != nil {
+		return err
+	}
+	_, err = parseKeys(o.Keys)
 	return err
 }
 
@@ -178,13 +260,24 @@ func parseKeys(raw string) (*redis.Options, error) {
 	scheme, _, _ := strings.Cut(raw, ":")
 	switch strings.ToLower(scheme) {
 	case "redis", "rediss":
-		opts, err := redis.ParseURL(raw)
-		if err != nil {
-			return nil, fmt.Errorf("--keys: not a valid Redis URL (%v); use redis://HOST:PORT/DB", redactErr(err, raw))
-		}
-		return opts, nil
+		return ParseRedis("--keys", raw)
 	}
 	return nil, fmt.Errorf("--keys: unknown scheme %q; leave --keys empty to keep the keys in the --db database, or use redis://HOST:PORT/DB", scheme)
+}
+
+// ParseRedis parses the Redis URL of the named flag: redis://[USER:PASS@]HOST:PORT/DB,
+// or rediss:// for TLS. Its errors start with flag.
+func ParseRedis(flag, raw string) (*redis.Options, error) {
+	raw = strings.TrimSpace(raw)
+	scheme, _, _ := strings.Cut(raw, ":")
+	if s := strings.ToLower(scheme); s != "redis" && s != "rediss" {
+		return nil, fmt.Errorf("%s %q is not a Redis URL; use redis://HOST:PORT/DB, such as redis://127.0.0.1:6379/0", flag, redact(raw))
+	}
+	opts, err := redis.ParseURL(raw)
+	if err != nil {
+		return nil, fmt.Errorf("%s: not a valid Redis URL (%v); use redis://HOST:PORT/DB, such as redis://127.0.0.1:6379/0", flag, redactErr(err, raw))
+	}
+	return opts, nil
 }
 
 // Handle is an opened business database with its idem store.
@@ -206,6 +299,11 @@ type Handle struct {
 	// KeysAt describes where the key records are, for messages: "table idem_records
 	// of sqlite:idem-demo.db" or "redis://127.0.0.1:6379/0".
 	KeysAt string
+	// OrdersTable is the orders table with Options.Prefix and Schema applied,
+	// for orders.Config.Table.
+	OrdersTable string
+
+	schema string
 
 	closers []func() error
 }
@@ -221,11 +319,15 @@ func Open(ctx context.Context, opts Options) (h *Handle, err error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := opts.checkNames(t); err != nil {
+		return nil, err
+	}
 	redisOpts, err := parseKeys(opts.Keys)
 	if err != nil {
 		return nil, err
 	}
-	h = &Handle{Target: t}
+	h = &Handle{Target: t, OrdersTable: opts.qualify(orders.DefaultTable), schema: opts.Schema}
+	opts.KeyTable = opts.keyTable()
 	defer func() {
 		if err != nil {
 			_ = h.Close()
@@ -238,6 +340,13 @@ func Open(ctx context.Context, opts Options) (h *Handle, err error) {
 	transactional := redisOpts == nil
 	switch t.Dialect {
 	case orders.SQLite:
+		if opts.MustExist {
+			if _, err := os.Stat(t.Path); errors.Is(err, fs.ErrNotExist) {
+				return h, fmt.Errorf("--db %s: the file %s does not exist; check the path (relative to the working directory), or create the database with `idem migrate --db %s`", t.Display, t.Path, t.Display)
+			} else if err != nil {
+				return h, fmt.Errorf("--db %s: %w", t.Display, err)
+			}
+		}
 		db, err := embedded.Open(t.Path)
 		if err != nil {
 			return h, fmt.Errorf("--db %s: %w", t.Display, err)
@@ -336,9 +445,15 @@ func Open(ctx context.Context, opts Options) (h *Handle, err error) {
 	return h, nil
 }
 
-// Migrate creates or upgrades the key records' table; Redis needs none. The
-// orders table is the orders service's: see orders.Service.Migrate.
+// Migrate creates the schema of Options.Schema if missing, and creates or
+// upgrades the key records' table; Redis needs none. The orders table is the
+// orders service's: see orders.Service.Migrate.
 func (h *Handle) Migrate(ctx context.Context) error {
+	if h.schema != "" && h.Pool != nil {
+		if _, err := h.Pool.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+h.schema); err != nil {
+			return fmt.Errorf("create schema %s: %w (may this role create schemas? Or create it yourself)", h.schema, err)
+		}
+	}
 	m, ok := h.Store.(interface{ Migrate(context.Context) error })
 	if !ok {
 		return nil

@@ -5,7 +5,9 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"io/fs"
 	"net"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -247,4 +249,104 @@ func TestOptionsCheck(t *testing.T) {
 			t.Errorf("Check(%+v) = %v, want %q", c.opts, err, c.want)
 		}
 	}
+}
+
+func TestParseFlagsOfOtherNames(t *testing.T) {
+	t.Parallel()
+	if _, err := dbopen.ParseDBFlag("--mysql", "mysql://root@127.0.0.1"); err == nil || !strings.HasPrefix(err.Error(), "--mysql ") {
+		t.Errorf("ParseDBFlag(--mysql, no database) = %v, want an error about --mysql", err)
+	}
+	_, err := dbopen.ParseDB("root:secret@tcp(127.0.0.1:3306)/test")
+	if err == nil || !strings.Contains(err.Error(), "--db takes a URL, not a go-sql-driver DSN; write the same database as a URL: mysql://root:xxxxx@127.0.0.1:3306/test") || strings.Contains(err.Error(), "secret") {
+		t.Errorf("ParseDB(a go-sql-driver DSN) = %v, want the URL to write, without the password", err)
+	}
+	for in, want := range map[string]string{
+		"root@tcp(127.0.0.1:3306)/test":       "mysql://root@127.0.0.1:3306/test",
+		"tcp(db:3307)/app?parseTime=true":     "mysql://db:3307/app",
+		"u:p@tcp(db:3306)/app":                "mysql://u:xxxxx@db:3306/app",
+		"mysql://root@127.0.0.1:3306/test":    "",
+		"root@unix(/tmp/mysql.sock)/test":     "",
+		"root@tcp(127.0.0.1:3306)/":           "",
+		"postgres://u@tcp(x)/db?sslmode=none": "",
+	} {
+		got, ok := dbopen.MySQLURLFromDSN(in)
+		if got != want || ok != (want != "") {
+			t.Errorf("MySQLURLFromDSN(%q) = %q, %v; want %q", in, got, ok, want)
+		}
+	}
+	if _, err := dbopen.ParseRedis("--redis", "127.0.0.1:6379"); err == nil || !strings.HasPrefix(err.Error(), `--redis "127.0.0.1:6379" is not a Redis URL`) {
+		t.Errorf("ParseRedis(no scheme) = %v", err)
+	}
+	if o, err := dbopen.ParseRedis("--redis", "redis://127.0.0.1:6379/3"); err != nil || o.DB != 3 {
+		t.Errorf("ParseRedis(redis://…/3) = %+v, %v", o, err)
+	}
+}
+
+func TestNamesAndMustExist(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		opts dbopen.Options
+		want string
+	}{
+		{dbopen.Options{DB: "postgres://db/app", Prefix: "p_", Schema: "shop"}, ""},
+		{dbopen.Options{DB: "mysql://root@db/app", Prefix: "m_"}, ""},
+		{dbopen.Options{Prefix: "Bad-"}, `--prefix "Bad-" is not usable`},
+		{dbopen.Options{DB: "postgres://db/app", Schema: "a.b"}, `--schema "a.b" is not usable`},
+		{dbopen.Options{DB: "mysql://root@db/app", Schema: "shop"}, "--schema works on PostgreSQL only"},
+		{dbopen.Options{Schema: "shop"}, "--schema works on PostgreSQL only"},
+	} {
+		err := c.opts.Check()
+		if (c.want == "") != (err == nil) || (err != nil && !strings.Contains(err.Error(), c.want)) {
+			t.Errorf("Check(%+v) = %v, want %q", c.opts, err, c.want)
+		}
+	}
+
+	dir := t.TempDir()
+	missing := filepath.Join(dir, "missing.db")
+	_, err := dbopen.Open(context.Background(), dbopen.Options{DB: "sqlite:" + missing, MustExist: true})
+	if err == nil || !strings.Contains(err.Error(), "does not exist") || !strings.Contains(err.Error(), "idem migrate --db sqlite:"+missing) {
+		t.Errorf("Open(missing file, MustExist) = %v", err)
+	}
+	if _, err := os.Stat(missing); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("Open with MustExist created the file (stat: %v)", err)
+	}
+
+	// Prefix names both tables; Migrate creates the key records' one.
+	h, err := dbopen.Open(context.Background(), dbopen.Options{DB: "sqlite:" + filepath.Join(dir, "p.db"), Prefix: "demo_"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	if h.OrdersTable != "demo_orders" || !strings.Contains(h.KeysAt, "table demo_idem_records of") {
+		t.Fatalf("OrdersTable %q, KeysAt %q", h.OrdersTable, h.KeysAt)
+	}
+	if err := h.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	roundTrip(t, h)
+}
+
+func TestMigrateSchemaPostgres(t *testing.T) {
+	t.Parallel()
+	schema := "s_" + randHex()
+	dbURL := testenv.PostgresURL(t)
+	h, err := dbopen.Open(context.Background(), dbopen.Options{DB: dbURL, Schema: schema, Prefix: "p_"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if _, err := h.Pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+schema+" CASCADE"); err != nil {
+			t.Error(err)
+		}
+		h.Close()
+	})
+	if h.OrdersTable != schema+".p_orders" || !strings.Contains(h.KeysAt, `table "`+schema+`"."p_idem_records" of`) {
+		t.Fatalf("OrdersTable %q, KeysAt %q", h.OrdersTable, h.KeysAt)
+	}
+	for range 2 { // the second run finds the schema and the table in place
+		if err := h.Migrate(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	roundTrip(t, h)
 }

@@ -1,6 +1,9 @@
 // Package dbopen turns the CLI's --db and --keys flags into an opened business
 // database and an idem store, for `idem demo`, `idem migrate`, `idem gc` and
-// `idem inspect`.
+// `idem inspect`. Every command names a database in the same URL forms: `idem
+// bench --postgres/--mysql/--redis` are checked with ParseDBFlag and
+// ParseRedis, whose errors name the flag and say what to write instead (a
+// go-sql-driver DSN gets the mysql:// URL to write, see MySQLURLFromDSN).
 //
 // # --db
 //
@@ -25,7 +28,12 @@
 //
 // # Schema
 //
-// Open creates nothing. Handle.Migrate creates or upgrades the key records' table
-// (default idem_records; see each store's package documentation), and
-// orders.Service.Migrate the orders table.
+// Open creates no table; it creates a missing SQLite file unless
+// Options.MustExist (for commands that only read or clean up). Handle.Migrate
+// creates the PostgreSQL schema of Options.Schema if missing and creates or
+// upgrades the key records' table (default idem_records; see each store's
+// package documentation), and orders.Service.Migrate the orders table
+// (Handle.OrdersTable). Options.Prefix and Options.Schema name both tables as
+// `idem demo --prefix/--schema` do: [SCHEMA.]PREFIXidem_records and
+// [SCHEMA.]PREFIXorders.
 package dbopen
