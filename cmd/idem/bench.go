@@ -14,7 +14,10 @@ import (
 	"strings"
 	"time"
 
+	"github.com/go-sql-driver/mysql"
 	"github.com/idemkit/idem/internal/bench"
+	"github.com/idemkit/idem/internal/dbopen"
+	"github.com/idemkit/idem/internal/orders"
 )
 
 func init() {
@@ -23,7 +26,6 @@ func init() {
 
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("idem bench", flag.ContinueOnError)
-	fs.SetOutput(stderr)
 	stores := fs.String("stores", strings.Join(bench.Stores, ","), "comma-separated stores to benchmark: "+strings.Join(bench.Stores, ", "))
 	duration := fs.Duration("duration", 3*time.Second, "measured time per cell (store × variant × clients), split over the rounds")
 	rounds := fs.Int("rounds", 3, "interleaved rounds per cell: each round runs every variant once, so drift hits all alike")
@@ -32,9 +34,9 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	pool := fs.Int("pool", 32, "connection pool size for PostgreSQL and MySQL")
 	replayKeys := fs.Int("replay-keys", 512, "keys completed before the cells, which the replay case cycles through")
 	out := fs.String("out", filepath.Join("bench", "out"), "directory for results.md, results.json and throughput.svg")
-	pgURL := fs.String("postgres", benchEnv("IDEM_TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL URL (env IDEM_TEST_POSTGRES_URL)")
-	myDSN := fs.String("mysql", "root@tcp(127.0.0.1:3306)/test", "MySQL/MariaDB DSN, go-sql-driver/mysql form")
-	redisURL := fs.String("redis", benchEnv("IDEM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"), "Redis URL (env IDEM_TEST_REDIS_URL)")
+	pgURL := fs.String("postgres", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable", "PostgreSQL `URL`, postgres://USER[:PASS]@HOST:PORT/DB, as idem demo --db takes it")
+	myURL := fs.String("mysql", "mysql://root@127.0.0.1:3306/test", "MySQL/MariaDB `URL`, mysql://USER[:PASS]@HOST:PORT/DB, as idem demo --db takes it")
+	redisURL := fs.String("redis", "redis://127.0.0.1:6379/0", "Redis `URL`, redis://HOST:PORT/DB, as idem demo --keys takes it")
 	growth := fs.Bool("growth", false, "also run the PostgreSQL growth benchmark: claim latency at growing table sizes, and during a janitor sweep")
 	growthSizes := fs.String("growth-sizes", "10000,1000000,10000000", "comma-separated record counts for --growth")
 	growthClaims := fs.Int("growth-claims", 3000, "claims timed at each size for --growth")
@@ -43,33 +45,26 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	pin := fs.Bool("pin", true, "with --isolate, pin the server process to CPU 0 and the load generator to CPU 1 with taskset (needs 2 CPUs and taskset)")
 	memRecords := fs.Int("memory-records", 150_000, "with --isolate, first-time requests sent to a fresh memstore and a fresh Fiber server to measure memory per stored record; 0 skips it")
 	serve := fs.Bool("serve", false, "internal: be the server process of an isolated run (the spec is in "+bench.ServeEnv+")")
-	usage := func(w io.Writer) {
-		fmt.Fprintln(w, "Usage: idem bench [flags]")
-		fmt.Fprintln(w, "")
-		fmt.Fprintln(w, "Starts an orders service on 127.0.0.1 for each store, without idem (baseline) and with it")
-		fmt.Fprintln(w, "(first-time keys, replays, one hot key; PostgreSQL also single-transaction), drives it with")
-		fmt.Fprintln(w, "N closed-loop clients, and reports throughput, p50/p99 and the ratio to the baseline of the")
-		fmt.Fprintln(w, "same run, as a markdown table on stdout, results.json and throughput.svg in --out.")
-		fmt.Fprintln(w, "With --isolate (the default) each server runs in a process of its own, pinned to CPU 0 with")
-		fmt.Fprintln(w, "--pin, the load generator on CPU 1, and the server's CPU, allocations, database round trips")
-		fmt.Fprintln(w, "and statements per request are reported beside throughput.")
-		fmt.Fprintln(w, "Exit 1 when a cell's counts are inconsistent (a replay that executed, a lost or doubled row).")
-		fmt.Fprintln(w, "")
-		fs.SetOutput(w)
-		fs.PrintDefaults()
+	fs.Usage = storeUsage(fs, benchUsage, benchEnvVars)
+	pos, code, ok := parseFlags(fs, args, benchEnvVars, stdout, stderr)
+	if !ok {
+		return code
 	}
-	fs.Usage = func() {} // Parse reports the bad flag; the full usage goes to stdout on --help only
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			usage(stdout)
-			return exitOK
-		}
-		fmt.Fprintln(stderr, "idem bench: run `idem bench --help` for the flags")
-		return exitUsage
+	if len(pos) > 0 {
+		return storeUsageError(stderr, fs, fmt.Sprintf("unexpected argument %q; all options are flags", pos[0]))
 	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "idem bench: unexpected argument %q; all options are flags (see idem bench --help)\n", fs.Arg(0))
-		return exitUsage
+	myDSN, note, err := benchMySQL(*myURL)
+	if err != nil {
+		return storeUsageError(stderr, fs, err.Error())
+	}
+	if note != "" {
+		fmt.Fprintf(stderr, "idem bench: %s\n", note)
+	}
+	if _, err := benchURL("--postgres", *pgURL, orders.Postgres, "postgres://USER[:PASS]@HOST:PORT/DB?sslmode=disable"); err != nil {
+		return storeUsageError(stderr, fs, err.Error())
+	}
+	if _, err := dbopen.ParseRedis("--redis", *redisURL); err != nil {
+		return storeUsageError(stderr, fs, err.Error())
 	}
 	if *serve {
 		if err := bench.Serve(ctx, os.Getenv(bench.ServeEnv), os.Stdin, stdout); err != nil {
@@ -80,7 +75,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	}
 	cfg := bench.Config{
 		Duration: *duration, Rounds: *rounds, Fiber: *fiber, PoolSize: *pool, ReplayKeys: *replayKeys,
-		PostgresURL: *pgURL, MySQLDSN: *myDSN, RedisURL: *redisURL,
+		PostgresURL: *pgURL, MySQLDSN: myDSN, RedisURL: *redisURL,
 		Growth: *growth, GrowthClaims: *growthClaims, JanitorBacklog: *backlog, Log: stderr,
 	}
 	if *backlog == 0 {
@@ -105,14 +100,11 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 			}
 		}
 	}
-	var err error
 	if cfg.Concurrency, err = benchInts(*concurrency); err != nil {
-		fmt.Fprintf(stderr, "idem bench: --concurrency: %v\n", err)
-		return exitUsage
+		return storeUsageError(stderr, fs, "--concurrency: "+err.Error())
 	}
 	if cfg.GrowthSizes, err = benchInts(*growthSizes); err != nil {
-		fmt.Fprintf(stderr, "idem bench: --growth-sizes: %v\n", err)
-		return exitUsage
+		return storeUsageError(stderr, fs, "--growth-sizes: "+err.Error())
 	}
 	for _, s := range strings.Split(*stores, ",") {
 		s = strings.TrimSpace(s)
@@ -124,21 +116,18 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 			known = known || k == s
 		}
 		if !known {
-			fmt.Fprintf(stderr, "idem bench: --stores: unknown store %q; use some of %s\n", s, strings.Join(bench.Stores, ","))
-			return exitUsage
+			return storeUsageError(stderr, fs, fmt.Sprintf("--stores: unknown store %q; use some of %s", s, strings.Join(bench.Stores, ",")))
 		}
 		cfg.Stores = append(cfg.Stores, s)
 	}
 	if len(cfg.Stores) == 0 && !cfg.Fiber && !cfg.Growth {
-		fmt.Fprintln(stderr, "idem bench: nothing to run; name at least one store with --stores")
-		return exitUsage
+		return storeUsageError(stderr, fs, "nothing to run; name at least one store with --stores")
 	}
 	if len(cfg.Stores) == 0 {
 		cfg.Stores = []string{}
 	}
-	if *duration < 10*time.Millisecond || *rounds < 1 || *pool < 1 || *replayKeys < 1 || *memRecords < 0 {
-		fmt.Fprintln(stderr, "idem bench: --duration must be at least 10ms, --rounds, --pool and --replay-keys at least 1, --memory-records at least 0")
-		return exitUsage
+	if *duration < 10*time.Millisecond || *rounds < 1 || *pool < 1 || *replayKeys < 1 || *memRecords < 0 || *growthClaims < 1 {
+		return storeUsageError(stderr, fs, "--duration must be at least 10ms, --rounds, --pool, --replay-keys and --growth-claims at least 1, --memory-records at least 0")
 	}
 	if err := os.MkdirAll(*out, 0o755); err != nil {
 		fmt.Fprintf(stderr, "idem bench: create the output directory: %v\n", err)
@@ -214,9 +203,58 @@ func benchInts(s string) ([]int, error) {
 	return out, nil
 }
 
-func benchEnv(name, def string) string {
-	if v := os.Getenv(name); v != "" {
-		return v
+// benchEnvVars are the environment variables that set bench's server URLs, the
+// same the tests of the stores read.
+var benchEnvVars = []storeEnvVar{
+	{"postgres", "IDEM_TEST_POSTGRES_URL"}, {"mysql", "IDEM_TEST_MYSQL_URL"}, {"redis", "IDEM_TEST_REDIS_URL"},
+}
+
+const benchUsage = `Usage: idem bench [flags]
+
+Starts an orders service on 127.0.0.1 for each store, without idem (baseline) and with it
+(first-time keys, replays, one hot key; PostgreSQL also single-transaction), drives it with
+N closed-loop clients, and reports throughput, p50/p99 and the ratio to the baseline of the
+same run, as a markdown table on stdout, results.json and throughput.svg in --out.
+With --isolate (the default) each server runs in a process of its own, pinned to CPU 0 with
+--pin, the load generator on CPU 1, and the server's CPU, allocations, database round trips
+and statements per request are reported beside throughput.
+
+The servers are named by URL, in the forms idem demo --db and --keys take; the
+environment variables in brackets set them too (a flag wins).
+
+Example:
+  idem bench --stores memstore,postgres --concurrency 1,8 --duration 2s
+  idem bench --stores mysql --mysql mysql://root@127.0.0.1:3306/test
+
+Exit codes: 0 done, 1 a cell's counts are inconsistent (a replay that executed, a
+lost or doubled row) or a store failed, 2 bad usage.
+
+Flags:
+`
+
+// benchMySQL turns --mysql into a go-sql-driver DSN. It takes the mysql:// URL
+// of idem demo --db and, for scripts written before, the DSN form
+// (root@tcp(127.0.0.1:3306)/test), with a note saying how to write it now.
+func benchMySQL(raw string) (dsn, note string, err error) {
+	if u, ok := dbopen.MySQLURLFromDSN(raw); ok {
+		if _, err := mysql.ParseDSN(raw); err == nil {
+			return raw, fmt.Sprintf("--mysql: the go-sql-driver DSN form is deprecated; write the URL %s, as idem demo --db takes it", u), nil
+		}
 	}
-	return def
+	t, err := benchURL("--mysql", raw, orders.MySQL, "mysql://USER[:PASS]@HOST:PORT/DB, such as mysql://root@127.0.0.1:3306/test")
+	return t.DSN, "", err
+}
+
+// benchURL parses the URL of a server flag, which must be of dialect d; use
+// says what to write instead.
+func benchURL(flag, raw string, d orders.Dialect, use string) (dbopen.Target, error) {
+	name := map[orders.Dialect]string{orders.Postgres: "PostgreSQL", orders.MySQL: "MySQL"}[d]
+	t, err := dbopen.ParseDBFlag(flag, raw)
+	if err == nil && t.Dialect != d {
+		err = fmt.Errorf("%s %s is not a %s URL; use %s", flag, t.Display, name, use)
+	}
+	if err != nil && !strings.HasPrefix(raw, string(d)) {
+		err = fmt.Errorf("%s %q is not a %s URL; use %s", flag, raw, name, use)
+	}
+	return t, err
 }

@@ -51,6 +51,7 @@ Flags:
 // checkHeaderFlag collects repeated "Name: value" flags.
 type checkHeaderFlag struct{ h http.Header }
 
+// String returns the headers as "Name: value" pairs.
 func (f *checkHeaderFlag) String() string {
 	if f == nil || len(f.h) == 0 {
 		return ""
@@ -64,6 +65,10 @@ func (f *checkHeaderFlag) String() string {
 	return strings.Join(parts, ", ")
 }
 
+// Get returns the headers collected so far.
+func (f *checkHeaderFlag) Get() any { return f.h }
+
+// Set adds one "Name: value" header.
 func (f *checkHeaderFlag) Set(s string) error {
 	name, value, ok := strings.Cut(s, ":")
 	name = strings.TrimSpace(name)
@@ -104,23 +109,13 @@ func runCheck(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	fs.BoolVar(&asJSON, "json", false, "write the report as JSON")
 	fs.BoolVar(&progress, "progress", false, "show race progress on stderr even when it is not a terminal")
 
-	printUsage := func(w io.Writer) {
-		fmt.Fprintf(w, checkUsage, strings.Join(checker.CaseNames(), ", "))
-		fs.SetOutput(w)
-		fs.PrintDefaults()
-		fs.SetOutput(io.Discard)
+	fs.Usage = storeUsage(fs, fmt.Sprintf(checkUsage, strings.Join(checker.CaseNames(), ", ")), nil)
+	urls, code, ok := parseFlags(fs, args, nil, stdout, stderr)
+	if !ok {
+		return code
 	}
-	urls, err := parseCheckArgs(fs, args)
-	if errors.Is(err, flag.ErrHelp) {
-		printUsage(stdout)
-		return exitOK
-	}
-	if err == nil && len(urls) != 1 {
-		err = fmt.Errorf("want exactly one URL, got %d", len(urls))
-	}
-	if err != nil {
-		fmt.Fprintf(stderr, "idem check: %v\nUsage: idem check URL [flags]; run `idem check --help` for the flags and an example.\n", err)
-		return exitUsage
+	if msg := checkFlagProblem(urls, opts); msg != "" {
+		return storeUsageError(stderr, fs, msg)
 	}
 	opts.URL = urls[0]
 	opts.Header = header.h
@@ -157,25 +152,30 @@ func runCheck(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	return exitOK
 }
 
-// parseCheckArgs parses flags that may come before or after the positional
-// arguments (idem check URL --json), which flag.Parse alone stops at. After
-// "--" everything is positional.
-func parseCheckArgs(fs *flag.FlagSet, args []string) ([]string, error) {
-	var pos []string
-	for {
-		if err := fs.Parse(args); err != nil {
-			return nil, err
-		}
-		rest := fs.Args()
-		if consumed := args[:len(args)-len(rest)]; len(consumed) > 0 && consumed[len(consumed)-1] == "--" {
-			return append(pos, rest...), nil
-		}
-		if len(rest) == 0 {
-			return pos, nil
-		}
-		pos = append(pos, rest[0])
-		args = rest[1:]
+// checkFlagProblem says what is wrong with the positional arguments and the
+// flag values, or returns "". The checker takes a zero as "the default": here a
+// zero the user gave is an error, not a silent 50.
+func checkFlagProblem(urls []string, opts checker.Options) string {
+	if len(urls) != 1 {
+		return fmt.Sprintf("want exactly one URL, got %d; for example idem check http://127.0.0.1:8080/orders", len(urls))
 	}
+	switch {
+	case opts.Concurrency < 2 || opts.Concurrency > checker.MaxConcurrency:
+		return fmt.Sprintf("--concurrency %d: a race needs at least 2 identical requests and at most %d; the default is %d", opts.Concurrency, checker.MaxConcurrency, checker.DefaultConcurrency)
+	case opts.Rounds < 1:
+		return fmt.Sprintf("--rounds %d: run at least 1 round of the race", opts.Rounds)
+	case opts.Timeout <= 0:
+		return fmt.Sprintf("--timeout %v: give a positive per-request timeout such as %v", opts.Timeout, checker.DefaultTimeout)
+	case opts.HangupAfter < 0:
+		return fmt.Sprintf("--hangup-after %v is negative; give a duration such as 200ms, or leave it out to derive it", opts.HangupAfter)
+	case strings.TrimSpace(opts.Method) == "":
+		return fmt.Sprintf("--method is empty; give the endpoint's method, such as %s", checker.DefaultMethod)
+	case strings.TrimSpace(opts.KeyHeader) == "":
+		return fmt.Sprintf("--key-header is empty; give the header's name, such as %s", checker.DefaultKeyHeader)
+	case opts.Body == "":
+		return "--body is empty; give the request body template, with {{marker}} where the checker may put a unique marker, or leave it out for the default"
+	}
+	return ""
 }
 
 // checkIsTerminal reports whether w is a character device such as a terminal.

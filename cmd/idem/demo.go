@@ -565,46 +565,11 @@ func storeUsage(fs *flag.FlagSet, text string, env []storeEnvVar) func() {
 // storeParse applies the environment, then parses args (flags may follow
 // positional arguments; after "--" everything is positional). It returns the
 // positional arguments; ok is false when the command must stop with code: after
-// --help (0, usage on stdout) or a usage error (2, message on stderr).
+// --help (0, usage on stdout) or a usage error (2, message on stderr). It is
+// parseFlags, which names flags as --name in its messages.
 func storeParse(fs *flag.FlagSet, args []string, env []storeEnvVar, stdout, stderr io.Writer) (pos []string, code int, ok bool) {
-	fs.SetOutput(io.Discard)
-	for _, e := range env {
-		v, set := os.LookupEnv(e.env)
-		if !set {
-			continue
-		}
-		if err := fs.Set(e.flag, v); err != nil {
-			return nil, storeUsageError(stderr, fs, fmt.Sprintf("%s=%q is not a valid value for --%s; %s", e.env, v, e.flag, storeHint(fs, e.flag))), false
-		}
-	}
-	for {
-		err := fs.Parse(args)
-		if errors.Is(err, flag.ErrHelp) {
-			fs.SetOutput(stdout)
-			fs.Usage()
-			return nil, exitOK, false
-		}
-		if err != nil {
-			msg := err.Error()
-			if m := storeBadValueRE.FindStringSubmatch(msg); m != nil {
-				msg = fmt.Sprintf("invalid value %s for flag -%s; %s", m[1], m[2], storeHint(fs, m[2]))
-			}
-			return nil, storeUsageError(stderr, fs, msg), false
-		}
-		rest := fs.Args()
-		if consumed := args[:len(args)-len(rest)]; len(consumed) > 0 && consumed[len(consumed)-1] == "--" {
-			return append(pos, rest...), 0, true
-		}
-		if len(rest) == 0 {
-			return pos, 0, true
-		}
-		pos = append(pos, rest[0])
-		args = rest[1:]
-	}
+	return parseFlags(fs, args, env, stdout, stderr)
 }
-
-// storeBadValueRE matches the flag package's error for a value it cannot parse.
-var storeBadValueRE = regexp.MustCompile(`^invalid (?:boolean )?value (".*") for (?:flag )?-([\w-]+): `)
 
 // storeHint says what a valid value of the named flag looks like.
 func storeHint(fs *flag.FlagSet, name string) string {

@@ -564,9 +564,9 @@ func TestDemoUsage(t *testing.T) {
 		args []string
 		want string
 	}{
-		{nil, []string{"demo", "--nope"}, "flag provided but not defined: -nope"},
-		{nil, []string{"demo", "--lease", "soon"}, `invalid value "soon" for flag -lease; use a duration such as 500ms, 30s or 24h`},
-		{nil, []string{"demo", "--require-key=maybe"}, `invalid value "maybe" for flag -require-key; use true or false`},
+		{nil, []string{"demo", "--nope"}, "unknown flag --nope"},
+		{nil, []string{"demo", "--lease", "soon"}, `invalid value "soon" for --lease; use a duration such as 500ms, 30s or 24h`},
+		{nil, []string{"demo", "--require-key=maybe"}, `invalid value "maybe" for --require-key; use true or false`},
 		{[]string{"IDEM_LEASE=soon"}, []string{"demo"}, `IDEM_LEASE="soon" is not a valid value for --lease`},
 		{[]string{"IDEM_REQUIRE_KEY=maybe"}, []string{"demo"}, `IDEM_REQUIRE_KEY="maybe" is not a valid value for --require-key; use true or false`},
 		{nil, []string{"demo", "--ttl", "1s", "--lease", "2s"}, "invalid --ttl 1s: shorter than --lease (2s)"},

@@ -28,6 +28,7 @@ Redis expires records by itself: gc deletes nothing there.
 
 Example:
   idem gc --db postgres://postgres@127.0.0.1:5432/app --batch 5000
+  idem gc --db sqlite:idem-demo.db --prefix demo_
 
 Exit codes: 0 done, 1 the database failed (what was deleted stays deleted), 2 bad usage.
 
@@ -37,9 +38,10 @@ Flags:
 func runGC(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("idem gc", flag.ContinueOnError)
 	db, keys, table := storeFlags(fs, "")
+	prefix, schema := storeNameFlags(fs)
 	batch := fs.Int("batch", 1000, "the most records one DELETE removes")
-	fs.Usage = storeUsage(fs, gcUsage, storeCmdEnv)
-	pos, code, ok := storeParse(fs, args, storeCmdEnv, stdout, stderr)
+	fs.Usage = storeUsage(fs, gcUsage, storeNameEnv)
+	pos, code, ok := parseFlags(fs, args, storeNameEnv, stdout, stderr)
 	if !ok {
 		return code
 	}
@@ -52,7 +54,7 @@ func runGC(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if *batch < 1 {
 		return storeUsageError(stderr, fs, fmt.Sprintf("--batch %d is too small; use a positive number such as 1000", *batch))
 	}
-	opts := dbopen.Options{DB: *db, Keys: *keys, KeyTable: *table}
+	opts := dbopen.Options{DB: *db, Keys: *keys, KeyTable: *table, Prefix: *prefix, Schema: *schema, MustExist: true}
 	if err := opts.Check(); err != nil {
 		return storeUsageError(stderr, fs, err.Error())
 	}
@@ -65,11 +67,8 @@ func runGC(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	j := &idem.Janitor{Store: h.Store, BatchSize: *batch}
 	n, err := j.Sweep(ctx)
 	if err != nil {
-		fmt.Fprintf(stderr, "idem gc: %v\n", err)
+		storeFailure(stderr, "idem gc", err, h)
 		fmt.Fprintf(stdout, "deleted %d expired key records before the error\n", n)
-		if h.Redis == nil {
-			fmt.Fprintln(stderr, "idem gc: if the table does not exist, run `idem migrate` with the same --db first")
-		}
 		return exitFailure
 	}
 	if _, self := h.Store.(interface{ ExpiresRecordsItself() bool }); self || h.Redis != nil {

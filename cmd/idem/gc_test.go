@@ -84,7 +84,7 @@ func TestGCUsage(t *testing.T) {
 	}{
 		{[]string{"gc"}, "--db is required"},
 		{[]string{"gc", "--db", "sqlite:x.db", "--batch", "0"}, "--batch 0 is too small"},
-		{[]string{"gc", "--db", "sqlite:x.db", "--batch", "many"}, `invalid value "many" for flag -batch; use a whole number`},
+		{[]string{"gc", "--db", "sqlite:x.db", "--batch", "many"}, `invalid value "many" for --batch; use a whole number`},
 	} {
 		if code, _, stderr := runIdem(t, dir, nil, c.args...); code != 2 || !strings.Contains(stderr, c.want) {
 			t.Errorf("%v: exit %d, stderr %q; want 2 and %q", c.args, code, stderr, c.want)

@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"strings"
 
 	"github.com/idemkit/idem/internal/dbopen"
 	"github.com/idemkit/idem/internal/orders"
@@ -25,9 +26,16 @@ embedded migrations; safe to run again, and from several processes at once), and
 the orders table of the reference service (idem demo). Run it at deploy time, or
 let your service call the store's Migrate at start-up.
 
+It creates the tables idem demo would use with the same flags: "idem_records"
+(and "idem_records_migrations" on MySQL, "idem_migrations" on SQLite) and
+"orders"; --prefix puts a prefix on both names, --schema (PostgreSQL) puts both
+in a schema of their own, created if missing; --table names the key records'
+table alone.
+
 Example:
   idem migrate --db postgres://postgres@127.0.0.1:5432/app
-  idem migrate --db sqlite:idem-demo.db
+  idem migrate --db postgres://postgres@127.0.0.1:5432/app --schema shop
+  idem migrate --db sqlite:idem-demo.db --prefix demo_
   idem migrate --db mysql://root@127.0.0.1:3306/app --orders=false
 
 Exit codes: 0 migrated, 1 the database failed, 2 bad usage.
@@ -35,7 +43,12 @@ Exit codes: 0 migrated, 1 the database failed, 2 bad usage.
 Flags:
 `
 
+// storeCmdEnv maps the flags of storeFlags to their environment variables.
 var storeCmdEnv = []storeEnvVar{{"db", "IDEM_DB"}, {"keys", "IDEM_KEYS"}, {"table", "IDEM_TABLE"}}
+
+// storeNameEnv is storeCmdEnv with the flags of storeNameFlags, the variables
+// idem demo reads too.
+var storeNameEnv = append(append([]storeEnvVar{}, storeCmdEnv...), storeEnvVar{"prefix", "IDEM_PREFIX"}, storeEnvVar{"schema", "IDEM_SCHEMA"})
 
 // storeFlags declares the flags every store command shares.
 func storeFlags(fs *flag.FlagSet, dbDefault string) (db, keys, table *string) {
@@ -45,12 +58,30 @@ func storeFlags(fs *flag.FlagSet, dbDefault string) (db, keys, table *string) {
 	return db, keys, table
 }
 
+// storeNameFlags declares --prefix and --schema, which name the tables as idem
+// demo's flags of the same names do.
+func storeNameFlags(fs *flag.FlagSet) (prefix, schema *string) {
+	prefix = fs.String("prefix", "", "prefix of the tables' names, as in idem demo: PREFIXorders and PREFIXidem_records (lower-case letters, digits, _)")
+	schema = fs.String("schema", "", "PostgreSQL only: the schema both tables live in, as in idem demo (on MySQL name another database in --db)")
+	return prefix, schema
+}
+
+// storeFailure reports err of a store command that opened h, adding the advice
+// to migrate unless the error already gives it.
+func storeFailure(stderr io.Writer, name string, err error, h *dbopen.Handle) {
+	fmt.Fprintf(stderr, "%s: %v\n", name, err)
+	if h != nil && h.Redis == nil && !strings.Contains(err.Error(), "idem migrate") {
+		fmt.Fprintf(stderr, "%s: if the table does not exist, run `idem migrate` with the same --db (and --prefix, --schema, --table) first\n", name)
+	}
+}
+
 func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("idem migrate", flag.ContinueOnError)
 	db, keys, table := storeFlags(fs, "")
+	prefix, schema := storeNameFlags(fs)
 	withOrders := fs.Bool("orders", true, "also create the orders table of idem demo")
-	fs.Usage = storeUsage(fs, migrateUsage, storeCmdEnv)
-	pos, code, ok := storeParse(fs, args, storeCmdEnv, stdout, stderr)
+	fs.Usage = storeUsage(fs, migrateUsage, storeNameEnv)
+	pos, code, ok := parseFlags(fs, args, storeNameEnv, stdout, stderr)
 	if !ok {
 		return code
 	}
@@ -60,7 +91,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	if *db == "" {
 		return storeUsageError(stderr, fs, "--db is required; for example --db sqlite:idem-demo.db or --db postgres://…")
 	}
-	opts := dbopen.Options{DB: *db, Keys: *keys, KeyTable: *table}
+	opts := dbopen.Options{DB: *db, Keys: *keys, KeyTable: *table, Prefix: *prefix, Schema: *schema}
 	if err := opts.Check(); err != nil {
 		return storeUsageError(stderr, fs, err.Error())
 	}
@@ -80,7 +111,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) in
 		fmt.Fprintf(stdout, "key records: ready (%s)\n", h.KeysAt)
 	}
 	if *withOrders {
-		svc, err := orders.New(h.Orders, nil)
+		svc, err := orders.New(h.Orders, &orders.Config{Table: h.OrdersTable})
 		if err == nil {
 			err = svc.Migrate(ctx)
 		}

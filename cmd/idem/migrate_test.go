@@ -91,7 +91,7 @@ func TestMigrateUsage(t *testing.T) {
 		{[]string{"migrate"}, "--db is required"},
 		{[]string{"migrate", "--db", "oracle://x"}, `unknown scheme "oracle"`},
 		{[]string{"migrate", "--db", "sqlite:x.db", "now"}, `unexpected argument "now"`},
-		{[]string{"migrate", "--bogus"}, "flag provided but not defined: -bogus"},
+		{[]string{"migrate", "--bogus"}, "unknown flag --bogus"},
 	} {
 		if code, _, stderr := runIdem(t, dir, nil, c.args...); code != 2 || !strings.Contains(stderr, c.want) {
 			t.Errorf("%v: exit %d, stderr %q; want 2 and %q", c.args, code, stderr, c.want)
