@@ -166,7 +166,7 @@ func usage(w io.Writer) {
 	fmt.Fprintln(w)
 	fmt.Fprintln(w, "Commands:")
 	for _, n := range commandNames() {
-		fmt.Fprintf(w, "  %-9s %s\n", n, commands[n].summary)
+		fmt.Fprintf(w, "  %-10s  %s\n", n, commands[n].summary)
 	}
 	fmt.Fprintln(w)
 	fmt.Fprintln(w, "Run `idem help COMMAND` (or `idem COMMAND --help`) for a command's flags.")
@@ -273,4 +273,60 @@ func flagHint(fs *flag.FlagSet, name string) string {
 		}
 	}
 	return "run with --help for what it takes"
+}
+
+func init() {
+	register(&command{
+		name:    "completion",
+		summary: "print a bash completion script for idem's commands and flags (eval it in ~/.bashrc)",
+		run:     runCompletion,
+	})
+}
+
+const completionUsage = `Usage: idem completion bash
+
+Prints a bash completion script: commands after "idem", each command's flags
+after "idem COMMAND --", file names elsewhere. It asks the idem it completes
+for its commands and flags (idem help, idem COMMAND --help), so it stays right
+as commands change. zsh reads it after "autoload -U bashcompinit && bashcompinit".
+
+Example:
+  echo 'eval "$(idem completion bash)"' >> ~/.bashrc
+
+Exit codes: 0 printed, 2 bad usage.
+`
+
+// completionBash completes from the output of `idem help` (lines "  NAME  …")
+// and `idem COMMAND --help` (lines "  --FLAG …"), which storeUsage prints.
+const completionBash = `# bash completion for idem; eval "$(idem completion bash)"
+_idem() {
+	local cur=${COMP_WORDS[COMP_CWORD]} idem=${COMP_WORDS[0]} words
+	if [ "$COMP_CWORD" -eq 1 ]; then
+		words=$("$idem" help 2>/dev/null | sed -n 's/^  \([a-z][a-z0-9-]*\) .*/\1/p')
+		COMPREPLY=($(compgen -W "$words help" -- "$cur"))
+	elif [ "${COMP_WORDS[1]}" = help ] && [ "$COMP_CWORD" -eq 2 ]; then
+		words=$("$idem" help 2>/dev/null | sed -n 's/^  \([a-z][a-z0-9-]*\) .*/\1/p')
+		COMPREPLY=($(compgen -W "$words" -- "$cur"))
+	elif [[ $cur == -* ]]; then
+		words=$("$idem" "${COMP_WORDS[1]}" --help 2>/dev/null | sed -n 's/^  \(--[a-z0-9-]*\).*/\1/p')
+		COMPREPLY=($(compgen -W "$words" -- "$cur"))
+	else
+		COMPREPLY=($(compgen -f -- "$cur"))
+	fi
+}
+complete -o filenames -F _idem idem
+`
+
+func runCompletion(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("idem completion", flag.ContinueOnError)
+	fs.Usage = storeUsage(fs, completionUsage, nil)
+	pos, code, ok := parseFlags(fs, args, nil, stdout, stderr)
+	if !ok {
+		return code
+	}
+	if len(pos) != 1 || pos[0] != "bash" {
+		return storeUsageError(stderr, fs, fmt.Sprintf("give the shell: idem completion bash (got %q); zsh reads the bash script after bashcompinit", strings.Join(pos, " ")))
+	}
+	fmt.Fprint(stdout, completionBash)
+	return exitOK
 }
