@@ -1053,13 +1053,6 @@ func (h *harness) actBurst(t *rapid.T) {
 			t.Fatalf("the handler ran %d times for a burst the model answers with %s", len(execs), p.kind)
 		}
 		for _, res := range results {
-			if h.single && res.a != nil && res.a.status == 409 && res.a.header.Get("Retry-After") == "1" {
-				// Known (TestSingleTxConcurrentReplaysAre409): in the single
-				// transaction flow a request that meets another reading the same
-				// key is answered 409, whatever the record.
-				h.expectProblem(res.a, 409, idem.CodeKeyInUse, 1)
-				continue
-			}
 			h.expectNoExec(p, res)
 		}
 		return
@@ -1378,14 +1371,14 @@ func (s *plantedStore) Len() int {
 
 // Found by the model (TestModelSQLite, a burst on a completed key in the single
 // transaction flow): concurrent retries of an operation that completed long ago
-// are answered 409 idempotency_key_in_use (Retry-After: 1) instead of its replay,
-// although no request holds the key: BeginLocked takes the store's per-key lock
-// before it reads the record, so a replay that is only reading the key makes
+// were answered 409 idempotency_key_in_use (Retry-After: 1) instead of its
+// replay, although no request held the key: BeginLocked took the store's per-key
+// lock before it read the record, so a replay that was only reading the key made
 // every other request with it a 409 — and a request with another body a 409
-// instead of its 422. The README promises 409 only while a lease is live.
-func TestSingleTxConcurrentReplaysAre409(t *testing.T) {
+// instead of its 422. Fixed in sqlitestore: a complete record is answered from a
+// lock-free read.
+func TestSingleTxConcurrentReplaysAreReplays(t *testing.T) {
 	t.Parallel()
-	t.Skip("bug: FlowSingleTx answers 409 to concurrent replays of a completed key (sqlitestore BeginLocked locks the key before reading a complete record)")
 	db, err := embedded.Open(filepath.Join(t.TempDir(), "replays.db"))
 	if err != nil {
 		t.Fatal(err)
