@@ -91,7 +91,7 @@ var demoEnv = []storeEnvVar{
 	{"lease", "IDEM_LEASE"}, {"ttl", "IDEM_TTL"}, {"handler-delay", "IDEM_HANDLER_DELAY"},
 	{"require-key", "IDEM_REQUIRE_KEY"}, {"rate-limit", "IDEM_RATE_LIMIT"},
 	{"read-timeout", "IDEM_READ_TIMEOUT"}, {"exit-with-parent", "IDEM_EXIT_WITH_PARENT"},
-	{"metrics-addr", "IDEM_METRICS_ADDR"},
+	{"metrics-addr", "IDEM_METRICS_ADDR"}, {"flow", "IDEM_FLOW"},
 }
 
 // demoShutdownTimeout bounds how long in-flight requests may take to finish after
@@ -135,6 +135,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	rate := fs.Int("rate-limit", 0, "per-tenant `requests` per second, answered 429 beyond (never bound to a key); 0 is off")
 	readTimeout := fs.Duration("read-timeout", demoReadTimeout, "how long a client may take to send a whole request, headers and body; a slower one is disconnected")
 	metricsAddr := fs.String("metrics-addr", "127.0.0.1:9464", "`host:port` serving GET /metrics (Prometheus text format, no token); empty for none")
+	flowName := fs.String("flow", "auto", "auto (the store's preferred flow: single-tx on SQL databases), claim-complete (an in-flight record with a lease while the handler runs, as in the articles) or single-tx")
 	withParent := fs.Bool("exit-with-parent", true, "stop when the process that started the demo exits (for example a killed go run); false for nohup and the like")
 	fs.Usage = storeUsage(fs, demoUsage, demoEnv)
 	pos, code, ok := storeParse(fs, args, demoEnv, stdout, stderr)
@@ -167,7 +168,12 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "idem demo: %v\n", err)
 		return exitFailure
 	}
+	flow, ok := map[string]idem.Flow{"auto": idem.FlowAuto, "claim-complete": idem.FlowClaimComplete, "single-tx": idem.FlowSingleTx}[*flowName]
+	if !ok {
+		return storeUsageError(stderr, fs, fmt.Sprintf("invalid value %q for --flow; use auto, claim-complete or single-tx", *flowName))
+	}
 	mwCfg := &idem.Config{
+		Flow:        flow,
 		Lease:       *lease,
 		TTL:         *ttl,
 		KeyOptional: !*requireKey,

@@ -572,6 +572,7 @@ func TestDemoUsage(t *testing.T) {
 		{nil, []string{"demo", "--ttl", "1s", "--lease", "2s"}, "invalid --ttl 1s: shorter than --lease (2s)"},
 		{nil, []string{"demo", "--handler-delay", "-1s"}, "--handler-delay -1s is negative"},
 		{nil, []string{"demo", "--rate-limit", "-3"}, "--rate-limit -3 is negative"},
+		{nil, []string{"demo", "--flow", "nope"}, `invalid value "nope" for --flow; use auto, claim-complete or single-tx`},
 		{nil, []string{"demo", "--db", "x://foo"}, `--db: unknown scheme "x"; use sqlite:PATH, postgres://… or mysql://…`},
 		{nil, []string{"demo", "--keys", "memcached://x"}, `--keys: unknown scheme "memcached"`},
 		{nil, []string{"demo", "extra"}, `unexpected argument "extra"`},
@@ -599,7 +600,7 @@ func TestDemoUsage(t *testing.T) {
 func TestDemoCrash(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
-	a := startDemo(t, dir, nil, "--lease", "1s", "--handler-delay", "3s")
+	a := startDemo(t, dir, nil, "--flow", "claim-complete", "--lease", "1s", "--handler-delay", "3s")
 	key, body := "crash-"+cliRandHex(6), `{"cart_id":"c_crash","total_cents":1}`
 	go func() {
 		req, _ := http.NewRequest("POST", a.URL+"/orders", strings.NewReader(body))

@@ -21,7 +21,7 @@ import (
 func TestInspectInFlight(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
-	d := startDemo(t, dir, nil, "--handler-delay", "4s")
+	d := startDemo(t, dir, nil, "--flow", "claim-complete", "--handler-delay", "4s")
 	key := "flight-" + cliRandHex(4)
 	done := make(chan httpAnswer, 1)
 	go func() { done <- sendHTTP(t, "POST", d.URL+"/orders", "t1", key, `{"cart_id":"c_fl","total_cents":1}`) }()
