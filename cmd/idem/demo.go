@@ -160,6 +160,14 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if *schema != "" && (!demoNameRE.MatchString(*schema) || len(*schema) > 63) {
 		return storeUsageError(stderr, fs, fmt.Sprintf("--schema %q is not usable; use up to 63 lower-case letters, digits and underscores, not starting with a digit, such as shop", *schema))
 	}
+	if msg := listenAddrProblem("--addr", *addr); msg != "" {
+		return storeUsageError(stderr, fs, msg)
+	}
+	if *metricsAddr != "" {
+		if msg := listenAddrProblem("--metrics-addr", *metricsAddr); msg != "" {
+			return storeUsageError(stderr, fs, msg+", or empty for no metrics")
+		}
+	}
 	logger := demoLogger(stderr)
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -216,7 +224,11 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	// migrating) may be slow, and a newcomer must see that the demo runs.
 	ln, err := net.Listen("tcp", *addr)
 	if err != nil {
-		fmt.Fprintf(stderr, "idem demo: cannot listen on %s (%v); is another process using it? Pick another address with --addr\n", *addr, err)
+		hint := "is another process using it?"
+		if !errors.Is(err, syscall.EADDRINUSE) {
+			hint = "is the host an address of this machine?"
+		}
+		fmt.Fprintf(stderr, "idem demo: cannot listen on %s (%v); %s Pick another address with --addr\n", *addr, err, hint)
 		return exitFailure
 	}
 	base := demoBaseURL(ln.Addr())

@@ -576,6 +576,9 @@ func TestDemoUsage(t *testing.T) {
 		{nil, []string{"demo", "--db", "x://foo"}, `--db: unknown scheme "x"; use sqlite:PATH, postgres://… or mysql://…`},
 		{nil, []string{"demo", "--keys", "memcached://x"}, `--keys: unknown scheme "memcached"`},
 		{nil, []string{"demo", "extra"}, `unexpected argument "extra"`},
+		{nil, []string{"demo", "--addr", "notaport"}, `--addr "notaport" is not HOST:PORT; write for example 127.0.0.1:8080`},
+		{nil, []string{"demo", "--addr", "127.0.0.1:99999"}, `port "99999" is not a number from 0 to 65535`},
+		{nil, []string{"demo", "--metrics-addr", "9464"}, `--metrics-addr "9464" is not HOST:PORT`},
 	}
 	for _, c := range cases {
 		code, _, stderr := runIdem(t, dir, c.env, c.args...)

@@ -75,7 +75,7 @@ func runInspect(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	if err != nil {
 		return storeUsageError(stderr, fs, err.Error())
 	}
-	opts := dbopen.Options{DB: *db, Keys: *keys, KeyTable: *table}
+	opts := dbopen.Options{DB: *db, Keys: *keys, KeyTable: *table, MustExist: true}
 	if err := opts.Check(); err != nil {
 		return storeUsageError(stderr, fs, err.Error())
 	}
@@ -92,10 +92,7 @@ func runInspect(ctx context.Context, args []string, stdout, stderr io.Writer) in
 		return exitFailure
 	}
 	if err != nil {
-		fmt.Fprintf(stderr, "idem inspect: %v\n", err)
-		if h.Redis == nil {
-			fmt.Fprintln(stderr, "idem inspect: if the table does not exist, run `idem migrate` with the same --db first")
-		}
+		storeFailure(stderr, "idem inspect", err, h)
 		return exitFailure
 	}
 	inspectPrint(stdout, rec, now, *showBody)
@@ -202,7 +199,7 @@ func runInspectSummary(ctx context.Context, fs *flag.FlagSet, pos []string, db, 
 	if db == "" {
 		return storeUsageError(stderr, fs, "--db is required; for example --db sqlite:idem-demo.db or --db postgres://…")
 	}
-	opts := dbopen.Options{DB: db, Keys: keys, KeyTable: table}
+	opts := dbopen.Options{DB: db, Keys: keys, KeyTable: table, MustExist: true}
 	if err := opts.Check(); err != nil {
 		return storeUsageError(stderr, fs, err.Error())
 	}
@@ -223,8 +220,7 @@ func runInspectSummary(ctx context.Context, fs *flag.FlagSet, pos []string, db, 
 		sum, err = summarizeSQL(ctx, h, now, inspectSummaryRows)
 	}
 	if err != nil {
-		fmt.Fprintf(stderr, "idem inspect: %v\n", err)
-		fmt.Fprintln(stderr, "idem inspect: if the table does not exist, run `idem migrate` with the same --db first")
+		storeFailure(stderr, "idem inspect", err, h)
 		return exitFailure
 	}
 	inspectPrintSummary(stdout, h.KeysAt, sum, now)

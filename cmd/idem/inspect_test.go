@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"database/sql"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -186,5 +187,27 @@ func TestInspectSummary(t *testing.T) {
 	dir := t.TempDir()
 	if code, _, stderr := runIdem(t, dir, nil, "inspect", "--db", "sqlite:x.db", "--summary", "k"); code != 2 || !strings.Contains(stderr, "--summary takes no KEY") {
 		t.Errorf("--summary with a key: exit %d, %q", code, stderr)
+	}
+}
+
+// TestInspectMissingDatabase: inspect of a SQLite file that does not exist
+// creates none and says how to create it, once; a missing table gets the
+// advice to migrate once.
+func TestInspectMissingDatabase(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	code, _, stderr := runIdem(t, dir, nil, "inspect", "--db", "sqlite:missing.db", "--scope", "t1", "k")
+	if code != 1 || !strings.Contains(stderr, "the file missing.db does not exist") || strings.Count(stderr, "idem migrate") != 1 {
+		t.Errorf("missing file: exit %d, stderr %q", code, stderr)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "missing.db")); !os.IsNotExist(err) {
+		t.Errorf("inspect created the SQLite file (stat: %v)", err)
+	}
+	if code, out, stderr := runIdem(t, dir, nil, "migrate", "--db", "sqlite:app.db", "--orders=false"); code != 0 {
+		t.Fatalf("migrate: exit %d %s%s", code, out, stderr)
+	}
+	code, _, stderr = runIdem(t, dir, nil, "inspect", "--db", "sqlite:app.db", "--table", "nosuch", "--scope", "t1", "k")
+	if code != 1 || strings.Count(stderr, "idem migrate") != 1 {
+		t.Errorf("missing table: exit %d; want 1 and the advice to migrate once:\n%s", code, stderr)
 	}
 }
