@@ -259,8 +259,10 @@ func TestBeginLockedFindsRecordWrittenWhileWaiting(t *testing.T) {
 	}()
 	// The first read (one statement) found nothing; BEGIN (the second) waits for
 	// the other process's lock.
-	for counts.snapshot().sub(start).stmts < 2 {
-		time.Sleep(time.Millisecond)
+	for deadline := time.Now().Add(10 * time.Second); counts.snapshot().sub(start).stmts < 2; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("BeginLocked ran %d statements in 10 s, want a read and then a BEGIN waiting for the lock", counts.snapshot().sub(start).stmts)
+		}
 	}
 	time.Sleep(20 * time.Millisecond)
 	if err := otx.Commit(ctx); err != nil {
