@@ -37,7 +37,10 @@ func TestIdemCheck(t *testing.T) {
 // key gets the same message back, marked as a replay.
 func TestConnectClient(t *testing.T) {
 	srv := start(t, 0)
-	client := connect.NewClient[structpb.Struct, structpb.Struct](http.DefaultClient, srv.URL+CreateOrderProcedure)
+	// A Struct is a map: the default codec encodes it in a random order on every
+	// call, which idem rightly sees as another request (422). A retrying client
+	// must send the same bytes, so it encodes deterministically.
+	client := connect.NewClient[structpb.Struct, structpb.Struct](http.DefaultClient, srv.URL+CreateOrderProcedure, connect.WithCodec(deterministicProto{}))
 	in, _ := structpb.NewStruct(map[string]any{"cart_id": "c_42", "total_cents": 1900})
 	call := func() *connect.Response[structpb.Struct] {
 		req := connect.NewRequest(in)
@@ -54,3 +57,15 @@ func TestConnectClient(t *testing.T) {
 		t.Fatalf("two calls with one key: %v then %v (replayed %q); want the same order, the second a replay", a.Msg, b.Msg, b.Header().Get("Idempotent-Replayed"))
 	}
 }
+
+// deterministicProto is connect's binary protobuf codec with deterministic map
+// order, so that every attempt of a call sends the same bytes.
+type deterministicProto struct{}
+
+func (deterministicProto) Name() string { return "proto" }
+
+func (deterministicProto) Marshal(m any) ([]byte, error) {
+	return proto.MarshalOptions{Deterministic: true}.Marshal(m.(proto.Message))
+}
+
+func (deterministicProto) Unmarshal(b []byte, m any) error { return proto.Unmarshal(b, m.(proto.Message)) }
