@@ -34,7 +34,8 @@ client asks why a request was replayed (or answered 409 or 422).
 With --summary (and no KEY) it counts the records by state instead — complete,
 in flight, expired — and shows the oldest in-flight record and the in-flight
 records whose lease lapsed (their holders crashed or stalled: the next retry
-of each takes it over). It works on the SQL stores; Redis records expire by
+of each takes it over, or, where LapsedLease is LapsedRefuse as in idem proxy,
+gets 503 until idem resolve settles it). It works on the SQL stores; Redis records expire by
 themselves and are not counted.
 
 The scope is the tenant the service put the request under (in idem demo, the
@@ -366,7 +367,7 @@ func inspectPrintSummary(w io.Writer, where string, sum recordSummary, now time.
 	fmt.Fprintf(w, "records in %s at %s:\n", where, now.UTC().Format(time.RFC3339))
 	fmt.Fprintf(w, "%-18s %d\n", "complete:", sum.Complete)
 	fmt.Fprintf(w, "%-18s %d\n", "in flight:", sum.InFlight)
-	fmt.Fprintf(w, "%-18s %d (their holders crashed or stalled: the next retry of each takes it over)\n", "past their lease:", sum.PastLease)
+	fmt.Fprintf(w, "%-18s %d (their holders crashed or stalled: the next retry of each takes it over, or gets 503 idempotency_outcome_unknown under LapsedRefuse until idem resolve)\n", "past their lease:", sum.PastLease)
 	fmt.Fprintf(w, "%-18s %d (they count as absent; `idem gc` or the janitor deletes them)\n", "expired:", sum.Expired)
 	if sum.OldestInFlight.IsZero() {
 		fmt.Fprintf(w, "%-18s none\n", "oldest in flight:")

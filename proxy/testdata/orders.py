@@ -126,7 +126,10 @@ def main():
     srv.daemon_threads = True
     srv.request_queue_size = 1024
     print("listening on http://127.0.0.1:%d" % srv.server_address[1], flush=True)
-    srv.serve_forever()
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:  # Ctrl-C stops it quietly
+        pass
 
 
 if __name__ == "__main__":
