@@ -376,7 +376,9 @@ func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record,
 			return &idem.Record{Scope: req.Scope, Key: req.Key, State: idem.StateInFlight, Fingerprint: req.Fingerprint,
 				Token: req.Token, CreatedAt: time.UnixMicro(now), LeaseUntil: time.UnixMicro(lease), ExpiresAt: time.UnixMicro(exp)}, true, nil
 		}
-		if code, ok := errorNumber(err); !ok || code != 1062 { // ER_DUP_ENTRY
+		// ER_DUP_ENTRY, or a deadlock with a concurrent claim of the key (the
+		// INSERT was rolled back): the statement below decides, retrying deadlocks.
+		if code, ok := errorNumber(err); !ok || (code != 1062 && code != 1213) {
 			return nil, false, s.wrap(err)
 		}
 	}
