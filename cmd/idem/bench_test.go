@@ -9,9 +9,11 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 
+	"github.com/go-sql-driver/mysql"
 	"github.com/idemkit/idem/internal/bench"
 )
 
@@ -148,5 +150,33 @@ func TestBenchIsolated(t *testing.T) {
 		if !strings.Contains(stdout, s) {
 			t.Errorf("stdout lacks %q:\n%s", s, stdout)
 		}
+	}
+}
+
+// TestBenchMySQLDefault checks that --mysql's default, as idem bench --help shows
+// it, gives a DSN with multiStatements and interpolateParams: the configuration
+// BENCHMARKS.md's figures were measured with, so that the documented command
+// reproduces them.
+func TestBenchMySQLDefault(t *testing.T) {
+	t.Parallel()
+	var stdout bytes.Buffer
+	if code := run(context.Background(), []string{"bench", "--help"}, &stdout, io.Discard); code != exitOK {
+		t.Fatalf("bench --help: exit %d", code)
+	}
+	m := regexp.MustCompile(`--mysql URL\n[^\n]*\(default "([^"]+)"\)`).FindStringSubmatch(stdout.String())
+	if m == nil {
+		t.Fatalf("bench --help shows no default for --mysql:\n%s", stdout.String())
+	}
+	dsn, note, err := benchMySQL(m[1])
+	if err != nil || note != "" {
+		t.Fatalf("benchMySQL(%q) = %q, note %q, error %v", m[1], dsn, note, err)
+	}
+	cfg, err := mysql.ParseDSN(dsn)
+	if err != nil {
+		t.Fatalf("ParseDSN(%q): %v", dsn, err)
+	}
+	if !cfg.MultiStatements || !cfg.InterpolateParams || !cfg.ParseTime {
+		t.Errorf("default --mysql %q gives DSN %q: multiStatements %v, interpolateParams %v, parseTime %v; want all true",
+			m[1], dsn, cfg.MultiStatements, cfg.InterpolateParams, cfg.ParseTime)
 	}
 }
