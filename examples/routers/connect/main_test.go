@@ -68,4 +68,6 @@ func (deterministicProto) Marshal(m any) ([]byte, error) {
 	return proto.MarshalOptions{Deterministic: true}.Marshal(m.(proto.Message))
 }
 
-func (deterministicProto) Unmarshal(b []byte, m any) error { return proto.Unmarshal(b, m.(proto.Message)) }
+func (deterministicProto) Unmarshal(b []byte, m any) error {
+	return proto.Unmarshal(b, m.(proto.Message))
+}
