@@ -20,6 +20,16 @@ func (h *handler) serveClaim(w http.ResponseWriter, req *request) {
 		Scope: req.scope, Key: req.key, Fingerprint: req.fp, Token: newToken(),
 		Now: now, LeaseUntil: now.Add(h.Lease), ExpiresAt: now.Add(h.TTL),
 	}
+	if h.LapsedLease == LapsedRefuse {
+		// Refuse a lapsed record from a read, without writing: concurrent retries
+		// must all get the refusal, never a 409 from a takeover in progress.
+		if rec, err := h.store.Get(ctx, req.scope, req.key, now); err == nil && rec.State == StateInFlight && !rec.LeaseUntil.After(now) {
+			if match, _ := sameRequest(req.fp, rec.Fingerprint, req.r, req.body); match {
+				h.refuseUnknown(w, req, nil)
+				return
+			}
+		}
+	}
 	rec, claimed, err := h.store.Claim(ctx, claim)
 	if err != nil {
 		h.storeFailed(w, req, "claim", err)
@@ -72,6 +82,11 @@ func (h *handler) refuseLapsed(w http.ResponseWriter, req *request, token string
 	cctx := req.freshCleanup()
 	err := h.store.Extend(cctx, req.scope, req.key, token, now, now)
 	req.cctx.stop()
+	h.refuseUnknown(w, req, err)
+}
+
+// refuseUnknown answers 503 idempotency_outcome_unknown (LapsedRefuse).
+func (h *handler) refuseUnknown(w http.ResponseWriter, req *request, err error) {
 	h.problem(w, req, EventInFlight, errors.Join(ErrOutcomeUnknown, err), CodeOutcomeUnknown,
 		"an earlier request with this key did not finish (its server or upstream failed mid-request), so whether its operation took effect is unknown; it is not run again on its own. An operator resolves the key with idem resolve (an answer, or a release so that the next request runs it); until then every request with this key gets this answer", 0)
 }

@@ -191,7 +191,8 @@ const (
 	// LapsedRefuse answers 503 (idempotency_outcome_unknown) to every request
 	// with the key, and leaves the record in flight with its lease lapsed, until
 	// an operator completes it with an answer or releases it (idem resolve), or
-	// it expires at its TTL. The holder that lapsed can no longer complete.
+	// it expires at its TTL. A refusal writes nothing: a holder that was only
+	// stalled may still complete, and its outcome is then replayed.
 	LapsedRefuse
 )
 

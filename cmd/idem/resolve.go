@@ -122,8 +122,9 @@ func runResolve(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	}
 	defer h.Close()
 	stored := idem.StoredScope(*scope)
-	// A refused retry takes the record over for a moment (a new token): read it
-	// again and retry when the token moved under us.
+	// A refused retry may take the record over for a moment (a new token; only
+	// when the lease lapsed between its read and its claim), and a stalled holder
+	// may still finish: read it again and retry when the token moved under us.
 	for attempt := 0; ; attempt++ {
 		now := time.Now()
 		rec, err := h.Store.Get(ctx, stored, key, now)
