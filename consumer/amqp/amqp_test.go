@@ -81,6 +81,13 @@ func runChild() int {
 				return env.Insert(ctx, m)
 			})
 			if o.Action != consumer.Ack {
+				// Wait as the adapter's delayed retry would (a message in flight in
+				// the killed consumer waits out its lease): an immediate requeue
+				// spins through MaxDeliveries (a quorum queue counts every requeue)
+				// and the message ends dead-lettered instead of processed.
+				if o.Action == consumer.Retry {
+					time.Sleep(min(o.Delay, 3*time.Second))
+				}
 				_ = d.Nack(false, true)
 				continue
 			}
