@@ -16,10 +16,7 @@ import (
 func (h *handler) serveClaim(w http.ResponseWriter, req *request) {
 	ctx := req.r.Context()
 	now := h.NowFunc()
-	claim := ClaimRequest{
-		Scope: req.scope, Key: req.key, Fingerprint: req.fp, Token: newToken(),
-		Now: now, LeaseUntil: now.Add(h.Lease), ExpiresAt: now.Add(h.TTL),
-	}
+	claim := h.newClaim(req, now)
 	if h.LapsedLease == LapsedRefuse {
 		// Refuse a lapsed record from a read, without writing: concurrent retries
 		// must all get the refusal, never a 409 from a takeover in progress.
@@ -167,8 +164,7 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 	}
 	resp := h.response(w, rw)
 	if tx == nil {
-		now := h.NowFunc()
-		err := h.store.Complete(cctx, req.scope, req.key, token, resp, now, now.Add(h.TTL))
+		err := h.complete(cctx, req, token, resp)
 		h.observeCompletion(req, status, err)
 		rw.send() // the handler's effects happened; the client hears what they were
 		return
@@ -197,7 +193,7 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 		rw.discardHeaders()
 		h.leaseLost(w, req, err)
 	case errors.Is(err, ErrTxAborted):
-		h.txAborted(w, req, resp, err, func() error { return h.storeAborted(cctx, req, token, resp) }, func() error { return h.releaseKey(cctx, req, token) })
+		h.txAborted(w, req, resp, err, func() error { return h.complete(cctx, req, token, resp) }, func() error { return h.releaseKey(cctx, req, token) })
 	case hctx.Err() != nil && !committing:
 		relErr := h.releaseKey(cctx, req, token)
 		rw.discardHeaders()
@@ -232,9 +228,7 @@ func (req *request) spillOutcome() {
 		return
 	}
 	resp := &Response{Status: status, Header: h.storedHeader(rw.w.Header()), Ref: rw.ref, BodyOmitted: true}
-	now := h.NowFunc()
-	err := h.store.Complete(cctx, req.scope, req.key, req.token, resp, now, now.Add(h.TTL))
-	h.observeCompletion(req, status, err)
+	h.observeCompletion(req, status, h.complete(cctx, req, req.token, resp))
 }
 
 // response is the outcome to store for the handler's answer in rw.
@@ -266,9 +260,17 @@ func (h *handler) lockLost(err error, req *request) bool {
 	return errors.Is(err, ErrLockLost) || req.exec.lockLost()
 }
 
-// storeAborted keeps the handler's answer of a request whose transaction the
-// database aborted, fenced by token, outside the transaction.
-func (h *handler) storeAborted(ctx context.Context, req *request, token string, resp *Response) error {
+// newClaim is the claim of req's key under a fresh token at now.
+func (h *handler) newClaim(req *request, now time.Time) ClaimRequest {
+	return ClaimRequest{
+		Scope: req.scope, Key: req.key, Fingerprint: req.fp, Token: newToken(),
+		Now: now, LeaseUntil: now.Add(h.Lease), ExpiresAt: now.Add(h.TTL),
+	}
+}
+
+// complete stores resp as the outcome of the claim held under token, fenced,
+// outside any transaction, to expire TTL from now.
+func (h *handler) complete(ctx context.Context, req *request, token string, resp *Response) error {
 	now := h.NowFunc()
 	return h.store.Complete(ctx, req.scope, req.key, token, resp, now, now.Add(h.TTL))
 }
@@ -347,11 +349,18 @@ func (h *handler) storedHeader(src http.Header) http.Header {
 	out := make(http.Header, names)
 	vals := make([]string, 0, n)
 	for _, name := range h.storedHdrs {
-		if v, ok := src[name]; ok && len(v) > 0 {
-			start := len(vals)
-			vals = append(vals, v...)
-			out[name] = vals[start:len(vals):len(vals)]
+		if v := src[name]; len(v) > 0 {
+			vals, out[name] = appendOwn(vals, v...)
 		}
 	}
 	return out
+}
+
+// appendOwn appends v to vals, the shared storage of several header values, and
+// returns the grown storage and v's copy in it, capped so that an append to the
+// copy never overwrites its neighbour.
+func appendOwn(vals []string, v ...string) (grown, own []string) {
+	start := len(vals)
+	vals = append(vals, v...)
+	return vals, vals[start:len(vals):len(vals)]
 }

@@ -40,12 +40,9 @@ func (h *handler) replay(w http.ResponseWriter, req *request, rec *Record) {
 	}
 	vals := make([]string, 0, n)
 	for k, v := range resp.Header {
-		start := len(vals)
-		vals = append(vals, v...)
-		hdr[k] = vals[start:len(vals):len(vals)]
+		vals, hdr[k] = appendOwn(vals, v...)
 	}
-	vals = append(vals, "true")
-	hdr[ReplayedHeader] = vals[len(vals)-1 : len(vals) : len(vals)]
+	_, hdr[ReplayedHeader] = appendOwn(vals, "true")
 	setContentLength(hdr, len(resp.Body))
 	w.WriteHeader(resp.Status)
 	_, _ = w.Write(resp.Body)

@@ -124,14 +124,10 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 // and completes the claim. When another request holds the key by now, nothing
 // is kept and the answer still goes to this client.
 func (h *handler) claimAndKeep(ctx context.Context, req *request, resp *Response) error {
-	now := h.NowFunc()
-	claim := ClaimRequest{
-		Scope: req.scope, Key: req.key, Fingerprint: req.fp, Token: newToken(),
-		Now: now, LeaseUntil: now.Add(h.Lease), ExpiresAt: now.Add(h.TTL),
-	}
+	claim := h.newClaim(req, h.NowFunc())
 	_, claimed, err := h.store.Claim(ctx, claim)
 	if err != nil || !claimed {
 		return err
 	}
-	return h.store.Complete(ctx, req.scope, req.key, claim.Token, resp, now, now.Add(h.TTL))
+	return h.complete(ctx, req, claim.Token, resp)
 }
