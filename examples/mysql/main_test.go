@@ -2,17 +2,14 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
 	"database/sql"
-	"encoding/hex"
-	"io"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
-	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/idemkit/idem/examples/internal/exampletest"
 
 	"github.com/idemkit/idem/internal/testenv"
 )
@@ -31,8 +28,8 @@ func TestMySQLExample(t *testing.T) {
 	srv := httptest.NewServer(h)
 	defer srv.Close()
 
-	created := burst(t, srv.URL+"/orders", "my-key-1", 20)
-	status, replayed, body := post(t, srv.URL+"/orders", "my-key-1")
+	created := exampletest.Burst(t, srv.URL+"/orders", "my-key-1", 20)
+	status, replayed, body := exampletest.Post(t, srv.URL+"/orders", "my-key-1")
 	if status != http.StatusCreated || replayed != "true" || body != created {
 		t.Fatalf("retry after the burst: %d %q (Idempotent-Replayed %q); want the replay of %q", status, body, replayed, created)
 	}
@@ -55,7 +52,7 @@ func freshDatabase(t *testing.T, ctx context.Context, raw string) *sql.DB {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = admin.Close() })
-	name := "example_my_" + randomHex(t)
+	name := "example_my_" + exampletest.RandomHex(t)
 	if _, err := admin.ExecContext(ctx, "CREATE DATABASE "+name); err != nil {
 		t.Fatalf("CREATE DATABASE on %s: %v", raw, err)
 	}
@@ -71,66 +68,4 @@ func freshDatabase(t *testing.T, ctx context.Context, raw string) *sql.DB {
 	}
 	t.Cleanup(func() { _ = db.Close() })
 	return db
-}
-
-// burst sends n identical requests with one key at the same moment and returns
-// the body of the 201 they share; every other answer must be 409 in flight.
-func burst(t *testing.T, url, key string, n int) string {
-	t.Helper()
-	type answer struct {
-		status int
-		body   string
-	}
-	answers := make([]answer, n)
-	start := make(chan struct{})
-	var wg sync.WaitGroup
-	for i := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			<-start
-			answers[i].status, _, answers[i].body = post(t, url, key)
-		}()
-	}
-	close(start)
-	wg.Wait()
-	created := ""
-	for _, a := range answers {
-		switch {
-		case a.status == http.StatusCreated && (created == "" || created == a.body):
-			created = a.body
-		case a.status == http.StatusConflict:
-		default:
-			t.Fatalf("answer %d %q in a burst with one key; want one 201 body (replayed or not) and 409s; all: %v", a.status, a.body, answers)
-		}
-	}
-	if created == "" {
-		t.Fatalf("no 201 among %d requests with one key: %v", n, answers)
-	}
-	return created
-}
-
-func post(t *testing.T, url, key string) (status int, replayed, body string) {
-	req, err := http.NewRequest(http.MethodPost, url, strings.NewReader(`{"cart_id":"c_42"}`))
-	if err != nil {
-		t.Error(err)
-		return 0, "", ""
-	}
-	req.Header.Set("Idempotency-Key", key)
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Error(err)
-		return 0, "", ""
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, resp.Header.Get("Idempotent-Replayed"), string(b)
-}
-
-func randomHex(t *testing.T) string {
-	b := make([]byte, 6)
-	if _, err := rand.Read(b); err != nil {
-		t.Fatal(err)
-	}
-	return hex.EncodeToString(b)
 }
