@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/examples/internal/exampletest"
-
 	"github.com/idemkit/idem/internal/testenv"
 )
 

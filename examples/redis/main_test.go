@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/examples/internal/exampletest"
-
 	"github.com/idemkit/idem/internal/testenv"
 	"github.com/redis/go-redis/v9"
 )
