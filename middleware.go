@@ -3,8 +3,6 @@ package idem
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
-	"encoding/base64"
 	"errors"
 	"fmt"
 	"io"
@@ -173,12 +171,6 @@ func (req *request) readBody() ([]byte, error) {
 	req.bodyReader.Reset(body)
 	r.Body = &req.bodyReader
 	return body, nil
-}
-
-func newToken() string {
-	var b [16]byte
-	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails (Go 1.24+)
-	return base64.RawURLEncoding.EncodeToString(b[:])
 }
 
 func (h *handler) inFlight(w http.ResponseWriter, req *request, left time.Duration) {

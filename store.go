@@ -81,8 +81,8 @@ type Record struct {
 	// Fingerprint identifies the request that claimed the key, prefixed with its
 	// algorithm version ("v1:…").
 	Fingerprint string
-	// Token is the random lock token of the claim that currently holds or last
-	// held the key. Complete, Release and Extend compare it.
+	// Token is the lock token of the claim that currently holds or last held
+	// the key. Complete, Release and Extend compare it.
 	Token string
 	// CreatedAt is when the record was first claimed.
 	CreatedAt time.Time
@@ -105,7 +105,9 @@ type ClaimRequest struct {
 	// Fingerprint is the request's fingerprint with its version prefix (at most
 	// a few hundred bytes of visible ASCII).
 	Fingerprint string
-	// Token is the fresh random lock token of this claim.
+	// Token is the lock token of this claim, unique to it: no other claim, in
+	// this process or another, is made with the same token (22 characters of
+	// base64url).
 	Token string
 	// Now is the middleware's clock reading; stores compare leases and expiry
 	// against it, so tests can drive time.
