@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"sync"
 	"time"
 )
 
@@ -162,7 +163,9 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 		rw.send()
 		return
 	}
-	resp := h.response(w, rw)
+	stored := h.response(w, rw)
+	defer stored.release()
+	resp := &stored.Response
 	if tx == nil {
 		err := h.complete(cctx, req, token, resp)
 		h.observeCompletion(req, status, err)
@@ -231,15 +234,48 @@ func (req *request) spillOutcome() {
 	h.observeCompletion(req, status, h.complete(cctx, req, req.token, resp))
 }
 
-// response is the outcome to store for the handler's answer in rw.
-func (h *handler) response(w http.ResponseWriter, rw *recorder) *Response {
-	resp := &Response{Status: rw.statusOrOK(), Header: h.storedHeader(w.Header()), Ref: rw.ref}
-	if h.ReplayFunc != nil || rw.overLimit() {
-		resp.BodyOmitted = true
+// response is the outcome to store for the handler's answer in rw. The caller
+// releases it once the request's last store call returned; when the store
+// copies what it keeps (ResponseCopier), its memory then goes to a later
+// request.
+func (h *handler) response(w http.ResponseWriter, rw *recorder) *storedResponse {
+	var sr *storedResponse
+	if h.reuseResponses {
+		sr = responsePool.Get().(*storedResponse)
+		sr.pooled = true
+		sr.Response = Response{Status: rw.statusOrOK(), Header: h.storedHeaderInto(sr, w.Header()), Ref: rw.ref}
 	} else {
-		resp.Body = rw.body.Bytes()
+		sr = &storedResponse{Response: Response{Status: rw.statusOrOK(), Header: h.storedHeader(w.Header()), Ref: rw.ref}}
 	}
-	return resp
+	if h.ReplayFunc != nil || rw.overLimit() {
+		sr.BodyOmitted = true
+	} else {
+		sr.Body = rw.body.Bytes()
+	}
+	return sr
+}
+
+// storedResponse is a Response with storage of its own for the header, reused
+// across requests through responsePool when pooled.
+type storedResponse struct {
+	Response
+	hdr    http.Header
+	vals   []string
+	pooled bool
+}
+
+var responsePool = sync.Pool{New: func() any { return &storedResponse{hdr: make(http.Header, 4)} }}
+
+// release gives sr's memory to a later request, if it is pooled.
+func (sr *storedResponse) release() {
+	if !sr.pooled || len(sr.hdr) > 16 || cap(sr.vals) > 64 {
+		return // not ours to reuse, or an unusual answer whose storage should go
+	}
+	clear(sr.hdr)
+	clear(sr.vals)
+	sr.vals = sr.vals[:0]
+	sr.Response = Response{}
+	responsePool.Put(sr)
 }
 
 // observeCompletion reports the outcome of a completion outside a transaction.
@@ -331,6 +367,20 @@ func commitFailedDetail(relErr error) string {
 		d += " (after the lease lapses: the key could not be released either)"
 	}
 	return d + "; retry with the same key"
+}
+
+// storedHeaderInto copies the allow-listed headers out of src into sr's
+// storage (as storedHeader does), or returns nil when there are none.
+func (h *handler) storedHeaderInto(sr *storedResponse, src http.Header) http.Header {
+	for _, name := range h.storedHdrs {
+		if v := src[name]; len(v) > 0 {
+			sr.vals, sr.hdr[name] = appendOwn(sr.vals, v...)
+		}
+	}
+	if len(sr.hdr) == 0 {
+		return nil
+	}
+	return sr.hdr
 }
 
 // storedHeader copies the allow-listed headers out of src, into storage of its

@@ -30,6 +30,9 @@ func New(store Store, cfg *Config) (func(http.Handler) http.Handler, error) {
 	m := &middleware{settings: s, store: store, sched: newScheduler(s.Lease, s.HandlerTimeout)}
 	m.txStore, _ = store.(TxStore)
 	m.singleTx, _ = store.(SingleTxStore)
+	if c, ok := store.(ResponseCopier); ok {
+		m.reuseResponses = c.CopiesResponses()
+	}
 	return func(next http.Handler) http.Handler {
 		return &handler{middleware: m, next: next}
 	}, nil
@@ -41,6 +44,9 @@ type middleware struct {
 	store    Store
 	txStore  TxStore
 	singleTx SingleTxStore
+	// reuseResponses: the store copies what it keeps of a Response
+	// (ResponseCopier), so their memory is pooled.
+	reuseResponses bool
 }
 
 type handler struct {

@@ -84,7 +84,9 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 		return
 	}
 	done := h.NowFunc()
-	resp := h.response(w, rw)
+	stored := h.response(w, rw)
+	defer stored.release()
+	resp := &stored.Response
 	rec = &Record{
 		Scope: req.scope, Key: req.key, State: StateComplete, Fingerprint: req.fp,
 		Token: newToken(), CreatedAt: now, LeaseUntil: done, ExpiresAt: done.Add(h.TTL), Response: resp,

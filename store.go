@@ -168,6 +168,18 @@ type Store interface {
 	DeleteExpired(ctx context.Context, now time.Time, limit int) (int, error)
 }
 
+// ResponseCopier is implemented by stores that copy what they keep of a
+// Response, never keeping the *Response passed to Complete (or to a
+// transaction's Complete or Insert), its Header map or its Body: once the call
+// returns — in a transaction, once Commit or Rollback returns — the caller may
+// reuse that memory. When CopiesResponses reports true, the middleware does,
+// saving a header map and its values per request. Every store in this module
+// implements it; a store that does not gets a Response of its own to keep.
+// storetest's ResponseCopied case checks the claim.
+type ResponseCopier interface {
+	CopiesResponses() bool
+}
+
 // TxStore is implemented by stores that can commit the completion in the same
 // database transaction as the handler's business writes (docs/design.md §2). When the
 // store passed to New implements it, the middleware runs every claimed request in

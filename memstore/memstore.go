@@ -302,3 +302,7 @@ func (s *Store) DeleteExpired(ctx context.Context, now time.Time, limit int) (in
 	}
 	return deleted, nil
 }
+
+// CopiesResponses implements idem.ResponseCopier: Complete encodes the response
+// into the record's own memory.
+func (s *Store) CopiesResponses() bool { return true }

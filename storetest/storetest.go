@@ -62,6 +62,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 		{"Janitor", testJanitor},
 		{"LiveLeasePastTTL", testLiveLeasePastTTL},
 		{"HeaderBytesExact", testHeaderBytesExact},
+		{"ResponseCopied", testResponseCopied},
 		{"ClockBehind", func(t *testing.T, s idem.Store) { testClockSkew(t, s, -2*time.Minute) }},
 		{"ClockAhead", func(t *testing.T, s idem.Store) { testClockSkew(t, s, 2*time.Minute) }},
 		{"Linearizable", testLinearizable},
@@ -740,6 +741,85 @@ func testHeaderBytesExact(t *testing.T, s idem.Store) {
 		t.Fatalf("Complete: %v", err)
 	}
 	checkResponse(t, mustGet(t, s, f, now).Response, resp)
+}
+
+// testResponseCopied: a store that says it copies what it keeps of a response
+// (idem.ResponseCopier) does: the middleware reuses the memory for a later
+// request once Complete (or, in a transaction, Commit) returned.
+func testResponseCopied(t *testing.T, s idem.Store) {
+	if c, ok := s.(idem.ResponseCopier); !ok || !c.CopiesResponses() {
+		t.Skip("the store does not implement idem.ResponseCopier: the middleware gives it a Response of its own to keep, and there is nothing to check")
+	}
+	complete := map[string]func(f fixture, token string, resp *idem.Response, now time.Time) error{
+		"Complete": func(f fixture, token string, resp *idem.Response, now time.Time) error {
+			return s.Complete(ctxFor(t), f.scope, f.key, token, resp, now, now.Add(longTTL))
+		},
+	}
+	if ts, ok := s.(idem.TxStore); ok {
+		complete["Tx.Complete"] = func(f fixture, token string, resp *idem.Response, now time.Time) error {
+			ctx, tx, err := ts.BeginTx(ctxFor(t))
+			if err != nil {
+				return err
+			}
+			defer func() { _ = tx.Rollback(ctxFor(t)) }()
+			if err := tx.Complete(ctx, f.scope, f.key, token, resp, now, now.Add(longTTL)); err != nil {
+				return err
+			}
+			return tx.Commit(ctx)
+		}
+	}
+	if ls, ok := s.(idem.SingleTxStore); ok {
+		complete["LockedTx.Insert"] = func(f fixture, _ string, resp *idem.Response, now time.Time) error {
+			ctx, tx, rec, err := ls.BeginLocked(ctxFor(t), f.scope, f.key, now)
+			if err != nil {
+				return err
+			}
+			defer func() { _ = tx.Rollback(ctxFor(t)) }()
+			if rec != nil {
+				return fmt.Errorf("BeginLocked found a record on a fresh key: %+v", rec)
+			}
+			err = tx.Insert(ctx, &idem.Record{
+				Scope: f.scope, Key: f.key, State: idem.StateComplete, Fingerprint: "v1:copied",
+				Token: "tok-" + randToken(), CreatedAt: now, LeaseUntil: now, ExpiresAt: now.Add(longTTL), Response: resp,
+			})
+			if err != nil {
+				return err
+			}
+			return tx.Commit(ctx)
+		}
+	}
+	for name, completeWith := range complete {
+		t.Run(name, func(t *testing.T) {
+			f := newFixture(t)
+			now := time.Now()
+			var token string
+			if name != "LockedTx.Insert" {
+				req := f.claim("v1:copied", now, time.Minute, longTTL)
+				mustClaim(t, s, req)
+				token = req.Token
+			}
+			vals := []string{"/orders/1", "application/json", "a", "b"}
+			body := []byte(`{"id":1}`)
+			resp := &idem.Response{Status: 201, Header: http.Header{
+				"Location": vals[0:1:1], "Content-Type": vals[1:2:2], "Link": vals[2:4:4],
+			}, Body: body, Ref: "ref-1"}
+			want := &idem.Response{Status: 201, Header: http.Header{
+				"Location": {"/orders/1"}, "Content-Type": {"application/json"}, "Link": {"a", "b"},
+			}, Body: []byte(`{"id":1}`), Ref: "ref-1"}
+			if err := completeWith(f, token, resp, now); err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			// What the middleware's next request does to the same memory.
+			for i := range vals {
+				vals[i] = "reused"
+			}
+			copy(body, "XXXXXXXX")
+			clear(resp.Header)
+			resp.Header["Location"] = []string{"/orders/2"}
+			*resp = idem.Response{Status: 500, Header: resp.Header, Body: body}
+			checkResponse(t, mustGet(t, s, f, now).Response, want)
+		})
+	}
 }
 
 // testClockSkew: a store compares only the times it is given and never reads a
