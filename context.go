@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -17,31 +18,67 @@ import (
 //
 // Its cancellation lives in inner, a cancel context of the context package, so
 // that context.Cause and contexts derived by the handler work as usual: Value
-// asks inner first, which answers the context package's own lookups.
+// asks inner first, which answers the context package's own lookups. inner is
+// made on first use (Done, Value, or Err after the end), so that a handler that
+// never looks at its context costs no cancel context; an end before that is
+// kept in ended and cause and applied when inner is made.
 type execContext struct {
 	values   context.Context
-	inner    context.Context
-	cancel   context.CancelCauseFunc
 	deadline time.Time // zero: none
 	rw       *recorder
+
+	ready  atomic.Bool // inner is made; set after inner and cancel
+	mu     sync.Mutex  // guards the fields below until ready
+	inner  context.Context
+	cancel context.CancelCauseFunc
+	ended  bool  // end was called before inner was made
+	cause  error // the first end's cause
 }
 
 func (c *execContext) init(values context.Context, deadline time.Time, rw *recorder) {
-	inner, cancel := context.WithCancelCause(context.Background())
-	*c = execContext{values: values, inner: inner, cancel: cancel, deadline: deadline, rw: rw}
+	c.values, c.deadline, c.rw = values, deadline, rw
+	c.ready.Store(false)
+	c.inner, c.cancel, c.ended, c.cause = nil, nil, false, nil
+}
+
+// ctx returns inner, making it (cancelled already if the context ended) on
+// first use.
+func (c *execContext) ctx() context.Context {
+	if c.ready.Load() {
+		return c.inner
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.inner == nil {
+		c.inner, c.cancel = context.WithCancelCause(context.Background())
+		if c.ended {
+			c.cancel(c.cause)
+		}
+		c.ready.Store(true)
+	}
+	return c.inner
 }
 
 // Deadline returns the HandlerTimeout deadline, if there is one.
 func (c *execContext) Deadline() (time.Time, bool) { return c.deadline, !c.deadline.IsZero() }
 
 // Done is closed at the deadline or when the lease is lost.
-func (c *execContext) Done() <-chan struct{} { return c.inner.Done() }
+func (c *execContext) Done() <-chan struct{} { return c.ctx().Done() }
 
 // Err is context.DeadlineExceeded after the deadline, context.Canceled after the
 // lease was lost, nil before.
 func (c *execContext) Err() error {
-	err := c.inner.Err()
-	if err != nil && errors.Is(context.Cause(c.inner), context.DeadlineExceeded) {
+	if !c.ready.Load() {
+		c.mu.Lock()
+		ended := c.ended || c.inner != nil
+		c.mu.Unlock()
+		if !ended {
+			return nil // the fast path of drivers that poll Err
+		}
+	}
+	inner := c.ctx()
+	err := inner.Err()
+	if err != nil && errors.Is(context.Cause(inner), context.DeadlineExceeded) {
 		return context.DeadlineExceeded
 	}
 	return err
@@ -53,18 +90,33 @@ func (c *execContext) Value(key any) any {
 	if key == (recorderKey{}) {
 		return c.rw
 	}
-	if v := c.inner.Value(key); v != nil {
+	if v := c.ctx().Value(key); v != nil {
 		return v
 	}
 	return c.values.Value(key)
 }
 
 // end cancels the context with cause; the first cause stays.
-func (c *execContext) end(cause error) { c.cancel(cause) }
+func (c *execContext) end(cause error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.inner != nil {
+		c.cancel(cause)
+		return
+	}
+	if !c.ended {
+		c.ended, c.cause = true, cause
+	}
+}
 
 // lockLost reports whether the context ended because the lease was lost.
 func (c *execContext) lockLost() bool {
-	return c.inner != nil && errors.Is(context.Cause(c.inner), ErrLockLost)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.inner != nil {
+		return errors.Is(context.Cause(c.inner), ErrLockLost)
+	}
+	return c.ended && errors.Is(c.cause, ErrLockLost)
 }
 
 // cleanupContext is the context for the store calls made after the handler
