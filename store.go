@@ -81,8 +81,9 @@ type Record struct {
 	// Fingerprint identifies the request that claimed the key, prefixed with its
 	// algorithm version ("v1:…").
 	Fingerprint string
-	// Token is the lock token of the claim that currently holds or last held
-	// the key. Complete, Release and Extend compare it.
+	// Token is the lock token of the claim that holds the key while the record
+	// is in flight. Complete, Release and Extend compare it. A store may drop
+	// it once the record is complete (memstore does); it then reads as "".
 	Token string
 	// CreatedAt is when the record was first claimed.
 	CreatedAt time.Time

@@ -2,7 +2,9 @@ package memstore
 
 import (
 	"encoding/binary"
+	"encoding/hex"
 	"net/http"
+	"strings"
 	"time"
 	"unsafe"
 
@@ -24,6 +26,12 @@ import (
 //	[27]     flags (body omitted, has response)
 //	then     scope, key, fingerprint, token, ref, header count, per header
 //	         name, value count and values, body
+//
+// To keep records small, a fingerprint of the usual form ("v2:" and 64
+// lowercase hex digits) is kept as 0x00, its version and the 32 bytes it
+// spells (packFP); a complete record keeps no token (no call is fenced by it
+// any more); and the names of DefaultStoredHeaders are kept as a zero length
+// and a one-byte code.
 //
 // A blob never changes once it is visible to readers, except for the times of
 // the fixed part, which readers copy out under the shard's lock: decoded records
@@ -50,12 +58,12 @@ func getNanos(b []byte, off int) int64 { return int64(binary.LittleEndian.Uint64
 func getTime(b []byte, off int) time.Time { return time.Unix(0, getNanos(b, off)) }
 
 // blobSize returns the encoded size of a record with these fields.
-func blobSize(scope, key, fp, token string, resp *idem.Response) int {
-	n := fixedLen + strLen(scope) + strLen(key) + strLen(fp) + strLen(token)
+func blobSize(scope, key string, fp []byte, token string, resp *idem.Response) int {
+	n := fixedLen + strLen(scope) + strLen(key) + uvarintLen(uint64(len(fp))) + len(fp) + strLen(token)
 	if resp != nil {
 		n += strLen(resp.Ref) + uvarintLen(uint64(len(resp.Header)))
 		for name, vals := range resp.Header {
-			n += strLen(name) + uvarintLen(uint64(len(vals)))
+			n += nameLen(name) + uvarintLen(uint64(len(vals)))
 			for _, v := range vals {
 				n += strLen(v)
 			}
@@ -76,8 +84,9 @@ func uvarintLen(x uint64) int {
 	return n
 }
 
-// encode returns the blob of a record.
-func encode(state idem.State, scope, key, fp, token string, created, lease, expires time.Time, resp *idem.Response) []byte {
+// encode returns the blob of a record; fp is the fingerprint's stored form
+// (packFP).
+func encode(state idem.State, scope, key string, fp []byte, token string, created, lease, expires time.Time, resp *idem.Response) []byte {
 	b := make([]byte, fixedLen, blobSize(scope, key, fp, token, resp))
 	b[offState] = byte(state)
 	putTime(b, offCreated, created)
@@ -85,7 +94,8 @@ func encode(state idem.State, scope, key, fp, token string, created, lease, expi
 	putTime(b, offExpires, expires)
 	b = appendStr(b, scope)
 	b = appendStr(b, key)
-	b = appendStr(b, fp)
+	b = binary.AppendUvarint(b, uint64(len(fp)))
+	b = append(b, fp...)
 	b = appendStr(b, token)
 	if resp != nil {
 		binary.LittleEndian.PutUint16(b[offStatus:], uint16(resp.Status))
@@ -96,7 +106,7 @@ func encode(state idem.State, scope, key, fp, token string, created, lease, expi
 		b = appendStr(b, resp.Ref)
 		b = binary.AppendUvarint(b, uint64(len(resp.Header)))
 		for name, vals := range resp.Header {
-			b = appendStr(b, name)
+			b = appendName(b, name)
 			b = binary.AppendUvarint(b, uint64(len(vals)))
 			for _, v := range vals {
 				b = appendStr(b, v)
@@ -111,6 +121,115 @@ func encode(state idem.State, scope, key, fp, token string, created, lease, expi
 func appendStr(b []byte, s string) []byte {
 	b = binary.AppendUvarint(b, uint64(len(s)))
 	return append(b, s...)
+}
+
+// headerNames are the header names kept as a code: DefaultStoredHeaders, and
+// at 0 the empty name. The codes are part of the blob format: append only.
+var headerNames = [...]string{"", "Content-Type", "Content-Language", "Content-Encoding", "Content-Location",
+	"Location", "ETag", "Last-Modified", "Link"}
+
+func headerCode(name string) (byte, bool) {
+	for i, n := range headerNames {
+		if n == name {
+			return byte(i), true
+		}
+	}
+	return 0, false
+}
+
+func nameLen(name string) int {
+	if _, ok := headerCode(name); ok {
+		return 2
+	}
+	return strLen(name)
+}
+
+func appendName(b []byte, name string) []byte {
+	if c, ok := headerCode(name); ok {
+		return append(b, 0, c)
+	}
+	return appendStr(b, name)
+}
+
+// fpDigits is how many bytes a packed fingerprint's hex digits spell.
+const fpDigits = 32
+
+// packFP appends the stored form of the fingerprint fp to dst: "vN:" and 64
+// lowercase hex digits as 0x00, "vN" and the 32 bytes they spell; any other
+// fingerprint as it is, behind 0x01 if it starts with 0x00 or 0x01 itself (a
+// custom FingerprintFunc may return any bytes).
+func packFP(dst []byte, fp string) []byte {
+	colon := strings.IndexByte(fp, ':')
+	if colon < 1 || len(fp)-colon-1 != 2*fpDigits || fp[0] <= 1 {
+		return appendRawFP(dst, fp)
+	}
+	var sum [fpDigits]byte
+	for i := range sum {
+		hi, ok1 := lowerHex(fp[colon+1+2*i])
+		lo, ok2 := lowerHex(fp[colon+2+2*i])
+		if !ok1 || !ok2 {
+			return appendRawFP(dst, fp)
+		}
+		sum[i] = hi<<4 | lo
+	}
+	dst = append(dst, 0)
+	dst = append(dst, fp[:colon]...)
+	return append(dst, sum[:]...)
+}
+
+func appendRawFP(dst []byte, fp string) []byte {
+	if len(fp) > 0 && fp[0] <= 1 {
+		dst = append(dst, 1)
+	}
+	return append(dst, fp...)
+}
+
+func lowerHex(c byte) (byte, bool) {
+	switch {
+	case '0' <= c && c <= '9':
+		return c - '0', true
+	case 'a' <= c && c <= 'f':
+		return c - 'a' + 10, true
+	}
+	return 0, false
+}
+
+// fpMatches reports whether the stored form stored is that of fp.
+func fpMatches(stored []byte, fp string) bool {
+	switch {
+	case len(stored) == 0 || stored[0] > 1:
+		return string(stored) == fp
+	case stored[0] == 1:
+		return string(stored[1:]) == fp
+	}
+	version := stored[1 : len(stored)-fpDigits]
+	if len(fp) != len(version)+1+2*fpDigits || fp[:len(version)] != string(version) || fp[len(version)] != ':' {
+		return false
+	}
+	const digits = "0123456789abcdef"
+	hexPart := fp[len(version)+1:]
+	for i, c := range stored[len(stored)-fpDigits:] {
+		if hexPart[2*i] != digits[c>>4] || hexPart[2*i+1] != digits[c&15] {
+			return false
+		}
+	}
+	return true
+}
+
+// unpackFP returns the fingerprint whose stored form is stored.
+func unpackFP(stored []byte) string {
+	switch {
+	case len(stored) == 0 || stored[0] > 1:
+		return aliasString(stored)
+	case stored[0] == 1:
+		return aliasString(stored[1:])
+	}
+	version := stored[1 : len(stored)-fpDigits]
+	out := make([]byte, 0, len(version)+1+2*fpDigits)
+	out = append(out, version...)
+	out = append(out, ':')
+	out = hex.AppendEncode(out, stored[len(stored)-fpDigits:])
+	return string(out)
 }
 
 // reader walks the variable part of a blob.
@@ -135,8 +254,18 @@ func (r *reader) bytes() []byte {
 
 // str returns the next field as a string that aliases the blob (which is never
 // changed in that part).
-func (r *reader) str() string {
-	v := r.bytes()
+func (r *reader) str() string { return aliasString(r.bytes()) }
+
+// name returns the next header name.
+func (r *reader) name() string {
+	if r.b[r.off] == 0 {
+		r.off += 2
+		return headerNames[r.b[r.off-1]]
+	}
+	return r.str()
+}
+
+func aliasString(v []byte) string {
 	if len(v) == 0 {
 		return ""
 	}
@@ -149,12 +278,13 @@ func id(b []byte) (scope, key string) {
 	return r.str(), r.str()
 }
 
-// fingerprint returns the fingerprint of a blob.
-func fingerprint(b []byte) string {
+// storedFP returns the stored form of a blob's fingerprint (packFP), aliasing
+// the blob.
+func storedFP(b []byte) []byte {
 	r := reader{b: b, off: fixedLen}
 	r.bytes()
 	r.bytes()
-	return r.str()
+	return r.bytes()
 }
 
 // tokenOf returns the lock token of a blob.
@@ -174,12 +304,17 @@ type decoded struct {
 	resp idem.Response
 }
 
-// decode returns the record a blob holds. Its strings and body alias the blob.
-func decode(b []byte) *idem.Record {
+// decode returns the record a blob holds. Its strings and body alias the blob,
+// or, when the blob's fingerprint is fp, fp.
+func decode(b []byte, fp string) *idem.Record {
 	d := &decoded{}
 	r := reader{b: b, off: fixedLen}
+	scope, key, stored := r.str(), r.str(), r.bytes()
+	if !fpMatches(stored, fp) {
+		fp = unpackFP(stored)
+	}
 	d.rec = idem.Record{
-		Scope: r.str(), Key: r.str(), Fingerprint: r.str(), Token: r.str(),
+		Scope: scope, Key: key, Fingerprint: fp, Token: r.str(),
 		State:     state(b),
 		CreatedAt: getTime(b, offCreated), LeaseUntil: getTime(b, offLease), ExpiresAt: getTime(b, offExpires),
 	}
@@ -195,7 +330,7 @@ func decode(b []byte) *idem.Record {
 		// One slice for the values of every header: count them first.
 		count, total := r, 0
 		for range n {
-			count.bytes()
+			count.name()
 			k := count.uvarint()
 			for range k {
 				count.bytes()
@@ -206,7 +341,7 @@ func decode(b []byte) *idem.Record {
 		d.resp.Header = make(http.Header, n)
 		used := 0
 		for range n {
-			name := r.str()
+			name := r.name()
 			k := r.uvarint()
 			for i := range k {
 				vals[used+i] = r.str()

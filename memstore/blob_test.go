@@ -18,7 +18,7 @@ func TestHashCollision(t *testing.T) {
 	sh := &shard{records: make(map[uint64][]byte)}
 	now := time.Now()
 	blob := func(key, tok string) []byte {
-		return encode(idem.StateInFlight, "s", key, "v2:x", tok, now, now, now.Add(time.Hour), nil)
+		return encode(idem.StateInFlight, "s", key, []byte("v2:x"), tok, now, now, now.Add(time.Hour), nil)
 	}
 	sh.put(7, "s", "a", blob("a", "ta"))
 	sh.put(7, "s", "b", blob("b", "tb"))
@@ -51,7 +51,7 @@ func TestBlobRoundTrip(t *testing.T) {
 	now := time.Unix(1700000000, 123456789)
 	resp := &idem.Response{Status: 201, Header: http.Header{"Location": {"/o/1"}, "Link": {"a", "b\xff"}},
 		Body: []byte("body\x00"), Ref: "ref"}
-	rec := decode(encode(idem.StateComplete, "scope", "key", "v2:fp", "tok", now, now.Add(time.Second), now.Add(time.Hour), resp))
+	rec := decode(encode(idem.StateComplete, "scope", "key", []byte("v2:fp"), "tok", now, now.Add(time.Second), now.Add(time.Hour), resp), "")
 	if rec.Scope != "scope" || rec.Key != "key" || rec.Fingerprint != "v2:fp" || rec.Token != "tok" || rec.State != idem.StateComplete ||
 		!rec.CreatedAt.Equal(now) || !rec.LeaseUntil.Equal(now.Add(time.Second)) || !rec.ExpiresAt.Equal(now.Add(time.Hour)) {
 		t.Fatalf("record = %+v", rec)
@@ -60,6 +60,34 @@ func TestBlobRoundTrip(t *testing.T) {
 	if r.Status != 201 || string(r.Body) != "body\x00" || r.Ref != "ref" || r.BodyOmitted ||
 		r.Header.Get("Location") != "/o/1" || len(r.Header["Link"]) != 2 || r.Header["Link"][1] != "b\xff" {
 		t.Fatalf("response = %+v", r)
+	}
+}
+
+// Fingerprints round-trip through their stored form, packed or not, and match
+// exactly themselves.
+func TestFingerprintStoredForm(t *testing.T) {
+	hex64 := "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+	for _, fp := range []string{
+		"v2:" + hex64, "v1:" + hex64, "v10:" + hex64, // packed
+		"v2:" + strings.ToUpper(hex64), "v2:" + hex64[:63], "v2:" + hex64 + "0", ":" + hex64, "v2:" + hex64[:62] + "g0",
+		"", "v2:x", "\x00" + hex64, "\x00\x01", "\x01", "\x00v2:" + hex64, "v2:" + hex64[:31] + ":" + hex64[32:],
+		string(make([]byte, 32)), // a custom FingerprintFunc's raw digest
+	} {
+		stored := packFP(nil, fp)
+		if got := unpackFP(stored); got != fp {
+			t.Errorf("%q: unpacked %q", fp, got)
+		}
+		if !fpMatches(stored, fp) {
+			t.Errorf("%q does not match its stored form", fp)
+		}
+		for _, other := range []string{"", "v2:" + hex64, "v2:" + hex64[:63] + "9", "v3:" + hex64, "v2:" + strings.ToUpper(hex64), "x" + fp, fp + "x"} {
+			if other != fp && fpMatches(stored, other) {
+				t.Errorf("%q matches the stored form of %q", other, fp)
+			}
+		}
+	}
+	if n := len(packFP(nil, "v2:"+hex64)); n != 35 {
+		t.Errorf("packed v2 fingerprint is %d bytes, want 35", n)
 	}
 }
 

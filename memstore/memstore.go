@@ -189,13 +189,14 @@ func (s *Store) Claim(_ context.Context, req idem.ClaimRequest) (*idem.Record, b
 	defer sh.mu.Unlock()
 	created := req.Now
 	if old := sh.get(h, req.Scope, req.Key); old != nil && getNanos(old, offExpires) > now {
-		lapsed := state(old) == idem.StateInFlight && getNanos(old, offLease) <= now && fingerprint(old) == req.Fingerprint
+		lapsed := state(old) == idem.StateInFlight && getNanos(old, offLease) <= now && fpMatches(storedFP(old), req.Fingerprint)
 		if !lapsed {
-			return decode(old), false, nil
+			return decode(old, req.Fingerprint), false, nil
 		}
 		created = getTime(old, offCreated)
 	}
-	sh.put(h, req.Scope, req.Key, encode(idem.StateInFlight, req.Scope, req.Key, req.Fingerprint, req.Token, created, req.LeaseUntil, req.ExpiresAt, nil))
+	var fp [80]byte
+	sh.put(h, req.Scope, req.Key, encode(idem.StateInFlight, req.Scope, req.Key, packFP(fp[:0], req.Fingerprint), req.Token, created, req.LeaseUntil, req.ExpiresAt, nil))
 	return &idem.Record{
 		Scope: req.Scope, Key: req.Key, State: idem.StateInFlight, Fingerprint: req.Fingerprint,
 		Token: req.Token, CreatedAt: created, LeaseUntil: req.LeaseUntil, ExpiresAt: req.ExpiresAt,
@@ -223,7 +224,8 @@ func (s *Store) Complete(_ context.Context, scope, key, token string, resp *idem
 	if b == nil {
 		return idem.ErrLockLost
 	}
-	sh.put(h, scope, key, encode(idem.StateComplete, scope, key, fingerprint(b), token, getTime(b, offCreated), getTime(b, offLease), expiresAt, resp))
+	// The token fences nothing once the record is complete: it is not kept.
+	sh.put(h, scope, key, encode(idem.StateComplete, scope, key, storedFP(b), "", getTime(b, offCreated), getTime(b, offLease), expiresAt, resp))
 	return nil
 }
 
@@ -264,7 +266,7 @@ func (s *Store) Get(_ context.Context, scope, key string, now time.Time) (*idem.
 	if b == nil || getNanos(b, offExpires) <= now.UnixNano() {
 		return nil, idem.ErrNotFound
 	}
-	return decode(b), nil
+	return decode(b, ""), nil
 }
 
 // DeleteExpired implements idem.Store. It holds one shard's lock at a time.

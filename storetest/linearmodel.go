@@ -54,7 +54,7 @@ type linRecord struct {
 	Present bool
 	State   idem.State
 	FP      string
-	Token   string
+	Token   string // compared only while in flight
 	Created int64
 	Lease   int64 // compared only while in flight
 	Expires int64
@@ -152,13 +152,15 @@ func (r linRecord) heldBy(token string) bool {
 	return r.Present && r.State == idem.StateInFlight && r.Token == token
 }
 
-// sameAs compares an observed record with the model's (the lease only while in
-// flight: a complete record's lease means nothing).
+// sameAs compares an observed record with the model's (the lease and the token
+// only while in flight: a complete record's lease means nothing, and a store
+// may drop its token, which fences nothing any more).
 func (r linRecord) sameAs(obs linRecord, ident string) bool {
 	want := r
 	want.Ident = ident
 	if want.State != idem.StateInFlight {
 		want.Lease, obs.Lease = 0, 0
+		want.Token, obs.Token = "", ""
 	}
 	return want == obs
 }
