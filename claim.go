@@ -116,7 +116,7 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 	}
 	rw.limited, rw.limit = h.ReplayFunc == nil, h.MaxStoredBody
 	if tx == nil {
-		rw.spill = req.spillOutcome
+		rw.spill = req
 	}
 	req.startTimer(token, true)
 	settled := false

@@ -16,8 +16,8 @@ import (
 // problem answer written instead of the handler's keeps it.
 //
 // A body larger than limit is not buffered past it: the recorder either spills
-// (spill stores the outcome without its body and the rest streams to the client)
-// or, when spill is nil, counts and discards the rest.
+// (spill.spillOutcome stores the outcome without its body and the rest streams
+// to the client) or, when spill is nil, counts and discards the rest.
 type recorder struct {
 	w       http.ResponseWriter
 	status  int
@@ -32,8 +32,8 @@ type recorder struct {
 	limit   int
 	size    int // bytes the handler wrote
 	mode    recorderMode
-	spill   func() // stores the outcome early; the recorder then streams
-	unknown bool   // MarkOutcomeUnknown was called
+	spill   *request // when set, its spillOutcome stores the outcome early; the recorder then streams
+	unknown bool     // MarkOutcomeUnknown was called
 }
 
 type recorderMode uint8
@@ -73,7 +73,7 @@ func (rw *recorder) Write(p []byte) (int, error) {
 	}
 	if rw.limited && rw.size > rw.limit {
 		if rw.spill != nil {
-			rw.spill()
+			rw.spill.spillOutcome()
 			rw.w.WriteHeader(rw.statusOrOK())
 			_, _ = rw.w.Write(rw.body.Bytes())
 			rw.body = bytes.Buffer{}
