@@ -161,20 +161,24 @@
 // # Single transaction
 //
 // The store also implements idem.SingleTxStore (idem.FlowSingleTx): BeginLocked
-// takes one connection for the request, takes a named lock on (scope, key) with
-// GET_LOCK(name, 0) — held elsewhere means 409 at once —, begins a READ COMMITTED
-// transaction (guarded as above) and reads the record; the handler writes in
-// it; the record is inserted, already complete, just before the one COMMIT. GET_LOCK belongs to the
-// session, not the transaction, so Commit and Rollback release it explicitly after
-// ending the transaction, and close the connection instead of pooling it when the
-// release cannot be confirmed; a process that dies loses its session, and the
-// server frees the lock and rolls back. A request that finds the lock held reads
-// the record without it: a complete record is replayed (concurrent retries of a
-// finished request do not get 409 from each other); none means 409. The lock name is "idem:" and a hash of
-// database, table, scope and key. GET_LOCK is local to one server: on a
-// multi-primary cluster (Galera, group replication in multi-primary mode) all
-// writers for a table must go to one node, and a proxy that multiplexes sessions
-// must pin them (ProxySQL and MaxScale do so for GET_LOCK).
+// takes one connection for the request and reads the record without any lock; a
+// live record is answered from that read (a replay, a 422 for another request,
+// a 409 for a claim-then-complete request in flight), with one round trip and
+// no lock or transaction. Otherwise it takes a named lock on (scope, key) with
+// GET_LOCK(name, 0) — held elsewhere means 409 at once —, begins a READ
+// COMMITTED transaction (guarded as above) and reads the record again in it; the
+// handler writes in it; the record is inserted, already complete, just before
+// the one COMMIT. GET_LOCK belongs to the session, not the transaction, so
+// Commit and Rollback release it explicitly after ending the transaction, and
+// close the connection instead of pooling it when the release cannot be
+// confirmed; a process that dies loses its session, and the server frees the
+// lock and rolls back. A request that finds the lock held reads the record
+// again: a complete record is replayed (concurrent retries of a finished
+// request do not get 409 from each other); none means 409. The lock name is
+// "idem:" and a hash of database, table, scope and key. GET_LOCK is local to one
+// server: on a multi-primary cluster (Galera, group replication in multi-primary
+// mode) all writers for a table must go to one node, and a proxy that
+// multiplexes sessions must pin them (ProxySQL and MaxScale do so for GET_LOCK).
 //
 // The store prefers this flow (idem.FlowPreferrer; idem.Config.Flow's default
 // picks it): one commit, so one redo log flush, per request instead of two, and
@@ -197,24 +201,32 @@
 //     set or sql_mode; nothing in a value can change the statement). Responses
 //     over 64 KiB go as parameters of a prepared statement instead.
 //   - With go-sql-driver's multiStatements=true on the DSN, the statements of
-//     each step go in one round trip: after database/sql's START TRANSACTION,
-//     "COMMIT; SET …; SAVEPOINT idem_tx; SELECT the record" (the COMMIT ends the
-//     empty transaction, since the isolation level can only change between
-//     transactions; with autocommit off, the savepoint begins the next), and at
-//     the end "RELEASE SAVEPOINT idem_tx; INSERT the record; COMMIT; SET
-//     autocommit = 1; SELECT RELEASE_LOCK(name)"; the server stops at the first
-//     statement that fails. The store detects the option on first use (two
-//     statements in one query are a syntax error without it) and works the same
-//     without it, one statement per round trip. multiStatements lets any query
-//     of the application carry several statements, which makes SQL injection in
-//     it worse: use it with parameterised queries only.
+//     each step go in one round trip. Single transaction: "SELECT the live
+//     record; SET autocommit = IF(IF(FOUND_ROWS() > 0, 0, GET_LOCK(name, 0) =
+//     1), 0, 2), @@tx_isolation = '…'" (the lock is tried only when the read
+//     returned nothing; a replay ends there), database/sql's START TRANSACTION,
+//     "SAVEPOINT idem_tx; SELECT the record", and at the end "RELEASE SAVEPOINT
+//     idem_tx; INSERT the record; COMMIT; SET autocommit = IF(RELEASE_LOCK(name)
+//     = 1, 1, 2)". BeginTx (claim-then-complete): after START TRANSACTION,
+//     "COMMIT; SET …; SAVEPOINT idem_tx" (the COMMIT ends the empty
+//     transaction, since the isolation level can only change between
+//     transactions; with autocommit off, the savepoint begins the next). The
+//     server stops at the first statement that fails. The store detects the
+//     option on first use (two statements in one query are a syntax error
+//     without it) and works the same without it, one statement per round trip.
+//     multiStatements lets any query of the application carry several
+//     statements, which makes SQL injection in it worse: use it with
+//     parameterised queries only.
 //
-// Per first-time request, besides the handler's statements (counted by
-// TestRoundTrips): single transaction 4 round trips with multiStatements, 8
-// without; claim-then-complete 7 and 9 (the read and the INSERT of the claim,
-// START TRANSACTION, the guard, the completion, COMMIT, autocommit back on).
+// Per request, besides the handler's statements (counted by TestRoundTrips and
+// TestReplayRoundTrips): single transaction, first time, 5 round trips with
+// multiStatements, 9 without; a replay, a 422 or a 409 for a record in flight,
+// 1; claim-then-complete 7 and 9 (the read and the INSERT of the claim, START
+// TRANSACTION, the guard, the completion, COMMIT, autocommit back on).
 // database/sql adds one round trip at each end that cannot carry anything
 // else: START TRANSACTION, and a COMMIT of nothing after the store committed.
+// The server answers each statement of a query with a packet of its own, so a
+// statement costs the client a read even within one round trip.
 //
 // # Expired records
 //

@@ -20,6 +20,10 @@ type settings struct {
 	// isoVar is the system variable that sets the next transaction's isolation
 	// level: tx_isolation on MariaDB, transaction_isolation on MySQL.
 	isoVar string
+	// foundRows: the server has FOUND_ROWS() (deprecated on MySQL since 8.0.17),
+	// with which BeginLocked sends its lock-free read and the lock in one round
+	// trip (see BeginLocked).
+	foundRows bool
 }
 
 // settingsFor returns the store's settings, reading them on conn (the connection
@@ -49,6 +53,10 @@ func (s *Store) settingsFor(ctx context.Context, conn *sql.Conn) (*settings, err
 	}
 	if err != nil {
 		return nil, s.wrap(fmt.Errorf("reading the server's settings (log_bin, sql_log_bin, binlog_format, version): %w", err))
+	}
+	if st.multi {
+		var n sql.NullInt64
+		st.foundRows = conn.QueryRowContext(ctx, "SELECT FOUND_ROWS()").Scan(&n) == nil
 	}
 	st.isoVar = "transaction_isolation"
 	if strings.Contains(strings.ToLower(version.String), "mariadb") {
@@ -110,22 +118,6 @@ func run(ctx context.Context, st *settings, q execer, query bool, stmts ...strin
 		}
 	}
 	return nil, nil, nil
-}
-
-// scanOne scans the one row of rows, closing them; sql.ErrNoRows when there is
-// none.
-func scanOne(rows *sql.Rows, dest ...any) error {
-	defer rows.Close()
-	if !rows.Next() {
-		if err := rows.Err(); err != nil {
-			return err
-		}
-		return sql.ErrNoRows
-	}
-	if err := rows.Scan(dest...); err != nil {
-		return err
-	}
-	return rows.Close()
 }
 
 // lit returns b as an SQL literal: a hexadecimal string (X'…'), which means the

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -42,17 +43,29 @@ func (s *Store) PreferredFlow() idem.Flow { return idem.FlowSingleTx }
 var _ idem.FlowPreferrer = (*Store)(nil)
 
 // BeginLocked implements idem.SingleTxStore. On one connection taken from the pool
-// for the whole request, it takes the named lock of (scope, key) with GET_LOCK
-// without waiting (idem.ErrInFlight when another session holds it), begins a READ
-// COMMITTED transaction, guarded as BeginTx's is, and reads the record. rec is nil
-// when there is none or it expired at now.
+// for the whole request, it first reads the record without any lock: a live
+// record (a replay, a 422 or a 409 for the middleware) is returned at once, and
+// the connection goes back to the pool as it was. Otherwise it takes the named
+// lock of (scope, key) with GET_LOCK without waiting, begins a READ COMMITTED
+// transaction, guarded as BeginTx's is, and reads the record again in it (one may
+// have been committed between the first read and the lock). rec is nil when
+// there is none or it expired at now. When the lock is held elsewhere it reads
+// the record once more: a complete record committed by the holder is returned
+// (concurrent retries of a finished request are replays), none means
+// idem.ErrInFlight.
 //
 // The lock is taken in the statement that turns autocommit off: SET autocommit =
 // IF(GET_LOCK(name, 0) = 1, 0, 2) fails (error 1231), changing nothing, when the
-// lock is held elsewhere. With multiStatements on the connections, that, the
-// savepoint and the read go in one round trip after START TRANSACTION; Commit
-// sends the savepoint check, the record, COMMIT, autocommit back on and the lock's
-// release in one more.
+// lock is held elsewhere. With multiStatements on the connections, the lock-free
+// read and that statement go in one round trip, the SET taking the lock only when
+// the read returned no row (FOUND_ROWS() = 0); then START TRANSACTION; then the
+// savepoint and the read in the transaction in one more. Commit sends the
+// savepoint check, the record, COMMIT, and autocommit back on with the lock's
+// release in one round trip.
+//
+// A live record read without the lock is the record as it is: a complete one
+// does not change before it expires, and an in-flight one (claim-then-complete)
+// is only ever taken over through the fenced Claim.
 //
 // GET_LOCK belongs to the session, not the transaction: Commit and Rollback
 // release it explicitly after ending the transaction, and when that cannot be
@@ -79,32 +92,34 @@ func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Tim
 		return ctx, nil, nil, err
 	}
 	lt := &lockedTx{s: s, st: st, conn: conn, lock: s.lockExpr(scope, key), now: now, scope: scope, key: key, ins: ins}
-	guard := "SET autocommit = IF(GET_LOCK(" + lt.lock + ", 0) = 1, 0, 2), " + s.isolationSQL(st)
 	read := "SELECT " + columns + " FROM " + s.q.table + " WHERE `scope` = " + litString(scope) + " AND `key` = " + litString(key)
-	tx, rows, err := s.beginOn(ctx, conn, st, guard, read)
-	if setFailed(err) {
-		// The lock is held elsewhere (the session is as it was). By a request
-		// that runs, or by one that reads a complete record to replay it: then
-		// this one replays it too, rather than answer 409. A live record read
-		// without the lock is the record as it is: a complete one does not change
-		// before it expires, and an in-flight one (claim-then-complete) is only
-		// ever taken over through the fenced Claim.
-		rec, err := scanRecord(conn.QueryRowContext(ctx, read+" AND `expires_at` > "+litInt(now.UnixMicro())))
+	rec, locked, err := s.readOrLock(ctx, conn, st, lt.lock, read+" AND `expires_at` > "+litInt(now.UnixMicro()))
+	switch {
+	case err != nil:
+		lt.discard()
+		return ctx, nil, nil, s.wrap(fmt.Errorf("reading the record and taking the key's lock: %w", err))
+	case rec != nil:
 		_ = conn.Close()
-		if err == nil {
-			return ctx, &lockedTx{done: true}, rec, nil
-		}
-		if !errors.Is(err, sql.ErrNoRows) {
-			return ctx, nil, nil, s.wrap(err)
-		}
+		return ctx, &lockedTx{done: true}, rec, nil
+	case !locked:
+		_ = conn.Close()
 		return ctx, nil, nil, idem.ErrInFlight
 	}
+	// The lock is held and autocommit off from here: on failure the connection is
+	// closed, which frees both.
+	tx, err := conn.BeginTx(ctx, nil)
 	if err != nil {
 		lt.discard()
-		return ctx, nil, nil, s.wrap(fmt.Errorf("taking the key's lock: %w", err))
+		return ctx, nil, nil, s.wrap(err)
 	}
 	lt.tx = tx
-	rec, err := scanRows(rows)
+	rows, _, err := run(ctx, st, tx, true, mark, read)
+	if err != nil {
+		_ = tx.Rollback()
+		lt.discard()
+		return ctx, nil, nil, s.wrap(fmt.Errorf("beginning the transaction: %w", err))
+	}
+	rec, err = scanRows(rows)
 	switch {
 	case errors.Is(err, sql.ErrNoRows):
 		rec = nil
@@ -113,8 +128,84 @@ func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Tim
 		return ctx, nil, nil, s.wrap(err)
 	case rec.ExpiresAt.UnixMicro() <= now.UnixMicro():
 		lt.expired, rec = true, nil
+	default:
+		// Committed between the lock-free read and the lock.
+		_ = lt.Rollback(ctx)
+		return ctx, &lockedTx{done: true}, rec, nil
 	}
-	return context.WithValue(ctx, txKey{}, &txn{s: s, st: st, tx: lt.tx, ctx: ctx}), lt, rec, nil
+	return context.WithValue(ctx, txKey{}, &txn{s: s, st: st, tx: lt.tx, ctx: ctx}), lt, nil, nil
+}
+
+// readOrLock reads the live record of the key on conn with live, a query without
+// any lock. When it finds one it returns it, leaving the session as it was.
+// Otherwise it takes the key's lock (lock names it), turns autocommit off and
+// sets the next transaction's isolation level, and returns locked. When the lock
+// is held elsewhere it reads once more and returns what it finds (nil and not
+// locked: idem.ErrInFlight for the caller). On error the caller discards conn.
+func (s *Store) readOrLock(ctx context.Context, conn *sql.Conn, st *settings, lock, live string) (rec *idem.Record, locked bool, err error) {
+	take := "GET_LOCK(" + lock + ", 0) = 1"
+	guard := func(cond string) string {
+		return "SET autocommit = IF(" + cond + ", 0, 2), " + s.isolationSQL(st)
+	}
+	if st.multi && st.foundRows {
+		// One round trip: the read, then the guard, which fails (1231) without
+		// trying the lock when the read returned a row. (The SET reads no
+		// table: a read in the statement that turns autocommit off leaves a
+		// transaction open, which START TRANSACTION would end, and with it the
+		// isolation level set for the next one.)
+		rows, err := conn.QueryContext(ctx, live+"; "+guard("IF(FOUND_ROWS() > 0, 0, "+take+")"))
+		if err != nil {
+			return nil, false, err
+		}
+		for rows.Next() {
+			if rec != nil {
+				continue
+			}
+			if rec, err = scanRecord(rows); err != nil {
+				_ = rows.Close()
+				return nil, false, err
+			}
+		}
+		if err := rows.Err(); err != nil {
+			_ = rows.Close()
+			return nil, false, err
+		}
+		err = rows.Close() // the guard's outcome
+		switch {
+		case rec != nil && setFailed(err):
+			return rec, false, nil
+		case rec != nil:
+			// The guard cannot succeed after a row; if it did, the session is not
+			// as it was.
+			return nil, false, fmt.Errorf("the guard did not refuse after the record was read (%v)", err)
+		case err == nil:
+			return nil, true, nil
+		case !setFailed(err):
+			return nil, false, err
+		}
+	} else {
+		rec, err = scanRecord(conn.QueryRowContext(ctx, live))
+		if err == nil {
+			return rec, false, nil
+		}
+		if !errors.Is(err, sql.ErrNoRows) {
+			return nil, false, err
+		}
+		_, err = conn.ExecContext(ctx, guard(take))
+		if err == nil {
+			return nil, true, nil
+		}
+		if !setFailed(err) {
+			return nil, false, fmt.Errorf("turning autocommit off for the transaction: %w", err)
+		}
+	}
+	// The lock is held elsewhere (the session is as it was): by a request that
+	// runs, or that has just committed the record.
+	rec, err = scanRecord(conn.QueryRowContext(ctx, live))
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, false, nil
+	}
+	return rec, false, err
 }
 
 // lockedTx is the idem.LockedTx of the single-transaction flow.
@@ -243,30 +334,41 @@ func (t *lockedTx) Commit(ctx context.Context) error {
 	if t.rec != nil {
 		stmts = append(stmts, t.insertSQL())
 	}
-	stmts = append(stmts, "COMMIT", guardOff, "SELECT RELEASE_LOCK("+t.lock+")")
-	rows, _, err := run(ctx, t.st, t.tx, true, stmts...)
-	if err != nil {
-		if !serverError(err) {
-			// The outcome is unknown (the connection broke, or ctx ended during
-			// the round trip): close the connection, which rolls back whatever did
-			// not commit and frees the lock.
-			_ = t.tx.Rollback()
-			t.discard()
-			return fmt.Errorf("mysqlstore: commit: %w", err)
-		}
+	// COMMIT first, then the release: the lock is freed only once the record is
+	// committed.
+	stmts = append(stmts, "COMMIT", t.releaseSQL())
+	_, err := t.tx.ExecContext(ctx, strings.Join(stmts, "; "))
+	switch {
+	case err == nil:
+	case setFailed(err):
+		// Committed (only the last statement raises 1231), but the lock was
+		// not this session's to release: the connection is closed below.
+	case !serverError(err):
+		// The outcome is unknown (the connection broke, or ctx ended during
+		// the round trip): close the connection, which rolls back whatever did
+		// not commit and frees the lock.
+		_ = t.tx.Rollback()
+		t.discard()
+		return fmt.Errorf("mysqlstore: commit: %w", err)
+	default:
 		return t.fail(err)
 	}
-	var released sql.NullInt64
-	err = scanOne(rows, &released)
 	// The transaction is committed, and the session back in autocommit mode:
 	// database/sql's Commit only closes its Tx (a COMMIT with nothing to commit).
 	_ = t.tx.Commit()
-	if err != nil || released.Int64 != 1 {
+	if err != nil {
 		t.discard()
 		return nil
 	}
 	_ = t.conn.Close()
 	return nil
+}
+
+// releaseSQL frees the lock and turns autocommit back on (see Store.BeginTx) in
+// one statement, which fails, changing nothing, when the lock was not this
+// session's.
+func (t *lockedTx) releaseSQL() string {
+	return "SET autocommit = IF(RELEASE_LOCK(" + t.lock + ") = 1, 1, 2)"
 }
 
 // fail ends the transaction after err, a statement of Commit failing before the
@@ -317,7 +419,7 @@ func (t *lockedTx) release(ended bool) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if _, err := t.conn.ExecContext(ctx, "SET autocommit = IF(RELEASE_LOCK("+t.lock+") = 1, 1, 2)"); err != nil {
+	if _, err := t.conn.ExecContext(ctx, t.releaseSQL()); err != nil {
 		t.discard()
 		return
 	}
