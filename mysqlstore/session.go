@@ -142,6 +142,16 @@ func litString(s string) string {
 	return string(append(out, '\''))
 }
 
+// appendLit appends v as lit does, or NULL when valid is false.
+func appendLit[T string | []byte](b []byte, v T, valid bool) []byte {
+	if !valid {
+		return append(b, "NULL"...)
+	}
+	b = append(b, "X'"...)
+	b = hex.AppendEncode(b, []byte(v))
+	return append(b, '\'')
+}
+
 func litInt(n int64) string { return strconv.FormatInt(n, 10) }
 
 // inlineLimit is the largest stored response (body and headers) that the store

@@ -113,24 +113,38 @@ func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Tim
 		return ctx, nil, nil, s.wrap(err)
 	}
 	lt.tx = tx
-	rows, _, err := run(ctx, st, tx, true, mark, read)
+	// The second read needs only the expiry (a row and its 13 column
+	// definitions cost the client more than the round trip's other packets).
+	check := "SELECT `expires_at` FROM " + s.q.table + " WHERE `scope` = " + litString(scope) + " AND `key` = " + litString(key)
+	rows, _, err := run(ctx, st, tx, true, mark, check)
 	if err != nil {
 		_ = tx.Rollback()
 		lt.discard()
 		return ctx, nil, nil, s.wrap(fmt.Errorf("beginning the transaction: %w", err))
 	}
-	rec, err = scanRows(rows)
+	var expires sql.NullInt64
+	for rows.Next() {
+		if err = rows.Scan(&expires); err != nil {
+			break
+		}
+	}
+	if cerr := rows.Close(); err == nil {
+		err = cerr
+	}
 	switch {
-	case errors.Is(err, sql.ErrNoRows):
-		rec = nil
 	case err != nil:
 		_ = lt.Rollback(ctx)
 		return ctx, nil, nil, s.wrap(err)
-	case rec.ExpiresAt.UnixMicro() <= now.UnixMicro():
-		lt.expired, rec = true, nil
+	case !expires.Valid:
+	case expires.Int64 <= now.UnixMicro():
+		lt.expired = true
 	default:
-		// Committed between the lock-free read and the lock.
+		// Committed between the lock-free read and the lock: read it whole.
+		rec, err = scanRecord(tx.QueryRowContext(ctx, read))
 		_ = lt.Rollback(ctx)
+		if err != nil {
+			return ctx, nil, nil, s.wrap(err)
+		}
 		return ctx, &lockedTx{done: true}, rec, nil
 	}
 	return context.WithValue(ctx, txKey{}, &txn{s: s, st: st, tx: lt.tx, ctx: ctx}), lt, nil, nil
@@ -221,7 +235,7 @@ type lockedTx struct {
 	ins        *sql.Stmt
 
 	mu   sync.Mutex
-	rec  []any // the record Insert was given, as lockedInsert's arguments
+	rec  *lockedRecord // the record Insert was given
 	done bool
 }
 
@@ -237,49 +251,95 @@ func (t *lockedTx) Insert(ctx context.Context, rec *idem.Record) error {
 	if err := checkLengths(rec.Scope, rec.Key, rec.Fingerprint, rec.Token); err != nil {
 		return err
 	}
-	var (
-		status  sql.NullInt32
-		hdr     []byte
-		body    []byte
-		omitted bool
-		ref     []byte
-	)
-	if r := rec.Response; r != nil {
-		args, err := completeArgs(rec.Scope, rec.Key, rec.Token, r, rec.ExpiresAt)
+	r := &lockedRecord{rec: *rec}
+	if resp := rec.Response; resp != nil {
+		hdr, err := encodeHeaders(resp.Header)
 		if err != nil {
 			return err
 		}
-		status = sql.NullInt32{Int32: int32(r.Status), Valid: true}
-		hdr, body, omitted, ref = args[1].([]byte), args[2].([]byte), r.BodyOmitted, args[4].([]byte)
+		r.hdr, r.body = hdr, resp.Body
+		if r.body != nil && len(r.body) == 0 {
+			r.body = []byte{} // stored as '' rather than NULL
+		}
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.done {
 		return sql.ErrTxDone
 	}
-	t.rec = []any{
-		[]byte(rec.Scope), []byte(rec.Key), uint8(rec.State), []byte(rec.Fingerprint), []byte(rec.Token),
-		rec.CreatedAt.UnixMicro(), rec.LeaseUntil.UnixMicro(), rec.ExpiresAt.UnixMicro(),
-		status, hdr, body, omitted, ref,
-	}
+	t.rec = r
 	return nil
 }
 
-// insertSQL is lockedInsert with the record inlined as literals.
+// lockedRecord is the record Insert was given, with its headers encoded.
+type lockedRecord struct {
+	rec       idem.Record
+	hdr, body []byte
+}
+
+// inline reports whether the record goes as SQL text (see inlineLimit).
+func (r *lockedRecord) inline() bool { return len(r.hdr)+len(r.body) <= inlineLimit }
+
+// args returns the record as lockedInsert's arguments.
+func (r *lockedRecord) args() []any {
+	rec := &r.rec
+	var status sql.NullInt32
+	var omitted bool
+	var ref []byte
+	if resp := rec.Response; resp != nil {
+		status = sql.NullInt32{Int32: int32(resp.Status), Valid: true}
+		omitted = resp.BodyOmitted
+		if resp.Ref != "" {
+			ref = []byte(resp.Ref)
+		}
+	}
+	return []any{
+		[]byte(rec.Scope), []byte(rec.Key), uint8(rec.State), []byte(rec.Fingerprint), []byte(rec.Token),
+		rec.CreatedAt.UnixMicro(), rec.LeaseUntil.UnixMicro(), rec.ExpiresAt.UnixMicro(),
+		status, r.hdr, r.body, omitted, ref,
+	}
+}
+
+// insertSQL is lockedInsert with the record inlined as literals, built in one
+// buffer.
 func (t *lockedTx) insertSQL() string {
-	a := t.rec
-	status := "NULL"
-	if v := a[8].(sql.NullInt32); v.Valid {
-		status = strconv.Itoa(int(v.Int32))
+	r := t.rec
+	rec := &r.rec
+	b := make([]byte, 0, 256+2*(len(rec.Scope)+len(rec.Key)+len(rec.Fingerprint)+len(rec.Token)+len(r.hdr)+len(r.body)))
+	b = append(b, "INSERT INTO "...)
+	b = append(b, t.s.q.table...)
+	b = append(b, " ("+columns+") VALUES ("...)
+	b = appendLit(b, rec.Scope, true)
+	b = append(b, ", "...)
+	b = appendLit(b, rec.Key, true)
+	b = append(b, ", "...)
+	b = strconv.AppendUint(b, uint64(uint8(rec.State)), 10)
+	b = append(b, ", "...)
+	b = appendLit(b, rec.Fingerprint, true)
+	b = append(b, ", "...)
+	b = appendLit(b, rec.Token, true)
+	for _, n := range [...]int64{rec.CreatedAt.UnixMicro(), rec.LeaseUntil.UnixMicro(), rec.ExpiresAt.UnixMicro()} {
+		b = append(b, ", "...)
+		b = strconv.AppendInt(b, n, 10)
 	}
-	omitted := "0"
-	if a[11].(bool) {
-		omitted = "1"
+	resp := rec.Response
+	if resp == nil {
+		b = append(b, ", NULL, NULL, NULL, 0, NULL)"...)
+		return string(b)
 	}
-	return "INSERT INTO " + t.s.q.table + " (" + columns + ") VALUES (" +
-		lit(a[0].([]byte)) + ", " + lit(a[1].([]byte)) + ", " + strconv.Itoa(int(a[2].(uint8))) + ", " +
-		lit(a[3].([]byte)) + ", " + lit(a[4].([]byte)) + ", " + litInt(a[5].(int64)) + ", " + litInt(a[6].(int64)) + ", " +
-		litInt(a[7].(int64)) + ", " + status + ", " + lit(a[9].([]byte)) + ", " + lit(a[10].([]byte)) + ", " + omitted + ", " + lit(a[12].([]byte)) + ")"
+	b = append(b, ", "...)
+	b = strconv.AppendInt(b, int64(int32(resp.Status)), 10)
+	b = append(b, ", "...)
+	b = appendLit(b, r.hdr, r.hdr != nil)
+	b = append(b, ", "...)
+	b = appendLit(b, r.body, r.body != nil)
+	if resp.BodyOmitted {
+		b = append(b, ", 1, "...)
+	} else {
+		b = append(b, ", 0, "...)
+	}
+	b = appendLit(b, resp.Ref, resp.Ref != "")
+	return string(append(b, ')'))
 }
 
 // deleteSQL is lockedDelete for the locked key with literals.
@@ -307,7 +367,7 @@ func (t *lockedTx) Commit(ctx context.Context) error {
 	if t.expired && t.rec != nil {
 		stmts = append(stmts, t.deleteSQL())
 	}
-	inline := t.rec == nil || len(t.rec[9].([]byte))+len(t.rec[10].([]byte)) <= inlineLimit
+	inline := t.rec == nil || t.rec.inline()
 	if !inline || !t.st.multi {
 		// One statement at a time; the record as parameters when large.
 		if _, _, err := run(ctx, t.st, t.tx, false, stmts...); err != nil {
@@ -318,7 +378,7 @@ func (t *lockedTx) Commit(ctx context.Context) error {
 			if inline {
 				_, err = t.tx.ExecContext(ctx, t.insertSQL())
 			} else {
-				_, err = t.tx.StmtContext(ctx, t.ins).ExecContext(ctx, t.rec...)
+				_, err = t.tx.StmtContext(ctx, t.ins).ExecContext(ctx, t.rec.args()...)
 			}
 			if err != nil {
 				return t.fail(err)

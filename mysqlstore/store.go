@@ -546,23 +546,6 @@ func (s *Store) DeleteExpired(ctx context.Context, now time.Time, limit int) (in
 	return int(n), nil
 }
 
-// scanRows scans the one record rows hold (sql.ErrNoRows when none) and closes
-// them.
-func scanRows(rows *sql.Rows) (*idem.Record, error) {
-	defer rows.Close()
-	if !rows.Next() {
-		if err := rows.Err(); err != nil {
-			return nil, err
-		}
-		return nil, sql.ErrNoRows
-	}
-	rec, err := scanRecord(rows)
-	if err != nil {
-		return nil, err
-	}
-	return rec, rows.Close()
-}
-
 // scanRecord scans the columns of a record from a *sql.Row or *sql.Rows.
 func scanRecord(row interface{ Scan(dest ...any) error }) (*idem.Record, error) {
 	var (
