@@ -51,20 +51,29 @@ func (e errLockTimeout) Error() string {
 // lock waits for the gate until ctx ends or timeout passes, and returns the
 // function that opens it again.
 func (g gate) lock(ctx context.Context, timeout time.Duration) (unlock func(), err error) {
+	if err := g.acquire(ctx, timeout); err != nil {
+		return nil, err
+	}
+	return g.unlock, nil
+}
+
+// acquire waits for the gate until ctx ends or timeout passes; unlock opens it
+// again.
+func (g gate) acquire(ctx context.Context, timeout time.Duration) error {
 	select {
 	case g <- struct{}{}:
-		return g.unlock, nil
+		return nil
 	default:
 	}
 	t := time.NewTimer(timeout)
 	defer t.Stop()
 	select {
 	case g <- struct{}{}:
-		return g.unlock, nil
+		return nil
 	case <-ctx.Done():
-		return nil, context.Cause(ctx)
+		return context.Cause(ctx)
 	case <-t.C:
-		return nil, errLockTimeout{timeout}
+		return errLockTimeout{timeout}
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/idemkit/idem"
@@ -87,12 +88,12 @@ func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Tim
 	if !s.busy.tryAdd(k) {
 		return ctx, nil, nil, idem.ErrInFlight
 	}
-	t, err := s.begin(ctx)
-	if err != nil {
+	lt := &lockedTx{now: n, key: k}
+	t := &lt.storeTx
+	if err := s.begin(ctx, t); err != nil {
 		s.busy.remove(k)
 		return ctx, nil, nil, wrap("begin locked", err)
 	}
-	lt := &lockedTx{storeTx: t, now: n, release: func() { s.busy.remove(k) }}
 	// The write lock is held once the first statement ran: the transaction's
 	// statements never wait, so they need no cancellation (which costs the
 	// driver a goroutine per statement); database/sql still ends the
@@ -135,10 +136,17 @@ func (noTx) Rollback(context.Context) error             { return nil }
 
 // lockedTx is the idem.LockedTx of a Store.
 type lockedTx struct {
-	*storeTx
-	now     int64 // BeginLocked's clock reading, in Unix nanoseconds
-	once    sync.Once
-	release func()
+	storeTx
+	now      int64     // BeginLocked's clock reading, in Unix nanoseconds
+	key      recordKey // in the Store's busyKeys until released
+	released atomic.Bool
+}
+
+// release removes the transaction's key from busyKeys, once.
+func (t *lockedTx) release() {
+	if t.released.CompareAndSwap(false, true) {
+		t.s.busy.remove(t.key)
+	}
 }
 
 // Insert implements idem.LockedTx: it writes rec, complete, replacing a record
@@ -156,7 +164,7 @@ func (t *lockedTx) Insert(ctx context.Context, rec *idem.Record) error {
 	// Under the write lock the statement never waits: no cancellation needed.
 	n, err := t.exec(context.WithoutCancel(ctx), stmtInsert, rec.Scope, rec.Key, int64(rec.State), rec.Fingerprint, rec.Token,
 		nanos(rec.CreatedAt), nanos(rec.LeaseUntil), nanos(rec.ExpiresAt),
-		rec.Response.Status, headers, body, rec.Response.BodyOmitted, ref, t.now)
+		int64(rec.Response.Status), headers, body, rec.Response.BodyOmitted, ref, t.now)
 	if err != nil {
 		return wrap("insert", err)
 	}
@@ -168,12 +176,12 @@ func (t *lockedTx) Insert(ctx context.Context, rec *idem.Record) error {
 
 // Commit implements idem.LockedTx.
 func (t *lockedTx) Commit(ctx context.Context) error {
-	defer t.once.Do(t.release)
+	defer t.release()
 	return t.storeTx.Commit(ctx)
 }
 
 // Rollback implements idem.LockedTx. It is safe after Commit.
 func (t *lockedTx) Rollback(ctx context.Context) error {
-	defer t.once.Do(t.release)
+	defer t.release()
 	return t.storeTx.Rollback(ctx)
 }

@@ -2,6 +2,7 @@ package sqlitestore_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"net/http"
 	"testing"
@@ -130,4 +131,53 @@ func TestBeginLocked(t *testing.T) {
 		t.Errorf("Insert over a live record = %v, want ErrInFlight", err)
 	}
 	_ = tx.Rollback(ctx)
+}
+
+// A transaction ends with the context it was begun with (the handler's, which
+// ends at HandlerTimeout): its writes are rolled back and nothing commits, in
+// BeginTx and in BeginLocked alike. The store arranges that rollback itself,
+// since it gives database/sql a context that cannot end.
+func TestTransactionEndsWithItsContext(t *testing.T) {
+	t.Parallel()
+	db := openDB(t)
+	createOrders(t, db)
+	s := newStore(t, db)
+	begin := map[string]func(ctx context.Context) (context.Context, interface{ Commit(context.Context) error }, error){
+		"BeginTx": func(ctx context.Context) (context.Context, interface{ Commit(context.Context) error }, error) {
+			return s.BeginTx(ctx)
+		},
+		"BeginLocked": func(ctx context.Context) (context.Context, interface{ Commit(context.Context) error }, error) {
+			tctx, tx, rec, err := s.BeginLocked(ctx, "", "ends-with-ctx", time.Now())
+			if err == nil && rec != nil {
+				err = errors.New("BeginLocked found a record")
+			}
+			return tctx, tx, err
+		},
+	}
+	for name, begin := range begin {
+		ctx, cancel := context.WithCancel(context.Background())
+		tctx, tx, err := begin(ctx)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if _, err := sqlitestore.Tx(tctx).ExecContext(context.Background(), `INSERT INTO orders (item) VALUES ('lamp')`); err != nil {
+			t.Fatalf("%s: insert: %v", name, err)
+		}
+		cancel()
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+			_, err := sqlitestore.Tx(tctx).ExecContext(context.Background(), `SELECT 1`)
+			if errors.Is(err, sql.ErrTxDone) {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: the transaction is still open 5 s after its context ended (%v)", name, err)
+			}
+		}
+		if err := tx.Commit(context.Background()); err == nil {
+			t.Fatalf("%s: Commit after the context ended succeeded", name)
+		}
+		if n := countOrders(t, db); n != 0 {
+			t.Fatalf("%s: %d orders committed, want 0", name, n)
+		}
+	}
 }

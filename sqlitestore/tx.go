@@ -4,7 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
-	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/idemkit/idem"
@@ -36,35 +36,49 @@ func Tx(ctx context.Context) *sql.Tx {
 // it begins (whatever BEGIN mode the driver uses) and holds it until Commit or
 // Rollback, one of which must be called. The returned context carries it for Tx.
 func (s *Store) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
-	t, err := s.begin(ctx)
-	if err != nil {
+	t := &storeTx{}
+	if err := s.begin(ctx, t); err != nil {
 		return ctx, nil, wrap("begin transaction", err)
 	}
 	// With a deferred BEGIN, this statement takes the write lock, waiting for
 	// another process's under the busy timeout; it needs no cancellation beyond
 	// that bound (which would cost the driver a goroutine per statement).
-	if _, err = t.exec(context.WithoutCancel(ctx), stmtLock); err != nil {
+	if _, err := t.exec(context.WithoutCancel(ctx), stmtLock); err != nil {
 		_ = t.Rollback(ctx)
 		return ctx, nil, wrap("begin transaction: take the write lock", err)
 	}
 	return context.WithValue(ctx, txKey{}, t), t, nil
 }
 
-// begin waits for the gate and begins a transaction, bound to ctx: database/sql
-// rolls it back when ctx ends. With embedded.Open's BEGIN IMMEDIATE it holds the
-// write lock already; with another driver, the caller's first statement must be
-// a write.
-func (s *Store) begin(ctx context.Context) (*storeTx, error) {
-	unlock, err := s.gate.lock(ctx, s.lockTimeout)
-	if err != nil {
-		return nil, err
+// begin waits for the gate and begins transaction t, bound to ctx: it is rolled
+// back when ctx ends. With embedded.Open's BEGIN IMMEDIATE it holds the write
+// lock already; with another driver, the caller's first statement must be a
+// write.
+//
+// database/sql gets ctx without its cancellation, and the rollback when ctx ends
+// is arranged here (context.AfterFunc), as database/sql would: given a context
+// that can end, modernc.org/sqlite would start a goroutine watching it during
+// BEGIN and another during COMMIT. BEGIN waits only for another process's write
+// lock (this process's writers queue in the gate), which the busy timeout
+// bounds; a COMMIT in WAL mode waits for nothing.
+func (s *Store) begin(ctx context.Context, t *storeTx) error {
+	if err := s.gate.acquire(ctx, s.lockTimeout); err != nil {
+		return err
 	}
-	tx, err := s.db.BeginTx(ctx, nil)
-	if err != nil {
-		unlock()
-		return nil, err
+	if err := ctx.Err(); err != nil {
+		s.gate.unlock()
+		return err
 	}
-	return &storeTx{s: s, tx: tx, unlock: unlock}, nil
+	tx, err := s.db.BeginTx(context.WithoutCancel(ctx), nil)
+	if err != nil {
+		s.gate.unlock()
+		return err
+	}
+	t.s, t.tx = s, tx
+	if ctx.Done() != nil {
+		t.stop = context.AfterFunc(ctx, func() { _ = tx.Rollback() })
+	}
+	return nil
 }
 
 // exec runs statement id in the transaction and returns the number of rows it
@@ -83,13 +97,21 @@ func (t *storeTx) exec(ctx context.Context, id stmtID, args ...any) (int64, erro
 
 // storeTx is the idem.Tx of a Store.
 type storeTx struct {
-	s      *Store
-	tx     *sql.Tx
-	once   sync.Once
-	unlock func()
+	s     *Store
+	tx    *sql.Tx
+	ended atomic.Bool
+	stop  func() bool // stops the rollback when the context ends; nil when it cannot end
 }
 
-func (t *storeTx) done() { t.once.Do(t.unlock) }
+// done opens the gate, once.
+func (t *storeTx) done() {
+	if t.ended.CompareAndSwap(false, true) {
+		if t.stop != nil {
+			t.stop()
+		}
+		t.s.gate.unlock()
+	}
+}
 
 // Complete implements idem.Tx: the fenced completion, inside the transaction.
 func (t *storeTx) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, _, expiresAt time.Time) error {
