@@ -32,7 +32,10 @@ func (a countSnapshot) sub(b countSnapshot) countSnapshot {
 
 func (c *stmtCounts) statement(query string) {
 	c.stmts.Add(1)
-	if !strings.HasPrefix(strings.ToUpper(strings.TrimSpace(query)), "SELECT") {
+	// Not strings.ToUpper of the whole query: the benchmarks would count its
+	// copy of every statement as the store's cost.
+	q := strings.TrimLeft(query, " \t\r\n")
+	if len(q) < 6 || !strings.EqualFold(q[:6], "SELECT") {
 		c.writes.Add(1)
 	}
 }

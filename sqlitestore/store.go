@@ -152,13 +152,13 @@ WHERE scope = ? AND key = ? AND token = ? AND state = 1`,
 		stmtExtend:        `UPDATE ` + t + ` SET lease_until = ?1, expires_at = MAX(expires_at, ?1) WHERE scope = ? AND key = ? AND token = ? AND state = 1`,
 		stmtDeleteExpired: `DELETE FROM ` + t + ` WHERE rowid IN (SELECT rowid FROM ` + t + ` WHERE expires_at <= ? LIMIT ?)`,
 		stmtInsert: `INSERT INTO ` + t + ` AS r (scope, key, state, fingerprint, token, created_at, lease_until, expires_at, status, headers, body, body_omitted, ref)
-VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (scope, key) DO UPDATE SET
     state = excluded.state, fingerprint = excluded.fingerprint, token = excluded.token,
     created_at = excluded.created_at, lease_until = excluded.lease_until, expires_at = excluded.expires_at,
     status = excluded.status, headers = excluded.headers, body = excluded.body,
     body_omitted = excluded.body_omitted, ref = excluded.ref
-WHERE r.expires_at <= ?14`,
+WHERE r.expires_at <= ?`, // anonymous parameters: modernc.org/sqlite allocates the name of each ?NNN per execution
 		// A write statement that changes nothing: run first in a transaction, it
 		// takes the write lock whatever BEGIN mode the driver uses.
 		stmtLock: `UPDATE ` + t + ` SET state = state WHERE 0`,
