@@ -43,6 +43,12 @@ type Store struct {
 	index     string // quoted, unqualified name of the expires_at index
 	lockNS    []byte // mixed into advisory lock keys, so that tables do not share locks
 	syncClaim bool
+	// fastArgs: the pool's connections learn parameter types from the server
+	// (statements described or prepared), so the single-transaction flow may
+	// pass its parameters as the allocation-free types of args.go; in
+	// QueryExecModeExec and the simple protocol pgx picks the types from the
+	// Go values instead, so plain []byte, string and time.Time are passed.
+	fastArgs bool
 
 	claimSQL, selectSQL, getSQL, completeSQL, releaseSQL, extendSQL string
 	completeAndCommitSQL                                            string
@@ -85,6 +91,10 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Store, error) {
 		index:     pgx.Identifier{idx}.Sanitize(),
 		lockNS:    []byte(c.Table),
 		syncClaim: c.SynchronousClaim,
+	}
+	switch pool.Config().ConnConfig.DefaultQueryExecMode {
+	case pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe, pgx.QueryExecModeDescribeExec:
+		s.fastArgs = true
 	}
 	s.buildSQL()
 	return s, nil
@@ -295,7 +305,7 @@ func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *id
 }
 
 // completeArgs returns the arguments of completeSQL and completeAndCommitSQL.
-func completeArgs(scope, key, token string, resp *idem.Response, expiresAt time.Time) ([]any, error) {
+func completeArgs(scope, key, token string, resp *idem.Response, expiresAt time.Time, fast bool) ([]any, error) {
 	if resp == nil {
 		return nil, errors.New("pgstore: Complete called with a nil response")
 	}
@@ -304,11 +314,11 @@ func completeArgs(scope, key, token string, resp *idem.Response, expiresAt time.
 		return nil, err
 	}
 	return []any{[]byte(scope), []byte(key), token,
-		int32(resp.Status), hdr, nullableBytes(resp.Body, !resp.BodyOmitted), resp.BodyOmitted, refBytes(resp.Ref), expiresAt}, nil
+		int32(resp.Status), headersParam(hdr, fast), nullableBytes(resp.Body, !resp.BodyOmitted), resp.BodyOmitted, refBytes(resp.Ref), expiresAt}, nil
 }
 
 func (s *Store) complete(ctx context.Context, q querier, scope, key, token string, resp *idem.Response, expiresAt time.Time) error {
-	args, err := completeArgs(scope, key, token, resp, expiresAt)
+	args, err := completeArgs(scope, key, token, resp, expiresAt, s.fastArgs)
 	if err != nil {
 		return err
 	}

@@ -33,9 +33,12 @@ type scanRecord struct {
 	ref     []byte
 }
 
-func (r *scanRecord) scanTargets() []any {
-	return []any{&r.state, &r.fp, &r.Token, &r.CreatedAt, &r.LeaseUntil, &r.ExpiresAt,
-		&r.status, &r.headers, &r.body, &r.omitted, &r.ref}
+func (r *scanRecord) scanTargets() []any { return r.appendTargets(make([]any, 0, 11)) }
+
+// appendTargets appends the scan targets of cols to dst.
+func (r *scanRecord) appendTargets(dst []any) []any {
+	return append(dst, &r.state, &r.fp, &r.Token, &r.CreatedAt, &r.LeaseUntil, &r.ExpiresAt,
+		&r.status, &r.headers, &r.body, &r.omitted, &r.ref)
 }
 
 func (r *scanRecord) finish() error {
@@ -76,6 +79,20 @@ func refBytes(ref string) []byte {
 		return nil
 	}
 	return []byte(ref)
+}
+
+// headersParam is the parameter of the headers column (jsonb) for encoded
+// headers hdr: the bytes when pgx knows the column's type from the server
+// (fast), and a string otherwise, which pgx sends as text for PostgreSQL to
+// parse (a []byte would go as bytea, which is not JSON). nil is NULL.
+func headersParam(hdr []byte, fast bool) any {
+	switch {
+	case hdr == nil:
+		return nil
+	case fast:
+		return hdr
+	}
+	return string(hdr)
 }
 
 // b64Value is how a header value that JSON cannot hold exactly (invalid UTF-8,
@@ -193,6 +210,9 @@ func decodeHeaders(b []byte) (http.Header, error) {
 
 // isUndefinedTable reports whether err is PostgreSQL's undefined_table (42P01).
 func isUndefinedTable(err error) bool {
+	if err == nil {
+		return false
+	}
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Code == "42P01"
 }

@@ -66,6 +66,11 @@ type txEnd struct {
 	s    *Store
 	conn *pgxpool.Conn // nil once the transaction ended and the connection went back
 	htx  *handlerTx    // the handler's view of the transaction
+
+	// commitWith's batch.
+	cbatch pgx.Batch
+	cqq    [2]pgx.QueuedQuery
+	cqp    [2]*pgx.QueuedQuery
 }
 
 // claimTx is the idem.Tx of the claim-then-complete flow.
@@ -80,7 +85,7 @@ func (t *claimTx) Complete(_ context.Context, scope, key, token string, resp *id
 	if err := checkIDs("complete", scope, key); err != nil {
 		return err
 	}
-	args, err := completeArgs(scope, key, token, resp, expiresAt)
+	args, err := completeArgs(scope, key, token, resp, expiresAt, t.s.fastArgs)
 	if err != nil {
 		return err
 	}
@@ -137,12 +142,15 @@ func (t *txEnd) commitWith(ctx context.Context, op, stmt string, args []any, fen
 		}
 		return nil
 	}
-	b := &pgx.Batch{}
-	if args != nil {
-		b.Queue(stmt, args...)
+	// The batch lives in t: no allocation for it or its queries.
+	t.cqq[0] = pgx.QueuedQuery{SQL: stmt, Arguments: args}
+	t.cqq[1] = pgx.QueuedQuery{SQL: "commit"}
+	t.cqp = [2]*pgx.QueuedQuery{&t.cqq[0], &t.cqq[1]}
+	t.cbatch = pgx.Batch{QueuedQueries: t.cqp[:]}
+	if args == nil {
+		t.cbatch.QueuedQueries = t.cqp[1:]
 	}
-	b.Queue("commit")
-	br := c.Conn().SendBatch(ctx, b)
+	br := c.Conn().SendBatch(ctx, &t.cbatch)
 	var stmtErr error
 	if args != nil {
 		_, stmtErr = br.Exec()
@@ -219,6 +227,9 @@ const rollbackTimeout = 5 * time.Second
 // isInFailedTx reports whether err is in_failed_sql_transaction (25P02): the
 // transaction had been aborted before the statement.
 func isInFailedTx(err error) bool {
+	if err == nil {
+		return false
+	}
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Code == "25P02"
 }
@@ -226,6 +237,9 @@ func isInFailedTx(err error) bool {
 // isServerAnswer reports whether err is an error PostgreSQL answered (not a lost
 // connection): the statement it answers did not commit.
 func isServerAnswer(err error) bool {
+	if err == nil {
+		return false
+	}
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Severity != "FATAL" && pgErr.Severity != "PANIC"
 }
@@ -236,20 +250,25 @@ func isServerAnswer(err error) bool {
 // matched no row, unique_violation (23505) from insertFreshSQL when a record
 // appeared after BeginLocked's lookup.
 func isFenceError(err error) bool {
+	if err == nil {
+		return false
+	}
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && (pgErr.Code == "22012" || pgErr.Code == "23505")
 }
 
 // lockKey is the 64-bit advisory lock key of (scope, key) in this store's table.
 func (s *Store) lockKey(scope, key string) int64 {
-	h := sha256.New()
-	var n [8]byte
-	for _, part := range [][]byte{s.lockNS, []byte(scope), []byte(key)} {
-		binary.BigEndian.PutUint64(n[:], uint64(len(part)))
-		h.Write(n[:])
-		h.Write(part)
-	}
-	return int64(binary.BigEndian.Uint64(h.Sum(nil)))
+	var buf [256]byte // hashed on the stack unless scope and key are long
+	b := buf[:0]
+	b = binary.BigEndian.AppendUint64(b, uint64(len(s.lockNS)))
+	b = append(b, s.lockNS...)
+	b = binary.BigEndian.AppendUint64(b, uint64(len(scope)))
+	b = append(b, scope...)
+	b = binary.BigEndian.AppendUint64(b, uint64(len(key)))
+	b = append(b, key...)
+	sum := sha256.Sum256(b)
+	return int64(binary.BigEndian.Uint64(sum[:]))
 }
 
 // BeginLocked implements idem.SingleTxStore. It sends BEGIN, the advisory lock
@@ -264,29 +283,46 @@ func (s *Store) lockKey(scope, key string) int64 {
 // concurrent retries of a completed key replay side by side instead of turning
 // each other away with 409. Without the lock and without a live record, the key
 // is in flight in another transaction: ErrInFlight.
+//
+// Everything a request needs from here to its COMMIT (the transaction's state,
+// the handler's Tx, the statements' parameters and scan targets) lives in the
+// one lockedTx allocated here.
 func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Time) (context.Context, idem.LockedTx, *idem.Record, error) {
 	if err := checkIDs("begin locked transaction", scope, key); err != nil {
 		return ctx, nil, nil, err
 	}
-	b := &pgx.Batch{}
+	t := &lockedTx{now: now}
+	t.s = s
+	t.rec = idem.Record{Scope: scope, Key: key}
+	t.row.Record = &t.rec
+	t.scopeA, t.keyA, t.nowA, t.lockA = byteaArg(scope), byteaArg(key), tsArg(now), int8Arg(s.lockKey(scope, key))
+	if s.fastArgs {
+		t.args[0], t.args[1], t.args[2], t.args[3] = &t.lockA, &t.scopeA, &t.keyA, &t.nowA
+	} else {
+		t.args[0], t.args[1], t.args[2], t.args[3] = int64(t.lockA), []byte(scope), []byte(key), now
+	}
+	b := &t.batch
+	b.QueuedQueries = t.qp[:0]
 	b.BeginTx(pgx.TxOptions{})
-	b.Queue(s.lockSQL, s.lockKey(scope, key))
-	b.Queue(s.lookupSQL, []byte(scope), []byte(key), now)
+	t.qq[0] = pgx.QueuedQuery{SQL: s.lockSQL, Arguments: t.args[0:1]}
+	t.qq[1] = pgx.QueuedQuery{SQL: s.lookupSQL, Arguments: t.args[1:4]}
+	b.QueuedQueries = append(b.QueuedQueries, &t.qq[0], &t.qq[1])
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
 		return ctx, nil, nil, s.wrap("begin locked transaction", err)
 	}
 	br := conn.Conn().SendBatch(ctx, b)
 	tx := br.Tx()
-	var locked, live bool
-	rec := scanRecord{Record: &idem.Record{Scope: scope, Key: key}}
+	locked, live := &t.locked, &t.live
 	_, err = br.Exec()
 	if err == nil {
-		err = br.QueryRow().Scan(&locked)
+		t.targets[0] = locked
+		err = br.QueryRow().Scan(t.targets[:1]...)
 	}
 	found := false
 	if err == nil {
-		err = br.QueryRow().Scan(append([]any{&live}, rec.scanTargets()...)...)
+		targets := t.row.appendTargets(append(t.targets[:0], live))
+		err = br.QueryRow().Scan(targets...)
 		found = err == nil
 		if errors.Is(err, pgx.ErrNoRows) {
 			err = nil
@@ -295,36 +331,58 @@ func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Tim
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	live = found && live
-	if err == nil && live {
-		err = rec.finish()
+	*live = found && *live
+	if err == nil && *live {
+		err = t.row.finish()
 	}
 	switch {
 	case err != nil:
 		err = s.wrap("begin locked transaction", err)
-	case !locked && !live:
+	case !*locked && !*live:
 		err = idem.ErrInFlight
 	}
-	end := txEnd{s: s, conn: conn, htx: newHandlerTx(tx)}
+	t.conn = conn
+	t.hx = handlerTx{g: &t.guard, tx: tx, root: true}
+	t.htx = &t.hx
 	if err != nil {
-		_ = end.rollback(ctx)
+		_ = t.rollback(ctx)
 		return ctx, nil, nil, err
 	}
 	var out *idem.Record
-	if live {
-		out = rec.Record
+	if *live {
+		out = &t.rec
 	}
-	return context.WithValue(ctx, txKey{}, pgx.Tx(end.htx)), &lockedTx{txEnd: end, now: now, fresh: !found}, out, nil
+	t.fresh = !found
+	return context.WithValue(ctx, txKey{}, pgx.Tx(t.htx)), t, out, nil
 }
 
 // lockedTx is the idem.LockedTx of the single-transaction flow.
 type lockedTx struct {
 	txEnd
-	now   time.Time // the clock reading BeginLocked judged expiry by
-	fresh bool      // BeginLocked found no record, not even an expired one
+	now          time.Time // the clock reading BeginLocked judged expiry by
+	fresh        bool      // BeginLocked found no record, not even an expired one
+	locked, live bool      // BeginLocked's lock and lookup results
 	// stmt and insert are the record insert that Commit sends, and its arguments.
 	stmt   string
 	insert []any
+
+	// BeginLocked's and Insert's storage, allocated with the lockedTx.
+	hx                         handlerTx
+	guard                      txGuard
+	rec                        idem.Record
+	row                        scanRecord
+	batch                      pgx.Batch
+	qq                         [2]pgx.QueuedQuery
+	qp                         [3]*pgx.QueuedQuery
+	args                       [14]any
+	targets                    [12]any
+	lockA                      int8Arg
+	nowA                       tsArg
+	scopeA, keyA, fpA          byteaArg
+	tokenA                     textArg
+	createdA, leaseA, expiresA tsArg
+	statusA                    int4Arg
+	bodyA, refA                bytesArg
 }
 
 // Insert prepares the insert of rec, which replaces a record that expired at the
@@ -338,7 +396,8 @@ func (t *lockedTx) Insert(_ context.Context, rec *idem.Record) error {
 		return err
 	}
 	var (
-		status  *int32
+		status  int32
+		valid   bool
 		hdr     []byte
 		body    []byte
 		omitted bool
@@ -346,21 +405,39 @@ func (t *lockedTx) Insert(_ context.Context, rec *idem.Record) error {
 		err     error
 	)
 	if r := rec.Response; r != nil {
-		st := int32(r.Status)
-		status = &st
+		status, valid = int32(r.Status), true
 		if hdr, err = encodeHeaders(r.Header); err != nil {
 			return err
 		}
 		body, omitted, ref = nullableBytes(r.Body, !r.BodyOmitted), r.BodyOmitted, refBytes(r.Ref)
 	}
-	t.insert = []any{[]byte(rec.Scope), []byte(rec.Key), int16(rec.State),
-		[]byte(rec.Fingerprint), rec.Token, rec.CreatedAt, rec.LeaseUntil, rec.ExpiresAt,
-		status, hdr, body, omitted, ref, t.now}
-	t.stmt = t.s.insertAndCommitSQL
+	a := &t.args
+	if t.s.fastArgs {
+		t.scopeA, t.keyA, t.fpA, t.tokenA = byteaArg(rec.Scope), byteaArg(rec.Key), byteaArg(rec.Fingerprint), textArg(rec.Token)
+		t.createdA, t.leaseA, t.expiresA, t.nowA = tsArg(rec.CreatedAt), tsArg(rec.LeaseUntil), tsArg(rec.ExpiresAt), tsArg(t.now)
+		t.statusA = int4Arg{v: status, valid: valid}
+		t.bodyA, t.refA = body, ref
+		*a = [14]any{&t.scopeA, &t.keyA, int16(rec.State), &t.fpA, &t.tokenA, &t.createdA, &t.leaseA, &t.expiresA,
+			&t.statusA, hdr, &t.bodyA, omitted, &t.refA, &t.nowA}
+	} else {
+		*a = plainInsertArgs(rec, status, valid, hdr, body, omitted, ref, t.now)
+	}
+	t.stmt, t.insert = t.s.insertAndCommitSQL, a[:]
 	if t.fresh {
-		t.stmt, t.insert = t.s.insertFreshSQL, t.insert[:13]
+		t.stmt, t.insert = t.s.insertFreshSQL, a[:13]
 	}
 	return nil
+}
+
+// plainInsertArgs are Insert's arguments as plain Go values, for connections
+// that pick parameter types from them (Store.fastArgs false).
+func plainInsertArgs(rec *idem.Record, status int32, valid bool, hdr, body []byte, omitted bool, ref []byte, now time.Time) [14]any {
+	var st *int32
+	if valid {
+		st = &status
+	}
+	return [14]any{[]byte(rec.Scope), []byte(rec.Key), int16(rec.State), []byte(rec.Fingerprint), rec.Token,
+		rec.CreatedAt, rec.LeaseUntil, rec.ExpiresAt, st, headersParam(hdr, false), body, omitted, ref, now}
 }
 
 // Commit sends the prepared insert and COMMIT in one round trip; the lock goes
