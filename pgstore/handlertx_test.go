@@ -112,20 +112,20 @@ func TestHandlerTxClosedAfterLockedTx(t *testing.T) {
 			db := newTestDB(t, 2)
 			app := newOrderApp(t, db)
 			now := time.Now()
-			if ending == "failed commit" { // a live claim makes the insert fail
-				if _, claimed, err := app.store.Claim(ctx30(t), idem.ClaimRequest{Scope: "s", Key: "k", Fingerprint: "v1:f", Token: "tok",
-					Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)}); err != nil || !claimed {
-					t.Fatalf("Claim: %v %v", claimed, err)
-				}
-			}
-			ctx, tx, _, err := app.store.BeginLocked(ctx30(t), "s", "k", now.Add(-time.Hour))
-			if err != nil {
-				t.Fatal(err)
+			ctx, tx, rec, err := app.store.BeginLocked(ctx30(t), "s", "k", now)
+			if err != nil || rec != nil {
+				t.Fatal(rec, err)
 			}
 			defer func() { _ = tx.Rollback(context.Background()) }()
 			htx := pgstore.Tx(ctx)
 			if _, err := htx.Exec(ctx, `INSERT INTO `+app.orders+` (idem_key, tag) VALUES ('k', 'in')`); err != nil {
 				t.Fatal(err)
+			}
+			if ending == "failed commit" { // a claim after the lookup makes the insert fail
+				if _, claimed, err := app.store.Claim(ctx30(t), idem.ClaimRequest{Scope: "s", Key: "k", Fingerprint: "v1:f", Token: "tok",
+					Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)}); err != nil || !claimed {
+					t.Fatalf("Claim: %v %v", claimed, err)
+				}
 			}
 			switch ending {
 			case "rollback":

@@ -107,3 +107,48 @@ func BenchmarkEncodeHeaders(b *testing.B) {
 		_, _ = encodeHeaders(h)
 	}
 }
+
+// TestDecodeHeadersFast: the fast decoder agrees with encoding/json on every
+// input it accepts (what pgstore writes and PostgreSQL's jsonb output of it,
+// with its spaces and reordered keys), and declines escapes, b64 values and
+// malformed input, which the JSON decoder then handles or refuses.
+func TestDecodeHeadersFast(t *testing.T) {
+	accepted := []string{
+		`{"Content-Type":["application/json"],"Location":["/orders/1"]}`,
+		`{"Location": ["/orders/1"], "Content-Type": ["application/json"]}`,
+		`{}`, ` { } `, `{"Empty": []}`, `{"A": ["1", "2", ""], "B": [], "C": ["caf` + "\u00e9" + `"]}`,
+		"{\n\t\"A\" : [ \"x\" , \"y\" ] \r}",
+	}
+	for _, in := range accepted {
+		fast, ok := decodeHeadersFast([]byte(in))
+		if !ok {
+			t.Errorf("fast decoder declined %q", in)
+			continue
+		}
+		slow, err := decodeHeadersJSON([]byte(in))
+		if err != nil {
+			t.Fatalf("%q: %v", in, err)
+		}
+		if len(slow) == 0 && len(fast) == 0 {
+			continue
+		}
+		if !reflect.DeepEqual(fast, slow) {
+			t.Errorf("%q: fast %#v, encoding/json %#v", in, fast, slow)
+		}
+	}
+	declined := []string{
+		`{"A": ["a\"b"]}`, `{"A\n": ["x"]}`, `{"A": [{"b64": "AAE="}]}`, `{"A": ["x"]`, `{"A": ["x"]} x`,
+		`{"A": "x"}`, `["x"]`, `{"A" ["x"]}`, `{"A": ["x",]}`, `{"A": ["x"],}`, `{,}`, `{"A": ["x`, "{\"A\": [\"\x01\"]}", ``,
+	}
+	for _, in := range declined {
+		if h, ok := decodeHeadersFast([]byte(in)); ok {
+			t.Errorf("fast decoder accepted %q as %#v", in, h)
+		}
+	}
+	// Appending to one header's values must not change another's.
+	h, _ := decodeHeadersFast([]byte(`{"A": ["1"], "B": ["2"]}`))
+	_ = append(h["A"], "x")
+	if h.Get("B") != "2" {
+		t.Errorf("appending to A changed B: %v", h)
+	}
+}
