@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/pgstore"
@@ -143,8 +144,11 @@ func prefixRun() string { return "bench-" + randomHex(4) }
 // on this machine and its processes are readable). Call the returned function
 // after the loop.
 func cpuPerOp(b *testing.B, pool *pgxpool.Pool) func() {
+	waitPoolIdle(pool)
 	start, db := processCPU(), backendsCPU(pool)
 	return func() {
+		// A replay's ROLLBACK may still be running: it belongs to this loop.
+		waitPoolIdle(pool)
 		b.ReportMetric(float64(processCPU()-start)/float64(b.N), "cpu-ns/op")
 		end := backendsCPU(pool)
 		if db == nil || end == nil {
@@ -155,6 +159,14 @@ func cpuPerOp(b *testing.B, pool *pgxpool.Pool) func() {
 			sum += ns - db[pid] // a backend started during the loop counts whole
 		}
 		b.ReportMetric(float64(sum)/float64(b.N), "db-ns/op")
+	}
+}
+
+// waitPoolIdle waits (at most a second) until no connection of pool is in use,
+// so that the backends read are those of every connection.
+func waitPoolIdle(pool *pgxpool.Pool) {
+	for deadline := time.Now().Add(time.Second); pool.Stat().AcquiredConns() > 0 && time.Now().Before(deadline); {
+		time.Sleep(100 * time.Microsecond)
 	}
 }
 

@@ -57,8 +57,7 @@
 // granted, so it sees what any earlier holder committed); the handler's
 // statements; the record INSERT pipelined with COMMIT. A live record answers
 // the request whether or not the lock was granted, so retries of a completed
-// key replay side by side, each after one round trip (the ROLLBACK of its
-// read-only transaction goes out in the background). A crash frees the key at once, because the lock dies
+// key replay side by side. A crash frees the key at once, because the lock dies
 // with the connection. It holds a connection and a transaction for the
 // handler's whole run, so it suits handlers whose effects all live in this
 // database.

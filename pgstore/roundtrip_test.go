@@ -25,9 +25,6 @@ type wireCount struct {
 	mu         sync.Mutex
 	roundTrips int
 	statements int
-	// hold, when set, is called before a write (outside the locks) and may
-	// block it.
-	hold func(p []byte)
 }
 
 func (w *wireCount) reset() {
@@ -74,12 +71,6 @@ func (c *countedConn) Read(p []byte) (int, error) {
 }
 
 func (c *countedConn) Write(p []byte) (int, error) {
-	c.w.mu.Lock()
-	hold := c.w.hold
-	c.w.mu.Unlock()
-	if hold != nil {
-		hold(p)
-	}
 	c.mu.Lock()
 	c.w.mu.Lock()
 	if c.readSince {
@@ -122,12 +113,6 @@ func (c *countedConn) Write(p []byte) (int, error) {
 // countedApp is an orders app whose store and handler use a pool of one
 // connection dialled through a wireCount.
 func countedApp(t *testing.T) (*orderApp, *wireCount) {
-	app, w, _ := countedAppPool(t)
-	return app, w
-}
-
-// countedAppPool is countedApp that also returns the pool.
-func countedAppPool(t *testing.T) (*orderApp, *wireCount, *pgxpool.Pool) {
 	t.Helper()
 	db := newTestDB(t, 4)
 	base := newOrderApp(t, db)
@@ -147,7 +132,7 @@ func countedAppPool(t *testing.T) (*orderApp, *wireCount, *pgxpool.Pool) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &orderApp{db: db, store: store, orders: base.orders}, w, pool
+	return &orderApp{db: db, store: store, orders: base.orders}, w
 }
 
 // TestRoundTripsPerRequest counts, on the wire, the round trips and statements
@@ -164,8 +149,7 @@ func TestRoundTripsPerRequest(t *testing.T) {
 	}{
 		// One transaction: BEGIN + lock + record read pipelined; the order
 		// insert; the record insert + COMMIT pipelined. A replay: the first
-		// batch, then ROLLBACK, which the answer does not wait for
-		// (TestReplayDoesNotWaitForRollback).
+		// batch, then ROLLBACK.
 		{"Default", idem.FlowAuto, want{3, 6, 2, 4}},
 		{"SingleTx", idem.FlowSingleTx, want{3, 6, 2, 4}},
 		// The claim commits on its own (BEGIN, SET LOCAL, claim, COMMIT
@@ -175,7 +159,7 @@ func TestRoundTripsPerRequest(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			app, w, pool := countedAppPool(t)
+			app, w := countedApp(t)
 			h := app.serve(t, &idem.Config{Flow: tc.flow}, app.handler("rt", nil))
 			do := func(key string, replay bool) {
 				t.Helper()
@@ -201,75 +185,10 @@ func TestRoundTripsPerRequest(t *testing.T) {
 			}
 			w.reset()
 			do("counted", true)
-			waitIdle(t, pool)
 			rt, st = w.get()
 			if rt != tc.want.replayRT || st != tc.want.replayStmts {
 				t.Errorf("replay: %d round trips, %d statements; want %d, %d", rt, st, tc.want.replayRT, tc.want.replayStmts)
 			}
 		})
-	}
-}
-
-// waitIdle waits until the connection of pool (of one) is back in it, after
-// whatever a request left running in the background.
-func waitIdle(t *testing.T, pool *pgxpool.Pool) {
-	t.Helper()
-	c, err := pool.Acquire(ctx30(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	c.Release()
-}
-
-// TestReplayDoesNotWaitForRollback: in the single-transaction flow, a replay
-// is answered after one round trip (BEGIN, lock and record read pipelined):
-// the ROLLBACK of its read-only transaction goes out in the background, and
-// the answer does not wait for it.
-func TestReplayDoesNotWaitForRollback(t *testing.T) {
-	app, w, pool := countedAppPool(t)
-	h := app.serve(t, &idem.Config{Flow: idem.FlowSingleTx}, app.handler("rt", nil))
-	do := func(key string, replay bool) {
-		t.Helper()
-		req := httptest.NewRequest(http.MethodPost, "/orders", bytes.NewReader([]byte(`{"item":"book"}`)))
-		req.Header.Set("Idempotency-Key", key)
-		rec := httptest.NewRecorder()
-		h.ServeHTTP(rec, req)
-		if rec.Code != http.StatusCreated || (rec.Header().Get(idem.ReplayedHeader) == "true") != replay {
-			t.Errorf("key %s: status %d, replayed %q: %s", key, rec.Code, rec.Header().Get(idem.ReplayedHeader), rec.Body)
-		}
-	}
-	do("k", false)
-	do("k", true) // prepares the statements
-	waitIdle(t, pool)
-	gate := make(chan struct{})
-	var release sync.Once
-	open := func() { release.Do(func() { close(gate) }) }
-	t.Cleanup(open)
-	w.mu.Lock()
-	w.hold = func(p []byte) {
-		if bytes.Contains(bytes.ToLower(p), []byte("rollback")) {
-			<-gate
-		}
-	}
-	w.mu.Unlock()
-	w.reset()
-	answered := make(chan struct{})
-	go func() {
-		defer close(answered)
-		do("k", true)
-	}()
-	select {
-	case <-answered:
-		if rt, _ := w.get(); rt != 1 {
-			t.Errorf("the replay was answered after %d round trips, want 1", rt)
-		}
-	case <-time.After(5 * time.Second):
-		t.Error("the replay waited for its ROLLBACK")
-	}
-	open()
-	<-answered
-	waitIdle(t, pool)
-	if rt, st := w.get(); rt != 2 || st != 4 {
-		t.Errorf("replay: %d round trips, %d statements on the wire in all; want 2, 4", rt, st)
 	}
 }
