@@ -1,13 +1,14 @@
 package mysqlstore
 
 import (
-	"bytes"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
 	"unicode/utf8"
+
+	"github.com/idemkit/idem/internal/headerjson"
 )
 
 // binaryHeaders starts the binary encoding of stored headers. JSON, the other
@@ -58,47 +59,17 @@ func appendHeadersJSON(h http.Header) []byte {
 		if len(b) > 1 {
 			b = append(b, ',')
 		}
-		b = appendJSONString(b, name)
+		b = headerjson.AppendString(b, name)
 		b = append(b, ':', '[')
 		for i, v := range vs {
 			if i > 0 {
 				b = append(b, ',')
 			}
-			b = appendJSONString(b, v)
+			b = headerjson.AppendString(b, v)
 		}
 		b = append(b, ']')
 	}
 	return append(b, '}')
-}
-
-// appendJSONString appends s, valid UTF-8, as a JSON string: quotes,
-// backslashes and control characters escaped, everything else as is.
-func appendJSONString(b []byte, s string) []byte {
-	const hexDigits = "0123456789abcdef"
-	b = append(b, '"')
-	start := 0
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if c >= 0x20 && c != '"' && c != '\\' {
-			continue
-		}
-		b = append(b, s[start:i]...)
-		switch c {
-		case '"', '\\':
-			b = append(b, '\\', c)
-		case '\n':
-			b = append(b, '\\', 'n')
-		case '\r':
-			b = append(b, '\\', 'r')
-		case '\t':
-			b = append(b, '\\', 't')
-		default:
-			b = append(b, '\\', 'u', '0', '0', hexDigits[c>>4], hexDigits[c&0xf])
-		}
-		start = i + 1
-	}
-	b = append(b, s[start:]...)
-	return append(b, '"')
 }
 
 func utf8Header(h http.Header) bool {
@@ -127,7 +98,7 @@ func decodeHeaders(b []byte) (http.Header, error) {
 		return nil, nil
 	}
 	if b[0] != binaryHeaders {
-		if h, ok := parsePlainHeadersJSON(b); ok {
+		if h, ok := headerjson.DecodePlain(b); ok {
 			return h, nil
 		}
 		var h http.Header
@@ -163,84 +134,6 @@ func decodeHeaders(b []byte) (http.Header, error) {
 		return nil, errCorruptHeaders
 	}
 	return h, nil
-}
-
-// parsePlainHeadersJSON decodes the JSON headers appendHeadersJSON writes when
-// no string needs an escape (the usual case: Content-Type, Location): an object
-// of arrays of strings, without whitespace, backslashes or control characters.
-// ok is false for anything else, which encoding/json then decodes.
-func parsePlainHeadersJSON(b []byte) (h http.Header, ok bool) {
-	if len(b) < 2 || b[0] != '{' || b[len(b)-1] != '}' {
-		return nil, false
-	}
-	// One string per name and value, so the number of quotes bounds the map.
-	h = make(http.Header, bytes.Count(b, []byte{'"'})/4)
-	i := 1
-	str := func() (string, bool) {
-		if i >= len(b) || b[i] != '"' {
-			return "", false
-		}
-		j := bytes.IndexByte(b[i+1:], '"')
-		if j < 0 {
-			return "", false
-		}
-		v := b[i+1 : i+1+j]
-		for _, c := range v {
-			if c < 0x20 || c == '\\' {
-				return "", false
-			}
-		}
-		if !utf8.Valid(v) {
-			return "", false
-		}
-		i += j + 2
-		return string(v), true
-	}
-	if b[i] == '}' {
-		return h, i == len(b)-1
-	}
-	for {
-		name, ok := str()
-		if !ok || i+1 >= len(b) || b[i] != ':' || b[i+1] != '[' {
-			return nil, false
-		}
-		if _, dup := h[name]; dup {
-			return nil, false
-		}
-		i += 2
-		vals := []string{}
-		if i < len(b) && b[i] == ']' {
-			i++
-		} else {
-			for {
-				v, ok := str()
-				if !ok || i >= len(b) {
-					return nil, false
-				}
-				vals = append(vals, v)
-				if b[i] == ']' {
-					i++
-					break
-				}
-				if b[i] != ',' {
-					return nil, false
-				}
-				i++
-			}
-		}
-		h[name] = vals
-		if i >= len(b) {
-			return nil, false
-		}
-		switch b[i] {
-		case '}':
-			return h, i == len(b)-1
-		case ',':
-			i++
-		default:
-			return nil, false
-		}
-	}
 }
 
 func readUvarint(b []byte) (uint64, []byte, bool) {

@@ -14,8 +14,10 @@ import (
 	"sync/atomic"
 	"time"
 	"unicode/utf8"
+	"unsafe"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/headerjson"
 )
 
 // DefaultTable is the table Config.Table defaults to.
@@ -512,64 +514,30 @@ func encodeHeaders(h http.Header) (string, error) {
 // escaping <, > and &), written by hand: json.Marshal sorts the names, and
 // allocates several times per call. n is the expected length.
 func plainHeaders(h http.Header, n int) string {
-	var b strings.Builder
-	b.Grow(n + n/8)
-	b.WriteByte('{')
+	b := make([]byte, 0, n+n/8)
+	b = append(b, '{')
 	first := true
 	for name, vs := range h {
 		if !first {
-			b.WriteByte(',')
+			b = append(b, ',')
 		}
 		first = false
-		writeJSONString(&b, name)
+		b = headerjson.AppendString(b, name)
 		if vs == nil { // as json.Marshal writes it, and decodes it back
-			b.WriteString(":null")
+			b = append(b, ":null"...)
 			continue
 		}
-		b.WriteString(":[")
+		b = append(b, ":["...)
 		for i, v := range vs {
 			if i > 0 {
-				b.WriteByte(',')
+				b = append(b, ',')
 			}
-			writeJSONString(&b, v)
+			b = headerjson.AppendString(b, v)
 		}
-		b.WriteByte(']')
+		b = append(b, ']')
 	}
-	b.WriteByte('}')
-	return b.String()
-}
-
-// writeJSONString writes s, valid UTF-8, as a JSON string: quotes, backslashes
-// and control characters escaped, everything else as is.
-func writeJSONString(b *strings.Builder, s string) {
-	const hex = "0123456789abcdef"
-	b.WriteByte('"')
-	start := 0
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if c >= 0x20 && c != '"' && c != '\\' {
-			continue
-		}
-		b.WriteString(s[start:i])
-		switch c {
-		case '"', '\\':
-			b.WriteByte('\\')
-			b.WriteByte(c)
-		case '\n':
-			b.WriteString(`\n`)
-		case '\r':
-			b.WriteString(`\r`)
-		case '\t':
-			b.WriteString(`\t`)
-		default:
-			b.WriteString(`\u00`)
-			b.WriteByte(hex[c>>4])
-			b.WriteByte(hex[c&0xf])
-		}
-		start = i + 1
-	}
-	b.WriteString(s[start:])
-	b.WriteByte('"')
+	b = append(b, '}')
+	return unsafe.String(unsafe.SliceData(b), len(b)) // b is not used again, as strings.Builder does
 }
 
 // decodeHeaders reads a headers column written by encodeHeaders.
