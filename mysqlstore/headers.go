@@ -28,7 +28,7 @@ func encodeHeaders(h http.Header) ([]byte, error) {
 		return nil, nil
 	}
 	if utf8Header(h) {
-		return appendHeadersJSON(h), nil
+		return headerjson.AppendHeaders(nil, h), nil
 	}
 	b := []byte{binaryHeaders}
 	b = binary.AppendUvarint(b, uint64(len(h)))
@@ -40,36 +40,6 @@ func encodeHeaders(h http.Header) ([]byte, error) {
 		}
 	}
 	return b, nil
-}
-
-// appendHeadersJSON writes h, every name and value valid UTF-8, as the JSON
-// object of string arrays encoding/json would (up to key order and the escapes
-// it chooses), into one buffer sized up front: it runs once per stored response.
-func appendHeadersJSON(h http.Header) []byte {
-	n := 2
-	for name, vs := range h {
-		n += len(name) + 6
-		for _, v := range vs {
-			n += len(v) + 3
-		}
-	}
-	b := make([]byte, 0, n+n/8)
-	b = append(b, '{')
-	for name, vs := range h {
-		if len(b) > 1 {
-			b = append(b, ',')
-		}
-		b = headerjson.AppendString(b, name)
-		b = append(b, ':', '[')
-		for i, v := range vs {
-			if i > 0 {
-				b = append(b, ',')
-			}
-			b = headerjson.AppendString(b, v)
-		}
-		b = append(b, ']')
-	}
-	return append(b, '}')
 }
 
 func utf8Header(h http.Header) bool {

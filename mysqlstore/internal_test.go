@@ -14,6 +14,7 @@ import (
 
 	_ "github.com/go-sql-driver/mysql"
 
+	"github.com/idemkit/idem/internal/headerjson"
 	"github.com/idemkit/idem/internal/testenv"
 )
 
@@ -190,9 +191,9 @@ func TestHeadersJSON(t *testing.T) {
 		return h, err
 	}
 	for _, h := range cases {
-		got := appendHeadersJSON(h)
+		got := headerjson.AppendHeaders(nil, h)
 		if !json.Valid(got) {
-			t.Fatalf("appendHeadersJSON(%q) = %s: not valid JSON", h, got)
+			t.Fatalf("AppendHeaders(%q) = %s: not valid JSON", h, got)
 		}
 		ref, _ := json.Marshal(h)
 		var a, b any
@@ -201,7 +202,7 @@ func TestHeadersJSON(t *testing.T) {
 		// encoding/json writes a nil slice as null, which reads back as nil:
 		// the same header.
 		if fmt.Sprint(a) != fmt.Sprint(b) && !strings.Contains(string(ref), "null") {
-			t.Fatalf("appendHeadersJSON(%q) = %s; encoding/json says %s", h, got, ref)
+			t.Fatalf("AppendHeaders(%q) = %s; encoding/json says %s", h, got, ref)
 		}
 		for _, enc := range [][]byte{got, ref} {
 			want, _ := decodeRef(enc)

@@ -485,17 +485,16 @@ const binaryHeaders = "b64:"
 
 // encodeHeaders returns the headers column for h.
 func encodeHeaders(h http.Header) (string, error) {
-	n, binary := 2, false
+	binary := false
 	for name, vs := range h {
 		binary = binary || !utf8.ValidString(name)
-		n += len(name) + 6
 		for _, v := range vs {
 			binary = binary || !utf8.ValidString(v)
-			n += len(v) + 3
 		}
 	}
 	if !binary {
-		return plainHeaders(h, n), nil
+		b := headerjson.AppendHeaders(nil, h)
+		return unsafe.String(unsafe.SliceData(b), len(b)), nil // b is not used again, as strings.Builder does
 	}
 	enc := make(map[string][]string, len(h))
 	for k, vs := range h {
@@ -507,37 +506,6 @@ func encodeHeaders(h http.Header) (string, error) {
 	}
 	b, err := json.Marshal(enc)
 	return binaryHeaders + string(b), err
-}
-
-// plainHeaders is h, every name and value valid UTF-8, as the JSON object of
-// string arrays json.Marshal would write (but in the map's order, and without
-// escaping <, > and &), written by hand: json.Marshal sorts the names, and
-// allocates several times per call. n is the expected length.
-func plainHeaders(h http.Header, n int) string {
-	b := make([]byte, 0, n+n/8)
-	b = append(b, '{')
-	first := true
-	for name, vs := range h {
-		if !first {
-			b = append(b, ',')
-		}
-		first = false
-		b = headerjson.AppendString(b, name)
-		if vs == nil { // as json.Marshal writes it, and decodes it back
-			b = append(b, ":null"...)
-			continue
-		}
-		b = append(b, ":["...)
-		for i, v := range vs {
-			if i > 0 {
-				b = append(b, ',')
-			}
-			b = headerjson.AppendString(b, v)
-		}
-		b = append(b, ']')
-	}
-	b = append(b, '}')
-	return unsafe.String(unsafe.SliceData(b), len(b)) // b is not used again, as strings.Builder does
 }
 
 // decodeHeaders reads a headers column written by encodeHeaders.

@@ -7,8 +7,45 @@ package headerjson
 
 import (
 	"net/http"
+	"slices"
 	"unicode/utf8"
 )
+
+// AppendHeaders appends h, every name and value valid UTF-8, as the JSON object
+// of string arrays encoding/json writes (a nil value as null), but in the
+// map's order and escaping only what JSON requires, growing dst once.
+func AppendHeaders(dst []byte, h http.Header) []byte {
+	n := 2
+	for name, vs := range h {
+		n += len(name) + 6
+		for _, v := range vs {
+			n += len(v) + 3
+		}
+	}
+	dst = slices.Grow(dst, n+n/8)
+	dst = append(dst, '{')
+	first := true
+	for name, vs := range h {
+		if !first {
+			dst = append(dst, ',')
+		}
+		first = false
+		dst = AppendString(dst, name)
+		if vs == nil {
+			dst = append(dst, ":null"...)
+			continue
+		}
+		dst = append(dst, ':', '[')
+		for i, v := range vs {
+			if i > 0 {
+				dst = append(dst, ',')
+			}
+			dst = AppendString(dst, v)
+		}
+		dst = append(dst, ']')
+	}
+	return append(dst, '}')
+}
 
 // AppendString appends s, valid UTF-8, as a JSON string: quotes, backslashes
 // and control characters escaped, everything else as is (encoding/json also

@@ -64,3 +64,21 @@ func TestAppendStringRoundTrips(t *testing.T) {
 		t.Errorf("escapes: %s", got)
 	}
 }
+
+// AppendHeaders writes what encoding/json reads back as the same headers (a
+// nil value as null, as encoding/json writes it), after what dst held.
+func TestAppendHeadersRoundTrips(t *testing.T) {
+	for _, h := range []map[string][]string{
+		{}, {"Location": {"/orders/1"}}, {"Link": {"a", "b\n\"c\""}, "Content-Type": {"application/json"}},
+		{"X": nil}, {"X": {}}, {"Caf\u00e9": {"\u20ac", "\x01"}},
+	} {
+		out := AppendHeaders([]byte("prefix"), h)
+		if string(out[:6]) != "prefix" {
+			t.Fatalf("%v: the prefix was overwritten: %s", h, out)
+		}
+		var back map[string][]string
+		if err := json.Unmarshal(out[6:], &back); err != nil || !reflect.DeepEqual(back, h) {
+			t.Errorf("%v: wrote %s, read back %#v (%v)", h, out[6:], back, err)
+		}
+	}
+}
