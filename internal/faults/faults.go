@@ -25,7 +25,7 @@ type Proxy struct {
 	target string
 
 	mu     sync.Mutex
-	conns  map[net.Conn]struct{}
+	conns  map[net.Conn]time.Time // when each end was accepted or dialled
 	peers  map[net.Conn]net.Conn // the other end of each forwarded connection
 	cuts   int
 	closed bool
@@ -39,7 +39,7 @@ func Listen(target string) (*Proxy, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := &Proxy{ln: ln, target: target, conns: map[net.Conn]struct{}{}, peers: map[net.Conn]net.Conn{}}
+	p := &Proxy{ln: ln, target: target, conns: map[net.Conn]time.Time{}, peers: map[net.Conn]net.Conn{}}
 	p.wg.Add(1)
 	go p.accept()
 	return p, nil
@@ -78,7 +78,8 @@ func (p *Proxy) track(client, server net.Conn) bool {
 	if p.closed {
 		return false
 	}
-	p.conns[client], p.conns[server] = struct{}{}, struct{}{}
+	now := time.Now()
+	p.conns[client], p.conns[server] = now, now
 	p.peers[client], p.peers[server] = server, client
 	return true
 }
@@ -120,10 +121,21 @@ func (p *Proxy) Cut() int {
 // CutOne closes one open connection (both of its ends), chosen at random, and
 // reports whether there was one to close: a fault that hits one call among
 // many, while the others go on.
-func (p *Proxy) CutOne() bool {
+func (p *Proxy) CutOne() bool { return p.CutOneOlderThan(0) }
+
+// CutOneOlderThan is CutOne among the connections made at least age ago, so
+// that a client whose connections take longer to set up than the interval
+// between cuts is not cut off from the server altogether (on a slow machine,
+// cutting connections still in their handshake every few milliseconds left
+// almost no call with a known outcome).
+func (p *Proxy) CutOneOlderThan(age time.Duration) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for c := range p.conns { // map order is random
+	cutoff := time.Now().Add(-age)
+	for c, made := range p.conns { // map order is random
+		if made.After(cutoff) {
+			continue
+		}
 		peer := p.peers[c]
 		for _, e := range []net.Conn{c, peer} {
 			if e == nil {
