@@ -26,7 +26,7 @@ type Proxy struct {
 
 	mu     sync.Mutex
 	conns  map[net.Conn]time.Time // when each end was accepted or dialled
-	peers  map[net.Conn]net.Conn // the other end of each forwarded connection
+	peers  map[net.Conn]net.Conn  // the other end of each forwarded connection
 	cuts   int
 	closed bool
 	wg     sync.WaitGroup
