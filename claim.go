@@ -384,7 +384,8 @@ func (h *handler) storedHeaderInto(sr *storedResponse, src http.Header) http.Hea
 }
 
 // storedHeader copies the allow-listed headers out of src, into storage of its
-// own: middleware outside idem may change the header map after the handler.
+// own sized to fit: middleware outside idem may change the header map after
+// the handler.
 func (h *handler) storedHeader(src http.Header) http.Header {
 	n, names := 0, 0
 	for _, name := range h.storedHdrs {
@@ -396,14 +397,7 @@ func (h *handler) storedHeader(src http.Header) http.Header {
 	if n == 0 {
 		return nil
 	}
-	out := make(http.Header, names)
-	vals := make([]string, 0, n)
-	for _, name := range h.storedHdrs {
-		if v := src[name]; len(v) > 0 {
-			vals, out[name] = appendOwn(vals, v...)
-		}
-	}
-	return out
+	return h.storedHeaderInto(&storedResponse{hdr: make(http.Header, names), vals: make([]string, 0, n)}, src)
 }
 
 // appendOwn appends v to vals, the shared storage of several header values, and
