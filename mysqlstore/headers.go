@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"unicode/utf8"
 
 	"github.com/idemkit/idem/internal/headerjson"
 )
@@ -27,7 +26,7 @@ func encodeHeaders(h http.Header) ([]byte, error) {
 	if len(h) == 0 {
 		return nil, nil
 	}
-	if utf8Header(h) {
+	if headerjson.ValidUTF8(h) {
 		return headerjson.AppendHeaders(nil, h), nil
 	}
 	b := []byte{binaryHeaders}
@@ -40,20 +39,6 @@ func encodeHeaders(h http.Header) ([]byte, error) {
 		}
 	}
 	return b, nil
-}
-
-func utf8Header(h http.Header) bool {
-	for name, vals := range h {
-		if !utf8.ValidString(name) {
-			return false
-		}
-		for _, v := range vals {
-			if !utf8.ValidString(v) {
-				return false
-			}
-		}
-	}
-	return true
 }
 
 func appendString(b []byte, s string) []byte {

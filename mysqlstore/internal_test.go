@@ -132,7 +132,7 @@ func TestHeaderEncoding(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if utf8Header(h) != (len(b) == 0 || b[0] == '{') {
+		if headerjson.ValidUTF8(h) != (len(b) == 0 || b[0] == '{') {
 			t.Errorf("headers %q encoded as %q: want JSON exactly when all of it is UTF-8", h, b)
 		}
 		got, err := decodeHeaders(b)

@@ -13,7 +13,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-	"unicode/utf8"
 	"unsafe"
 
 	"github.com/idemkit/idem"
@@ -485,14 +484,7 @@ const binaryHeaders = "b64:"
 
 // encodeHeaders returns the headers column for h.
 func encodeHeaders(h http.Header) (string, error) {
-	binary := false
-	for name, vs := range h {
-		binary = binary || !utf8.ValidString(name)
-		for _, v := range vs {
-			binary = binary || !utf8.ValidString(v)
-		}
-	}
-	if !binary {
+	if headerjson.ValidUTF8(h) {
 		b := headerjson.AppendHeaders(nil, h)
 		return unsafe.String(unsafe.SliceData(b), len(b)), nil // b is not used again, as strings.Builder does
 	}

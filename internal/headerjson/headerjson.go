@@ -11,6 +11,22 @@ import (
 	"unicode/utf8"
 )
 
+// ValidUTF8 reports whether every name and value of h is valid UTF-8, what
+// AppendHeaders needs (encoding/json would replace other bytes with U+FFFD).
+func ValidUTF8(h http.Header) bool {
+	for name, vals := range h {
+		if !utf8.ValidString(name) {
+			return false
+		}
+		for _, v := range vals {
+			if !utf8.ValidString(v) {
+				return false
+			}
+		}
+	}
+	return true
+}
+
 // AppendHeaders appends h, every name and value valid UTF-8, as the JSON object
 // of string arrays encoding/json writes (a nil value as null), but in the
 // map's order and escaping only what JSON requires, growing dst once.
