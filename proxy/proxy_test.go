@@ -1,7 +1,6 @@
 package proxy_test
 
 import (
-	"bufio"
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -15,7 +14,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -26,60 +24,11 @@ import (
 	"github.com/go-jose/go-jose/v4/jwt"
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/internal/checker"
+	"github.com/idemkit/idem/internal/pyorders"
 	"github.com/idemkit/idem/proxy"
 	"github.com/idemkit/idem/sqlitestore"
 	"github.com/idemkit/idem/sqlitestore/embedded"
 )
-
-// upstreamApp is the Python orders app of testdata/orders.py, in a process of
-// its own with its own SQLite database.
-type upstreamApp struct {
-	URL string
-	cmd *exec.Cmd
-}
-
-func startUpstream(t *testing.T, args ...string) *upstreamApp {
-	t.Helper()
-	py, err := exec.LookPath("python3")
-	if err != nil {
-		t.Fatalf("python3 is needed for the upstream app (testdata/orders.py): %v", err)
-	}
-	dir := t.TempDir()
-	cmd := exec.Command(py, append([]string{"testdata/orders.py", "--db", filepath.Join(dir, "orders.db")}, args...)...)
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-	line, err := bufio.NewReader(out).ReadString('\n')
-	if err != nil {
-		t.Fatalf("the upstream app did not start: %v", err)
-	}
-	u, ok := strings.CutPrefix(strings.TrimSpace(line), "listening on ")
-	if !ok {
-		t.Fatalf("the upstream app printed %q", line)
-	}
-	return &upstreamApp{URL: u, cmd: cmd}
-}
-
-// executions is the number of orders the upstream committed, read from its
-// database.
-func (a *upstreamApp) executions(t *testing.T) int {
-	t.Helper()
-	resp, err := http.Get(a.URL + "/executions")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	var doc struct{ Count int }
-	if err := json.NewDecoder(resp.Body).Decode(&doc); err != nil {
-		t.Fatal(err)
-	}
-	return doc.Count
-}
 
 // sqliteStore is a real SQLite store in a file of the test's own.
 func sqliteStore(t testing.TB) idem.Store {
@@ -167,7 +116,7 @@ func wantProblem(t *testing.T, a answer, status int, code string) {
 
 func TestCheckPassesThroughTheProxyAndFailsAgainstTheBareUpstream(t *testing.T) {
 	t.Parallel()
-	app := startUpstream(t, "--delay-ms", "150")
+	app := pyorders.Start(t, "", "--delay-ms", "150")
 	px := startProxy(t, app.URL, proxy.Config{
 		Routes: []proxy.Route{{Pattern: "POST /orders"}},
 		Scope:  proxy.HeaderScope("X-Tenant-ID"),
@@ -209,9 +158,9 @@ func TestCheckPassesThroughTheProxyAndFailsAgainstTheBareUpstream(t *testing.T) 
 
 func TestConcurrentSameKeyRunsTheUpstreamOnce(t *testing.T) {
 	t.Parallel()
-	app := startUpstream(t, "--delay-ms", "300")
+	app := pyorders.Start(t, "", "--delay-ms", "300")
 	px := startProxy(t, app.URL, proxy.Config{})
-	before := app.executions(t)
+	before := app.Executions(t)
 	const n = 200
 	answers := make([]answer, n)
 	var wg sync.WaitGroup
@@ -234,7 +183,7 @@ func TestConcurrentSameKeyRunsTheUpstreamOnce(t *testing.T) {
 			ids[string(a.body)] = true
 		}
 	}
-	if got := app.executions(t) - before; got != 1 {
+	if got := app.Executions(t) - before; got != 1 {
 		t.Fatalf("%d requests with one key: the upstream executed %d times (answers %v), want 1", n, got, counts)
 	}
 	if counts[201]+counts[409] != n || counts[201] < 1 || len(ids) != 1 {
@@ -248,7 +197,7 @@ func TestConcurrentSameKeyRunsTheUpstreamOnce(t *testing.T) {
 
 func TestHopByHopHeaders(t *testing.T) {
 	t.Parallel()
-	app := startUpstream(t)
+	app := pyorders.Start(t, "")
 	px := startProxy(t, app.URL, proxy.Config{Routes: []proxy.Route{{Pattern: "POST /headers", StoredHeaders: []string{"Content-Type", "X-End-To-End", "X-Hop-Secret", "Keep-Alive"}}}})
 	hdrs := []string{
 		"Idempotency-Key", "hop", "Connection", "X-Client-Hop", "X-Client-Hop", "secret",
@@ -303,7 +252,7 @@ func TestUnreachableUpstreamReleasesTheKey(t *testing.T) {
 
 func TestUpstreamTimeoutIsAClearProblemAndTheOutcomeUnknown(t *testing.T) {
 	t.Parallel()
-	app := startUpstream(t)
+	app := pyorders.Start(t, "")
 	px := startProxy(t, app.URL, proxy.Config{UpstreamTimeout: 300 * time.Millisecond, Routes: []proxy.Route{{Pattern: "POST /orders", Lease: time.Minute}}})
 	body := `{"cart_id":"slow","sleep_ms":3000}`
 	wantProblem(t, send(t, "POST", px.url+"/orders", body, "Idempotency-Key", "slow"), 504, proxy.CodeUpstreamTimeout)
@@ -312,14 +261,14 @@ func TestUpstreamTimeoutIsAClearProblemAndTheOutcomeUnknown(t *testing.T) {
 		t.Fatalf("record after the timeout: %+v %v, want in flight (outcome unknown)", rec, err)
 	}
 	wantProblem(t, send(t, "POST", px.url+"/orders", body, "Idempotency-Key", "slow"), 409, idem.CodeKeyInUse)
-	if n := app.executions(t); n != 1 {
+	if n := app.Executions(t); n != 1 {
 		t.Errorf("upstream executions: %d, want 1", n)
 	}
 }
 
 func TestRoutesAndPassThrough(t *testing.T) {
 	t.Parallel()
-	app := startUpstream(t)
+	app := pyorders.Start(t, "")
 	px := startProxy(t, app.URL, proxy.Config{Routes: []proxy.Route{{Pattern: "POST /orders"}, {Pattern: "POST /optional/", KeyOptional: true}}})
 	wantProblem(t, send(t, "POST", px.url+"/orders", `{"cart_id":"r"}`), 400, idem.CodeKeyMissing)
 	if a := send(t, "GET", px.url+"/executions", ""); a.status != 200 {
@@ -403,7 +352,7 @@ func (i *jwtIssuer) token(t *testing.T, claims map[string]any) string {
 
 func TestJWTScope(t *testing.T) {
 	t.Parallel()
-	app := startUpstream(t)
+	app := pyorders.Start(t, "")
 	iss := newIssuer(t, "k1")
 	scope, err := proxy.JWTScope(proxy.JWTConfig{Keys: iss.jwks, Claim: "tenant", Issuer: "https://issuer.test", Audience: "orders"})
 	if err != nil {
@@ -446,14 +395,14 @@ func TestJWTScope(t *testing.T) {
 		wantProblem(t, a, 401, proxy.CodeScopeInvalid)
 	}
 	wantProblem(t, send(t, "POST", px.url+"/orders", `{}`, "Idempotency-Key", "jk"), 401, proxy.CodeScopeMissing)
-	if n := app.executions(t); n != 2 {
+	if n := app.Executions(t); n != 2 {
 		t.Errorf("upstream executions: %d, want 2 (acme and globex)", n)
 	}
 }
 
 func TestHeaderAndBearerScopes(t *testing.T) {
 	t.Parallel()
-	app := startUpstream(t)
+	app := pyorders.Start(t, "")
 	hp := startProxy(t, app.URL, proxy.Config{Scope: proxy.HeaderScope("X-Tenant-ID")})
 	wantProblem(t, send(t, "POST", hp.url+"/orders", `{"cart_id":"h"}`, "Idempotency-Key", "h"), 401, proxy.CodeScopeMissing)
 	if a := send(t, "POST", hp.url+"/orders", `{"cart_id":"h"}`, "Idempotency-Key", "h", "X-Tenant-ID", "t1"); a.status != 201 {

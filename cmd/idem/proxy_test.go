@@ -12,52 +12,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/idemkit/idem/internal/pyorders"
 )
-
-// pyOrders is the Python orders app of proxy/testdata/orders.py.
-type pyOrders struct {
-	URL, Port string
-	cmd       *exec.Cmd
-}
-
-var pyListenRE = regexp.MustCompile(`^listening on (http://127\.0\.0\.1:(\d+))$`)
-
-func startPyOrders(t *testing.T, dbPath string, args ...string) *pyOrders {
-	t.Helper()
-	py, err := exec.LookPath("python3")
-	if err != nil {
-		t.Fatalf("python3 is needed for the upstream app: %v", err)
-	}
-	cmd := exec.Command(py, append([]string{"../../proxy/testdata/orders.py", "--db", dbPath}, args...)...)
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-	line, _ := bufio.NewReader(out).ReadString('\n')
-	m := pyListenRE.FindStringSubmatch(strings.TrimSpace(line))
-	if m == nil {
-		t.Fatalf("the upstream app printed %q", line)
-	}
-	return &pyOrders{URL: m[1], Port: m[2], cmd: cmd}
-}
-
-func (p *pyOrders) executions(t *testing.T) int {
-	t.Helper()
-	resp, err := http.Get(p.URL + "/executions")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	var doc struct{ Count int }
-	if err := json.NewDecoder(resp.Body).Decode(&doc); err != nil {
-		t.Fatal(err)
-	}
-	return doc.Count
-}
 
 var proxyListenRE = regexp.MustCompile(`^idem proxy: listening on (http://127\.0\.0\.1:\d+),`)
 
@@ -114,7 +71,7 @@ func TestProxyUnknownOutcomeThenResolve(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
 	ordersDB := filepath.Join(dir, "orders.db")
-	app := startPyOrders(t, ordersDB)
+	app := pyorders.Start(t, ordersDB)
 	keysDB := "sqlite:" + filepath.Join(dir, "keys.db")
 	px := startProxyCmd(t, "--upstream", app.URL, "--db", keysDB, "--route", "POST /orders",
 		"--scope-header", "X-Tenant-ID", "--lease", "1s", "--upstream-timeout", "2s")
@@ -127,13 +84,13 @@ func TestProxyUnknownOutcomeThenResolve(t *testing.T) {
 	done := make(chan proxyAnswer, 1)
 	go func() { done <- proxyPost(t, px+"/orders", "k-kill", `{"cart_id":"kill","sleep_ms":30000}`) }()
 	deadline := time.Now().Add(30 * time.Second)
-	for app.executions(t) != 1 {
+	for app.Executions(t) != 1 {
 		if time.Now().After(deadline) {
 			t.Fatal("the upstream never executed the order")
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	_ = app.cmd.Process.Kill()
+	_ = app.Cmd.Process.Kill()
 	if a := <-done; a.status != 502 || a.code != "upstream_failed" {
 		t.Fatalf("the request whose upstream died: %d %s, want 502 upstream_failed", a.status, a.body)
 	}
@@ -159,7 +116,7 @@ func TestProxyUnknownOutcomeThenResolve(t *testing.T) {
 
 	// The upstream comes back on its port; a call that times out is unknown too,
 	// and this time the operator releases the key: the retry runs it.
-	app = startPyOrders(t, ordersDB, "--port", app.Port)
+	app = pyorders.Start(t, ordersDB, "--port", app.Port)
 	if a := proxyPost(t, px+"/orders", "k-slow", `{"cart_id":"slow","sleep_ms":3000}`); a.status != 504 || a.code != "upstream_timeout" {
 		t.Fatalf("slow upstream: %d %s, want 504 upstream_timeout", a.status, a.body)
 	}
@@ -170,11 +127,11 @@ func TestProxyUnknownOutcomeThenResolve(t *testing.T) {
 	if code, out, errOut := runIdem(t, dir, nil, "resolve", "--db", keysDB, "--scope", "t1", "--release", "k-slow"); code != 0 {
 		t.Fatalf("idem resolve --release: exit %d\n%s%s", code, out, errOut)
 	}
-	before := app.executions(t)
+	before := app.Executions(t)
 	if a := proxyPost(t, px+"/orders", "k-slow", `{"cart_id":"slow","sleep_ms":3000}`); a.status != 504 {
 		t.Fatalf("the retry after the release: %d %s, want it sent upstream again (and time out again)", a.status, a.body)
 	}
-	if n := app.executions(t); n != before+1 {
+	if n := app.Executions(t); n != before+1 {
 		t.Errorf("upstream executions after the release: %d, want %d", n, before+1)
 	}
 	resp, err := http.Get(px + "/metrics")
