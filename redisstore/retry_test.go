@@ -233,10 +233,13 @@ func TestSlowServer(t *testing.T) {
 			ctx := context.Background()
 			admin := redis.NewClient(&redis.Options{Addr: rs.addr()})
 			defer admin.Close()
-			// A busy service keeps idle connections in its pool: each re-send
-			// goes out at once on one of them (a fresh connection would wait for
-			// its handshake, time out and end the retries).
-			client := redis.NewClient(&redis.Options{Addr: rs.addr(), ReadTimeout: 100 * time.Millisecond, MaxRetries: 30, PoolSize: 16, MinIdleConns: 16})
+			// A busy service keeps idle, handshaken connections in its pool:
+			// each re-send goes out at once on one of them. A fresh connection
+			// would wait for its handshake, time out and end the retries, so the
+			// pool is filled below and never refilled in the background
+			// (MinIdleConns dials connections whose handshake waits for their
+			// first use, and go-redis hands out the newest idle one first).
+			client := redis.NewClient(&redis.Options{Addr: rs.addr(), ReadTimeout: 100 * time.Millisecond, MaxRetries: 30, PoolSize: 16})
 			defer client.Close()
 			s, err := redisstore.New(client, nil)
 			if err != nil {
@@ -255,11 +258,20 @@ func TestSlowServer(t *testing.T) {
 			if _, claimed, err := s.Claim(ctx, req); err != nil || !claimed {
 				t.Fatalf("Claim = %v, %v", claimed, err)
 			}
-			for deadline := time.Now().Add(10 * time.Second); client.PoolStats().IdleConns < 12; {
-				if time.Now().After(deadline) {
-					t.Fatalf("the pool has %d idle connections, want 12", client.PoolStats().IdleConns)
+			held := make([]*redis.Conn, 16)
+			for i := range held {
+				held[i] = client.Conn()
+				if err := held[i].Ping(ctx).Err(); err != nil {
+					t.Fatalf("handshaking pool connection %d: %v", i, err)
 				}
-				time.Sleep(10 * time.Millisecond)
+			}
+			for _, c := range held {
+				if err := c.Close(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if idle := client.PoolStats().IdleConns; idle != 16 {
+				t.Fatalf("the pool has %d idle connections, want 16", idle)
 			}
 			if err := admin.ConfigResetStat(ctx).Err(); err != nil {
 				t.Fatal(err)
