@@ -3,6 +3,7 @@ package idem
 import (
 	"context"
 	"errors"
+	"sync"
 	"testing"
 	"time"
 )
@@ -66,6 +67,56 @@ func TestExecContextEndsBeforeAndAfterFirstUse(t *testing.T) {
 			case <-time.After(5 * time.Second):
 				t.Errorf("%s (used first %v): a derived context did not end", tc.name, usedFirst)
 			}
+		}
+	}
+}
+
+// The handler's context made on first use by many goroutines at once, while
+// the lease is lost: every goroutine gets the same Done channel, and all see
+// the end with its cause.
+func TestExecContextConcurrentFirstUse(t *testing.T) {
+	for round := range 200 {
+		var c execContext
+		c.init(context.Background(), time.Time{}, nil)
+		const n = 8
+		start := make(chan struct{})
+		dones := make([]<-chan struct{}, n)
+		var wg sync.WaitGroup
+		for i := range n {
+			wg.Go(func() {
+				<-start
+				switch i % 4 {
+				case 0:
+					_ = c.Err()
+				case 1:
+					_ = c.Value(recorderKey{})
+					_ = c.Value(struct{}{})
+				case 2:
+					child, cancel := context.WithCancel(&c)
+					defer cancel()
+					<-child.Done()
+				}
+				dones[i] = c.Done()
+			})
+		}
+		wg.Go(func() {
+			<-start
+			c.end(ErrLockLost)
+		})
+		close(start)
+		wg.Wait()
+		for i, d := range dones {
+			if d != dones[0] {
+				t.Fatalf("round %d: goroutine %d got another Done channel", round, i)
+			}
+			select {
+			case <-d:
+			default:
+				t.Fatalf("round %d: Done not closed after the end", round)
+			}
+		}
+		if c.Err() != context.Canceled || !errors.Is(context.Cause(&c), ErrLockLost) || !c.lockLost() {
+			t.Fatalf("round %d: Err %v, Cause %v, lockLost %v", round, c.Err(), context.Cause(&c), c.lockLost())
 		}
 	}
 }
