@@ -10,6 +10,7 @@ import (
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/internal/testenv"
 	"github.com/idemkit/idem/pgstore"
+	"github.com/idemkit/idem/storetest"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -65,5 +66,41 @@ func TestQueryExecModes(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// The conformance suite (round trips of hostile headers, binary bodies and
+// awkward keys, fencing, the linearizability check) in every query execution
+// mode other than the default: in the simple protocol and in the modes that
+// take parameter types from the Go values, pgx encodes the store's arguments
+// differently from the extended protocol's described statements.
+func TestConformanceQueryExecModes(t *testing.T) {
+	t.Parallel()
+	db := newTestDB(t, 2)
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheDescribe,
+		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
+		t.Run(mode.String(), func(t *testing.T) {
+			cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg.MaxConns = 8
+			cfg.ConnConfig.DefaultQueryExecMode = mode
+			pool, err := pgxpool.NewWithConfig(ctx30(t), cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(pool.Close)
+			storetest.Run(t, func(t *testing.T) idem.Store {
+				s, err := pgstore.New(pool, &pgstore.Config{Table: db.table("modes")})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := s.Migrate(ctx30(t)); err != nil {
+					t.Fatal(err)
+				}
+				return s
+			})
+		})
 	}
 }
