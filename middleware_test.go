@@ -400,8 +400,11 @@ func TestLapsedLeaseIsTakenOver(t *testing.T) {
 
 func TestLeaseRenewal(t *testing.T) {
 	t.Parallel()
-	// The handler runs for several leases; renewal (every Lease/3) keeps others out.
-	b := setup(t, &idem.Config{Lease: 600 * time.Millisecond}, &orders{delay: 2400 * time.Millisecond})
+	// The handler runs for several leases; renewal (every Lease/3) keeps others
+	// out. A lease of 1.5 s lets a renewal come up to 1 s late on a loaded
+	// machine before the lease lapses (600 ms left 400 ms).
+	const lease = 1500 * time.Millisecond
+	b := setup(t, &idem.Config{Lease: lease}, &orders{delay: 3 * lease})
 	done := make(chan answer)
 	go func() { done <- b.post(t, "k", `{}`) }()
 	waitFor(t, func() bool { return b.orders.runs.Load() == 1 })
@@ -415,7 +418,7 @@ func TestLeaseRenewal(t *testing.T) {
 		if a.status != 409 {
 			t.Fatalf("while the holder runs past its first lease: %d %s, want 409", a.status, a.body)
 		}
-		if time.Since(start) > 600*time.Millisecond {
+		if time.Since(start) > lease {
 			pastLease++
 		}
 	}

@@ -103,7 +103,10 @@ func TestOutcomes(t *testing.T) {
 // While one delivery runs, others of the same ID (many at once) are told to
 // retry after the lease left; the lease is renewed while the handler runs.
 func TestInFlightConcurrent(t *testing.T) {
-	p := newMem(t, consumer.Config{Lease: 150 * time.Millisecond})
+	// A lease of 1.5 s: the renewal every Lease/3 may come up to 1 s late on a
+	// loaded machine before the lease lapses (150 ms left 100 ms).
+	const lease = 1500 * time.Millisecond
+	p := newMem(t, consumer.Config{Lease: lease})
 	ctx := context.Background()
 	started, release := make(chan struct{}), make(chan struct{})
 	var runs atomic.Int32
@@ -117,7 +120,7 @@ func TestInFlightConcurrent(t *testing.T) {
 	first := make(chan consumer.Outcome)
 	go func() { first <- p.Process(ctx, &consumer.Message{ID: "k", Payload: []byte("p")}, h) }()
 	<-started
-	time.Sleep(400 * time.Millisecond) // longer than the lease: renewal must keep it
+	time.Sleep(lease + 500*time.Millisecond) // longer than the lease: renewal must keep it
 	var wg sync.WaitGroup
 	outs := make([]consumer.Outcome, 16)
 	for i := range outs {
@@ -129,7 +132,7 @@ func TestInFlightConcurrent(t *testing.T) {
 	}
 	wg.Wait()
 	for i, o := range outs {
-		if o.Action != consumer.Retry || o.Reason != consumer.InFlight || o.Delay <= 0 || o.Delay > 150*time.Millisecond {
+		if o.Action != consumer.Retry || o.Reason != consumer.InFlight || o.Delay <= 0 || o.Delay > lease {
 			t.Fatalf("concurrent delivery %d: %+v", i, o)
 		}
 	}

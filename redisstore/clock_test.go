@@ -351,7 +351,10 @@ func TestLateRenewal(t *testing.T) {
 	t.Parallel()
 	tb := setup(t)
 	ctx := context.Background()
-	const lease = 100 * time.Millisecond
+	// Long enough that the late Extend below lands within the lease Redis keeps
+	// the record past its deadline on a loaded machine (1 s to spare; 100 ms
+	// leases left 50 ms).
+	const lease = 2 * time.Second
 	now := time.Now()
 	req := idem.ClaimRequest{Scope: "s", Key: "k", Fingerprint: "v1:late", Token: "tok-" + randomHex(8), Now: now, LeaseUntil: now.Add(lease), ExpiresAt: now.Add(lease)}
 	if _, claimed, err := tb.store.Claim(ctx, req); err != nil || !claimed {

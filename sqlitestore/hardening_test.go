@@ -24,10 +24,15 @@ func TestHangUpKeepsTheTransaction(t *testing.T) {
 			db := openDB(t)
 			createOrders(t, db)
 			store := newStore(t, db)
-			started := make(chan struct{}, 1)
+			started, hungUp := make(chan struct{}, 1), make(chan struct{})
 			srv := serve(t, store, &idem.Config{Flow: flow}, orderHandler(func(context.Context) {
 				started <- struct{}{}
-				time.Sleep(300 * time.Millisecond) // the client gives up meanwhile
+				// The client gives up meanwhile: the handler goes on only once it
+				// has (a sleep let a slow client's hang-up come after the answer).
+				select {
+				case <-hungUp:
+				case <-time.After(30 * time.Second):
+				}
 			}))
 			ctx, cancel := context.WithCancel(context.Background())
 			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL, strings.NewReader(`{"item":"lamp"}`))
@@ -40,7 +45,9 @@ func TestHangUpKeepsTheTransaction(t *testing.T) {
 				cancel()
 			}()
 			c := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
-			if resp, err := c.Do(req); err == nil {
+			resp, err := c.Do(req)
+			close(hungUp)
+			if err == nil {
 				resp.Body.Close()
 				t.Fatalf("the client got %d; the test needs it to hang up", resp.StatusCode)
 			}
@@ -68,8 +75,11 @@ func TestSingleTxTakeoverOutlivesCleanupTimeout(t *testing.T) {
 	db := openDB(t)
 	createOrders(t, db)
 	store := newStore(t, db)
-	cfg := &idem.Config{Flow: idem.FlowSingleTx, CleanupTimeout: 100 * time.Millisecond}
-	srv := serve(t, store, cfg, orderHandler(func(context.Context) { time.Sleep(300 * time.Millisecond) }))
+	// The commit after the handler has the whole CleanupTimeout, 1 s, which a
+	// loaded machine needs (100 ms was a flake); the handler's sleep is longer
+	// than it whatever the load.
+	cfg := &idem.Config{Flow: idem.FlowSingleTx, CleanupTimeout: time.Second}
+	srv := serve(t, store, cfg, orderHandler(func(context.Context) { time.Sleep(1500 * time.Millisecond) }))
 	body := `{"item":"lamp"}`
 	fp := idem.FingerprintV2(httptest.NewRequest(http.MethodPost, "/", strings.NewReader(body)), []byte(body))
 	now := time.Now()
