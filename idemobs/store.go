@@ -10,11 +10,13 @@ import (
 // Store returns s with every operation reported to o. The result implements
 // exactly the optional interfaces s implements — idem.TxStore,
 // idem.SingleTxStore, idem.FlowPreferrer — so the middleware keeps
-// transactional completion and the single-transaction flow; the transactions
-// it opens are decorated too (Tx.Complete, Tx.Commit, LockedTx.Insert,
-// LockedTx.Commit), and the context a transaction's BeginTx or BeginLocked
-// returns is the store's own, so its package's accessor (sqlitestore.Tx,
-// pgstore.Tx, …) finds the transaction. Unwrap returns s.
+// transactional completion and the single-transaction flow; it implements
+// idem.ResponseCopier always, answering as s does (false when s does not
+// implement it), so the middleware reuses response memory as it would with s.
+// The transactions it opens are decorated too (Tx.Complete, Tx.Commit,
+// LockedTx.Insert, LockedTx.Commit), and the context a transaction's BeginTx
+// or BeginLocked returns is the store's own, so its package's accessor
+// (sqlitestore.Tx, pgstore.Tx, …) finds the transaction. Unwrap returns s.
 func Store(s idem.Store, o StoreObserver) idem.Store {
 	b := &base{s: s, o: o}
 	tx, isTx := s.(idem.TxStore)
@@ -89,6 +91,15 @@ type base struct {
 }
 
 func (b *base) Unwrap() idem.Store { return b.s }
+
+// CopiesResponses implements idem.ResponseCopier as the decorated store does:
+// the decorators hand every response straight to it and keep nothing, so
+// whether the caller may reuse a response's memory is its answer (false when
+// it does not implement the interface).
+func (b *base) CopiesResponses() bool {
+	c, ok := b.s.(idem.ResponseCopier)
+	return ok && c.CopiesResponses()
+}
 
 // start begins an operation; done ends it.
 func (b *base) start(ctx context.Context, op Op) (context.Context, time.Time) {

@@ -222,3 +222,31 @@ func TestStoreKeepsTransactionalCompletion(t *testing.T) {
 		})
 	}
 }
+
+// A decorated store says it copies responses (idem.ResponseCopier) exactly
+// when the store it decorates does — the decorators pass the response through
+// and keep nothing — so that the middleware's pooling of stored responses
+// survives idemobs, idemotel and idemprom.
+func TestStoreForwardsResponseCopier(t *testing.T) {
+	t.Parallel()
+	sq, _ := openSQLite(t, "copier")
+	mem := memstore.New(nil)
+	t.Cleanup(func() { _ = mem.Close() })
+	single := prefers{idem.FlowSingleTx}
+	for _, s := range []idem.Store{
+		mem, sq, plainStore{mem}, txOnly{sq}, singleOnly{sq}, txSingle{sq},
+		plainPref{mem, single}, txPref{sq, single}, singlePref{sq, single}, txSinglePref{sq, single},
+	} {
+		want := false
+		if c, ok := s.(idem.ResponseCopier); ok {
+			want = c.CopiesResponses()
+		}
+		got := false
+		if c, ok := idemobs.Store(s, newOpLog()).(idem.ResponseCopier); ok {
+			got = c.CopiesResponses()
+		}
+		if got != want {
+			t.Errorf("%T: copies responses %v, decorated %v; want the same", s, want, got)
+		}
+	}
+}
