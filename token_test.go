@@ -1,6 +1,10 @@
 package idem
 
 import (
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
 	"sync"
 	"testing"
 )
@@ -33,4 +37,36 @@ func TestTokensAreUniqueUnderConcurrency(t *testing.T) {
 	}
 	close(start)
 	wg.Wait()
+}
+
+// Tokens are unique across processes too: two processes (here, this test
+// binary run twice more) draw different random prefixes, so the first tokens
+// each makes — the same counter values — differ.
+func TestTokensDifferAcrossProcesses(t *testing.T) {
+	if os.Getenv("IDEM_TOKEN_HELPER") == "1" {
+		fmt.Println("token:" + newToken() + " " + newToken())
+		return
+	}
+	seen := map[string]bool{}
+	for i := range 3 {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestTokensDifferAcrossProcesses$", "-test.count=1")
+		cmd.Env = append(os.Environ(), "IDEM_TOKEN_HELPER=1")
+		out, err := cmd.Output()
+		if err != nil {
+			t.Fatalf("helper process %d: %v\n%s", i, err, out)
+		}
+		_, line, ok := strings.Cut(string(out), "token:")
+		if !ok {
+			t.Fatalf("helper process %d printed no tokens:\n%s", i, out)
+		}
+		for _, tok := range strings.Fields(line)[:2] {
+			if len(tok) != 22 {
+				t.Fatalf("token %q has %d characters, want 22", tok, len(tok))
+			}
+			if seen[tok] {
+				t.Fatalf("token %q was made by two processes", tok)
+			}
+			seen[tok] = true
+		}
+	}
 }
