@@ -293,12 +293,14 @@ func TestDemoRedisKeys(t *testing.T) {
 func TestDemoGracefulShutdown(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
-	d := startDemo(t, dir, nil, "--handler-delay", "2s")
+	d := startDemo(t, dir, nil, "--handler-delay", "6s")
 	done := make(chan httpAnswer, 1)
 	go func() {
 		done <- sendHTTP(t, "POST", d.URL+"/orders", "t1", "shutdown-1", `{"cart_id":"c_sd","total_cents":1}`)
 	}()
-	time.Sleep(700 * time.Millisecond) // the request is sleeping in its transaction
+	// The request is sleeping in its transaction: it has 3 s to get there on a
+	// loaded machine (700 ms of a 2 s delay was a flake), and sleeps 3 s more.
+	time.Sleep(3 * time.Second)
 	if err := d.cmd.Process.Signal(os.Interrupt); err != nil {
 		t.Fatal(err)
 	}
@@ -603,7 +605,7 @@ func TestDemoUsage(t *testing.T) {
 func TestDemoCrash(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
-	a := startDemo(t, dir, nil, "--flow", "claim-complete", "--lease", "1s", "--handler-delay", "3s")
+	a := startDemo(t, dir, nil, "--flow", "claim-complete", "--lease", "1s", "--handler-delay", "6s")
 	key, body := "crash-"+cliRandHex(6), `{"cart_id":"c_crash","total_cents":1}`
 	go func() {
 		req, _ := http.NewRequest("POST", a.URL+"/orders", strings.NewReader(body))
@@ -614,7 +616,7 @@ func TestDemoCrash(t *testing.T) {
 			resp.Body.Close()
 		}
 	}()
-	time.Sleep(1500 * time.Millisecond) // inside the handler's transaction
+	time.Sleep(3 * time.Second) // inside the handler's transaction (3 s to get there, 3 s to spare)
 	if err := a.cmd.Process.Kill(); err != nil {
 		t.Fatal(err)
 	}
@@ -679,7 +681,7 @@ func TestDemoSecondInterrupt(t *testing.T) {
 			resp.Body.Close()
 		}
 	}()
-	time.Sleep(700 * time.Millisecond)
+	time.Sleep(3 * time.Second) // the request is in its 20 s handler (700 ms was a flake under load)
 	_ = d.cmd.Process.Signal(os.Interrupt)
 	deadline := time.Now().Add(10 * time.Second)
 	for !strings.Contains(d.output(), "shutting down") && time.Now().Before(deadline) {

@@ -74,7 +74,11 @@ func TestProxyUnknownOutcomeThenResolve(t *testing.T) {
 	app := pyorders.Start(t, ordersDB)
 	keysDB := "sqlite:" + filepath.Join(dir, "keys.db")
 	px := startProxyCmd(t, "--upstream", app.URL, "--db", keysDB, "--route", "POST /orders",
-		"--scope-header", "X-Tenant-ID", "--lease", "1s", "--upstream-timeout", "2s")
+		"--scope-header", "X-Tenant-ID", "--lease", "3s", "--upstream-timeout", "2s")
+	// A 3 s lease: the retry right after the 502 must land before the lease
+	// lapses (a 1 s lease, renewed every 1/3 s, left it under 700 ms on a
+	// loaded machine); the sleeps below wait it out.
+	const pastLease = 3500 * time.Millisecond
 
 	if resp, err := http.Get(px + "/healthz"); err != nil || resp.StatusCode != 200 {
 		t.Fatalf("/healthz: %v %v", resp, err)
@@ -97,7 +101,7 @@ func TestProxyUnknownOutcomeThenResolve(t *testing.T) {
 	if a := proxyPost(t, px+"/orders", "k-kill", `{"cart_id":"kill","sleep_ms":30000}`); a.status != 409 {
 		t.Fatalf("retry while the lease runs: %d %s, want 409", a.status, a.body)
 	}
-	time.Sleep(1200 * time.Millisecond)
+	time.Sleep(pastLease)
 	for range 3 {
 		if a := proxyPost(t, px+"/orders", "k-kill", `{"cart_id":"kill","sleep_ms":30000}`); a.status != 503 || a.code != "idempotency_outcome_unknown" {
 			t.Fatalf("retry after the lease lapsed: %d %s, want 503 idempotency_outcome_unknown", a.status, a.body)
@@ -120,7 +124,7 @@ func TestProxyUnknownOutcomeThenResolve(t *testing.T) {
 	if a := proxyPost(t, px+"/orders", "k-slow", `{"cart_id":"slow","sleep_ms":3000}`); a.status != 504 || a.code != "upstream_timeout" {
 		t.Fatalf("slow upstream: %d %s, want 504 upstream_timeout", a.status, a.body)
 	}
-	time.Sleep(1200 * time.Millisecond)
+	time.Sleep(pastLease)
 	if a := proxyPost(t, px+"/orders", "k-slow", `{"cart_id":"slow","sleep_ms":3000}`); a.status != 503 || a.code != "idempotency_outcome_unknown" {
 		t.Fatalf("after the timeout and the lease: %d %s, want 503 idempotency_outcome_unknown", a.status, a.body)
 	}
