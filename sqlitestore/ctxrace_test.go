@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/sqlitestore"
 )
 
@@ -111,4 +112,45 @@ func countOrdersItem(t testing.TB, db *sql.DB, item string) int {
 		t.Fatal(err)
 	}
 	return n
+}
+
+// A Commit called after the transaction's context ended commits nothing, as
+// with database/sql's own context handling (whose Commit checks the context
+// first): the store's rollback on the context's end must not lose a race
+// against a Commit that comes right after the end.
+func TestCommitAfterContextEndCommitsNothing(t *testing.T) {
+	t.Parallel()
+	db := openDB(t)
+	createOrders(t, db)
+	s := newStore(t, db)
+	for i := range 200 {
+		ctx, cancel := context.WithCancel(context.Background())
+		var tctx context.Context
+		var tx interface {
+			Commit(context.Context) error
+			Rollback(context.Context) error
+		}
+		var err error
+		if i%2 == 0 {
+			tctx, tx, err = s.BeginTx(ctx)
+		} else {
+			var rec *idem.Record
+			tctx, tx, rec, err = s.BeginLocked(ctx, "", fmt.Sprintf("after-end-%d", i), time.Now())
+			if err == nil && rec != nil {
+				err = errors.New("BeginLocked found a record")
+			}
+		}
+		if err != nil {
+			t.Fatalf("round %d: begin: %v", i, err)
+		}
+		if _, err := sqlitestore.Tx(tctx).ExecContext(context.Background(), `INSERT INTO orders (item) VALUES ('late')`); err != nil {
+			t.Fatalf("round %d: insert: %v", i, err)
+		}
+		cancel()
+		err = tx.Commit(context.Background())
+		_ = tx.Rollback(context.Background())
+		if n := countOrdersItem(t, db, "late"); n != 0 || err == nil {
+			t.Fatalf("round %d: Commit after the context ended = %v, %d orders committed; want an error and none", i, err, n)
+		}
+	}
 }

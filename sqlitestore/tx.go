@@ -76,6 +76,7 @@ func (s *Store) begin(ctx context.Context, t *storeTx) error {
 	}
 	t.s, t.tx = s, tx
 	if ctx.Done() != nil {
+		t.ctx = ctx
 		t.stop = context.AfterFunc(ctx, func() { _ = tx.Rollback() })
 	}
 	return nil
@@ -100,7 +101,8 @@ type storeTx struct {
 	s     *Store
 	tx    *sql.Tx
 	ended atomic.Bool
-	stop  func() bool // stops the rollback when the context ends; nil when it cannot end
+	ctx   context.Context // the context the transaction is bound to; nil when it cannot end
+	stop  func() bool     // stops the rollback when the context ends; nil when it cannot end
 }
 
 // done opens the gate, once.
@@ -119,9 +121,18 @@ func (t *storeTx) Complete(ctx context.Context, scope, key, token string, resp *
 	return t.s.complete(context.WithoutCancel(ctx), t.tx, scope, key, token, resp, expiresAt)
 }
 
-// Commit implements idem.Tx.
+// Commit implements idem.Tx. Once the transaction's context has ended it
+// rolls back and fails, as database/sql's Commit does: the rollback that
+// context.AfterFunc starts runs on a goroutine of its own, and a COMMIT sent
+// before it would otherwise commit a transaction whose context had ended.
 func (t *storeTx) Commit(context.Context) error {
 	defer t.done()
+	if t.ctx != nil {
+		if err := t.ctx.Err(); err != nil {
+			_ = t.tx.Rollback()
+			return wrap("commit", err)
+		}
+	}
 	if err := t.tx.Commit(); err != nil {
 		return wrap("commit", err)
 	}
