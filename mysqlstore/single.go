@@ -112,7 +112,7 @@ func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Tim
 		lt.discard()
 		return ctx, nil, nil, s.wrap(err)
 	}
-	lt.tx = tx
+	lt.tx, lt.ctx = tx, ctx
 	// The second read needs only the expiry (a row and its 13 column
 	// definitions cost the client more than the round trip's other packets).
 	check := "SELECT `expires_at` FROM " + s.q.table + " WHERE `scope` = " + litString(scope) + " AND `key` = " + litString(key)
@@ -228,7 +228,8 @@ type lockedTx struct {
 	st         *settings
 	conn       *sql.Conn
 	tx         *sql.Tx
-	lock       string // SQL expression naming the lock
+	ctx        context.Context // the context tx is bound to
+	lock       string          // SQL expression naming the lock
 	now        time.Time
 	scope, key string
 	expired    bool // BeginLocked found an expired record to replace
@@ -360,6 +361,14 @@ func (t *lockedTx) Commit(ctx context.Context) error {
 		return sql.ErrTxDone
 	}
 	t.done = true
+	// database/sql rolls tx back when its context ends, from a goroutine of its
+	// own; a COMMIT sent before that goroutine runs (inside the batch below,
+	// which database/sql's own Commit check does not see) would commit a
+	// transaction whose context had ended, such as a handler's past
+	// HandlerTimeout.
+	if t.ctx.Err() != nil {
+		return t.fail(errors.Join(sql.ErrTxDone, context.Cause(t.ctx)))
+	}
 	// First the check, so that an aborted transaction's successor (which holds
 	// the locks of the handler's statements after the abort) does not also lock
 	// the record.
