@@ -58,7 +58,7 @@ func (s *Store) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
 		return ctx, nil, s.wrap("begin transaction", err)
 	}
 	htx := newHandlerTx(tx)
-	return context.WithValue(ctx, txKey{}, pgx.Tx(htx)), &claimTx{txEnd: txEnd{s: s, conn: conn, htx: htx}}, nil
+	return context.WithValue(ctx, txKey{}, pgx.Tx(htx)), &claimTx{txEnd: txEnd{s: s, conn: conn, htx: htx, ctx: ctx}}, nil
 }
 
 // txEnd ends the request's transaction: what claimTx and lockedTx share.
@@ -66,6 +66,11 @@ type txEnd struct {
 	s    *Store
 	conn *pgxpool.Conn // nil once the transaction ended and the connection went back
 	htx  *handlerTx    // the handler's view of the transaction
+	// ctx is the context the transaction was begun with (the handler's): once
+	// it has ended, Commit rolls back, as database/sql does with a transaction
+	// whose context ended, so that a handler past HandlerTimeout or its lost
+	// lease commits nothing on any SQL store.
+	ctx context.Context
 
 	// commitWith's batch.
 	cbatch pgx.Batch
@@ -141,6 +146,9 @@ func (t *txEnd) commitWith(ctx context.Context, op, stmt string, args []any, fen
 			return t.s.wrap(op+" (outside the transaction, which the handler ended itself)", err)
 		}
 		return nil
+	}
+	if err := t.ctx.Err(); err != nil {
+		return fmt.Errorf("pgstore: %s: the transaction's context ended before COMMIT (%w), so it was rolled back and nothing was committed", op, context.Cause(t.ctx))
 	}
 	// The batch lives in t: no allocation for it or its queries.
 	t.cqq[0] = pgx.QueuedQuery{SQL: stmt, Arguments: args}
@@ -355,7 +363,7 @@ func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Tim
 	case !*locked && !*live:
 		err = idem.ErrInFlight
 	}
-	t.conn = conn
+	t.conn, t.ctx = conn, ctx
 	t.hx = handlerTx{g: &t.guard, tx: tx, root: true}
 	t.htx = &t.hx
 	if err != nil {
