@@ -179,8 +179,16 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 		h.responseTooLarge(w, req, rw.size, relErr)
 		return
 	}
-	now := h.NowFunc()
-	err := tx.Complete(cctx, req.scope, req.key, token, resp, now, now.Add(h.TTL))
+	var err error
+	if hctx.Err() != nil {
+		// The handler ran past HandlerTimeout, or its lease was lost: its
+		// transaction ends with its context on every store, whether or not the
+		// store noticed in time.
+		err = context.Cause(hctx)
+	} else {
+		now := h.NowFunc()
+		err = tx.Complete(cctx, req.scope, req.key, token, resp, now, now.Add(h.TTL))
+	}
 	committing := err == nil
 	if committing {
 		err = tx.Commit(cctx)

@@ -166,8 +166,12 @@ type Config struct {
 	// cancellation, so a client that hangs up or times out does not abort the work
 	// (or roll back its transaction), and its retry hears the stored outcome. The
 	// handler's context ends HandlerTimeout after the handler started, or when the
-	// lease is lost (context.Cause is then ErrLockLost). A negative value sets no
-	// deadline. Defaults to 1 minute.
+	// lease is lost (context.Cause is then ErrLockLost). When the handler runs in
+	// the store's transaction (a TxStore or SingleTxStore), that transaction ends
+	// with the context: a handler that returns after it ended, even one that
+	// ignored it, commits nothing, and the request is answered 503
+	// idempotency_commit_failed (or 409 idempotency_lease_lost) with the key
+	// released. A negative value sets no deadline. Defaults to 1 minute.
 	HandlerTimeout time.Duration
 
 	// LapsedLease decides what a request gets when it finds its key in flight

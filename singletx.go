@@ -91,7 +91,13 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 		Scope: req.scope, Key: req.key, State: StateComplete, Fingerprint: req.fp,
 		Token: newToken(), CreatedAt: now, LeaseUntil: done, ExpiresAt: done.Add(h.TTL), Response: resp,
 	}
-	err = tx.Insert(cctx, rec)
+	if hctx.Err() != nil {
+		// The handler ran past HandlerTimeout: its transaction ends with its
+		// context on every store, whether or not the store noticed in time.
+		err = context.Cause(hctx)
+	} else {
+		err = tx.Insert(cctx, rec)
+	}
 	inserting := err == nil
 	if inserting {
 		err = tx.Commit(cctx)

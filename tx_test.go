@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -202,5 +203,37 @@ func TestTxOversizedResponseCommitsNothing(t *testing.T) {
 	wantProblem(t, b.post(t, "k", "{}"), 500, idem.CodeResponseTooLarge)
 	if got := s.orders(); len(got) != 0 {
 		t.Fatalf("orders = %v, want none", got)
+	}
+}
+
+// A handler that ignores its context and returns after HandlerTimeout commits
+// nothing, even on a store whose transaction does not end with the context by
+// itself (this fake, like pgx, does not watch it): the middleware rolls back,
+// answers 503 idempotency_commit_failed, releases the key, and the retry runs
+// the handler afresh.
+func TestTxHandlerPastTimeoutCommitsNothing(t *testing.T) {
+	t.Parallel()
+	var runs atomic.Int64
+	s, b := newTxBundle(t, &idem.Config{HandlerTimeout: 100 * time.Millisecond}, func(w http.ResponseWriter, r *http.Request) {
+		if runs.Add(1) == 1 {
+			time.Sleep(500 * time.Millisecond) // five times HandlerTimeout, ignoring the context
+		}
+		insertOrder(w, r)
+	})
+	a := wantProblem(t, b.post(t, "k", "{}"), http.StatusServiceUnavailable, idem.CodeCommitFailed)
+	if !strings.Contains(a.Detail, "HandlerTimeout") {
+		t.Errorf("detail %q does not say the handler ran past HandlerTimeout", a.Detail)
+	}
+	if got := s.orders(); len(got) != 0 {
+		t.Fatalf("orders after a handler past HandlerTimeout = %v, want none", got)
+	}
+	if _, err := s.Get(context.Background(), "", "k", time.Now()); !errors.Is(err, idem.ErrNotFound) {
+		t.Fatalf("the key must be released: %v", err)
+	}
+	if a := b.post(t, "k", "{}"); a.status != http.StatusCreated || a.header.Get(idem.ReplayedHeader) != "" {
+		t.Fatalf("retry: %d %s, want a fresh 201", a.status, a.body)
+	}
+	if got := s.orders(); len(got) != 1 || runs.Load() != 2 {
+		t.Fatalf("orders = %v after %d runs, want one order after two", got, runs.Load())
 	}
 }
