@@ -172,7 +172,9 @@ type Config struct {
 	// …). Default: 1 s doubling per delivery, at most 1 min.
 	Backoff func(n int) time.Duration
 	// HandlerTimeout ends the handler's context this long after it starts; 0
-	// means none.
+	// means none. With a store that has transactions, a handler that returns
+	// after its context ended, even one that ignored it, commits nothing: the
+	// delivery is retried as a failed one.
 	HandlerTimeout time.Duration
 	// CleanupTimeout bounds the store calls after the handler (completion,
 	// commit, release). Default 10 s.
@@ -453,6 +455,16 @@ func (p *Processor) execute(ctx context.Context, msg *Message, key, token string
 		default:
 			return Outcome{Action: Ack, Reason: StoreFailed, Result: result, Err: fmt.Errorf("consumer %s: the handler ran but its record could not be stored (a redelivery after the lease may run it again): %w", p.cfg.Name, err)}
 		}
+	}
+	if hctx.Err() != nil {
+		// HandlerTimeout passed or the lease was lost while the handler ran: its
+		// transaction ends with its context on every store, whether or not the
+		// store noticed in time.
+		_ = tx.Rollback(cctx)
+		if lost {
+			return p.leaseLost(context.Cause(hctx))
+		}
+		return p.handlerFailed(delivery, errors.Join(fmt.Errorf("consumer %s: the handler ran past HandlerTimeout (%v), so its transaction was rolled back and nothing was committed: %w", p.cfg.Name, p.cfg.HandlerTimeout, context.Cause(hctx)), p.release(ctx, key, token)))
 	}
 	err := tx.Complete(cctx, p.scope, key, token, resp, now, now.Add(p.cfg.TTL))
 	committing := err == nil

@@ -211,3 +211,56 @@ func TestConfigErrors(t *testing.T) {
 		t.Fatal("nil store accepted")
 	}
 }
+
+// A handler that ignores its context and returns after HandlerTimeout commits
+// nothing in the store's transaction: the delivery is retried as a failed one,
+// the key released, and the next delivery runs and commits once.
+func TestSQLiteHandlerPastTimeoutCommitsNothing(t *testing.T) {
+	db, err := embedded.Open(filepath.Join(t.TempDir(), "c.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	ctx := context.Background()
+	if _, err := db.ExecContext(ctx, `CREATE TABLE orders (msg_id TEXT NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	s, err := sqlitestore.New(db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	p, err := consumer.New(s, consumer.Config{Name: "orders", HandlerTimeout: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	slow := true
+	h := func(ctx context.Context, m *consumer.Message) ([]byte, error) {
+		if _, err := sqlitestore.Tx(ctx).ExecContext(ctx, `INSERT INTO orders VALUES (?)`, m.ID); err != nil {
+			return nil, err
+		}
+		if slow {
+			time.Sleep(500 * time.Millisecond) // five times HandlerTimeout, ignoring the context
+		}
+		return []byte("ok"), nil
+	}
+	count := func() (n int) {
+		if err := db.QueryRowContext(ctx, `SELECT count(*) FROM orders`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	out := p.Process(ctx, &consumer.Message{ID: "o1", Payload: []byte("{}")}, h)
+	if out.Action != consumer.Retry || out.Reason != consumer.Failed || count() != 0 {
+		t.Fatalf("handler past HandlerTimeout: %+v, %d rows; want a failed delivery to retry and no row", out, count())
+	}
+	if _, err := s.Get(ctx, "orders", "o1", time.Now()); !errors.Is(err, idem.ErrNotFound) {
+		t.Fatalf("record after a handler past HandlerTimeout: %v; want the key released", err)
+	}
+	slow = false
+	if out := p.Process(ctx, &consumer.Message{ID: "o1", Payload: []byte("{}"), Delivery: 2}, h); out.Action != consumer.Ack || out.Reason != consumer.Executed || count() != 1 {
+		t.Fatalf("redelivery: %+v, %d rows; want it executed once", out, count())
+	}
+}
