@@ -165,8 +165,10 @@ type Config struct {
 	// does: the handler's context keeps the request's values but not the client's
 	// cancellation, so a client that hangs up or times out does not abort the work
 	// (or roll back its transaction), and its retry hears the stored outcome. The
-	// handler's context ends HandlerTimeout after the handler started, or when the
-	// lease is lost (context.Cause is then ErrLockLost). When the handler runs in
+	// handler's context ends HandlerTimeout after the handler started (its Err is
+	// then context.DeadlineExceeded; a context the handler derives from it reports
+	// context.Canceled, with context.Cause DeadlineExceeded), or when the lease is
+	// lost (context.Cause is then ErrLockLost). When the handler runs in
 	// the store's transaction (a TxStore or SingleTxStore), that transaction ends
 	// with the context: a handler that returns after it ended, even one that
 	// ignored it, commits nothing, and the request is answered 503

@@ -113,7 +113,10 @@ func TestClientHangUpDoesNotStopTheOperation(t *testing.T) {
 	}
 }
 
-// HandlerTimeout bounds the handler's context.
+// HandlerTimeout bounds the handler's context, and the contexts the handler
+// derives from it (as drivers and clients do) end with it. A derived context
+// reports context.Canceled, with context.DeadlineExceeded as its cause (see
+// Config.HandlerTimeout).
 func TestHandlerTimeoutEndsTheHandlersContext(t *testing.T) {
 	t.Parallel()
 	store := memstore.New(nil)
@@ -123,9 +126,15 @@ func TestHandlerTimeoutEndsTheHandlersContext(t *testing.T) {
 		t.Fatal(err)
 	}
 	srv := httptest.NewServer(mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		derived, cancel := context.WithCancel(r.Context())
+		defer cancel()
 		select {
-		case <-r.Context().Done():
+		case <-derived.Done():
 			w.WriteHeader(http.StatusGatewayTimeout)
+			if !errors.Is(context.Cause(derived), context.DeadlineExceeded) {
+				fmt.Fprintf(w, "derived context's cause %v, handler's %v", context.Cause(derived), r.Context().Err())
+				return
+			}
 			fmt.Fprint(w, r.Context().Err())
 		case <-time.After(10 * time.Second):
 			w.WriteHeader(http.StatusCreated)
