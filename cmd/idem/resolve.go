@@ -79,6 +79,11 @@ func runResolve(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	if *status != 0 && (*status < 200 || *status > 599) {
 		return storeUsageError(stderr, fs, fmt.Sprintf("--status %d: use an HTTP status from 200 to 599", *status))
 	}
+	if *ttl <= 0 {
+		// A complete record that expires at once is no record: the next request
+		// with the key would run the operation again.
+		return storeUsageError(stderr, fs, fmt.Sprintf("--ttl %v: use a positive duration; the answer is replayed for that long", *ttl))
+	}
 	if *release && (*body != "" || *bodyFile != "" || len(headers) > 0) {
 		return storeUsageError(stderr, fs, "--body, --body-file and --header go with --status, not --release")
 	}

@@ -51,6 +51,10 @@ func TestResolveRefusals(t *testing.T) {
 		{[]string{"--scope", "t1", "--status", "201", "--release", "live"}, 2, "--status N"},
 		{[]string{"--scope", "t1", "--status", "99", "live"}, 2, "200 to 599"},
 		{[]string{"--scope", "t1", "--release", "--body", "x", "live"}, 2, "go with --status"},
+		// A complete record that expires at once would let the next request run
+		// the operation again, though resolve said it is replayed.
+		{[]string{"--scope", "t1", "--status", "201", "--ttl", "0", "--force", "live"}, 2, "--ttl 0s"},
+		{[]string{"--scope", "t1", "--status", "201", "--ttl", "-1h", "--force", "live"}, 2, "--ttl -1h"},
 		{[]string{"--scope", "t1", "--release", "absent"}, 1, "no record"},
 		{[]string{"--scope", "t1", "--release", "done"}, 1, "already complete"},
 		{[]string{"--scope", "t1", "--release", "live"}, 1, "running now"},
