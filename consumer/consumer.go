@@ -256,6 +256,10 @@ func (p *Processor) Name() string { return p.cfg.Name }
 // adapters that configure the broker's own limit above it.
 func (p *Processor) MaxDeliveries() int { return p.cfg.MaxDeliveries }
 
+// Backoff returns Config.Backoff(n) (with its default applied), for adapters
+// that count attempts themselves.
+func (p *Processor) Backoff(n int) time.Duration { return p.cfg.Backoff(n) }
+
 // Stats counts the outcomes of a Processor since it was made, by Reason.
 type Stats struct {
 	Executed, Duplicate, InFlight, Failed, Poison, Mismatch, InvalidID, StoreFailed, LeaseLost int64

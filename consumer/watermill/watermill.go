@@ -14,7 +14,9 @@
 // Watermill reports no delivery count, so the middleware carries the
 // Processor's policy out itself, inside one delivery: a failed handler is
 // retried after Config.Backoff up to MaxDeliveries, each attempt with a fresh
-// claim and transaction; a delivery in flight elsewhere waits out the lease.
+// claim and transaction; a delivery in flight elsewhere waits out the lease;
+// a store failure is retried after Config.Backoff until the store answers or
+// the message's context ends, and does not count toward MaxDeliveries.
 // A dead-lettered message (MaxDeliveries reached, a Permanent error, one ID with
 // a different payload, no ID) is published to Config.PoisonTopic with the
 // reason in its metadata and acknowledged: never a silent drop, and never an
@@ -103,6 +105,7 @@ func handle(p *consumer.Processor, cfg *Config, h message.HandlerFunc, msg *mess
 		out = msgs
 		return encode(msgs)
 	}
+	outages := 0
 	for m.Delivery = 1; ; {
 		o := p.Process(ctx, m, handler)
 		switch o.Action {
@@ -115,12 +118,19 @@ func handle(p *consumer.Processor, cfg *Config, h message.HandlerFunc, msg *mess
 			return nil, poison(cfg, msg, o, ran)
 		}
 		wait := o.Delay
-		if o.Reason == consumer.InFlight {
+		switch o.Reason {
+		case consumer.InFlight:
 			// Not a failed delivery. The holder usually finishes well within its
 			// lease: look again soon rather than wait the whole lease out.
 			wait = min(wait, inFlightPoll)
-		} else {
+		case consumer.Failed:
 			m.Delivery++
+		default:
+			// The store failed, or the lease was lost: the handler did not fail,
+			// so this is no delivery for MaxDeliveries (past it the Processor
+			// dead-letters the message unrun), but the retries back off.
+			outages++
+			wait = p.Backoff(outages)
 		}
 		select {
 		case <-ctx.Done():

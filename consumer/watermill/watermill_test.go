@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -12,9 +13,11 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
+	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/consumer/internal/prooftest"
 	idemwm "github.com/idemkit/idem/consumer/watermill"
+	"github.com/idemkit/idem/memstore"
 )
 
 // TestMiddleware: through a Watermill router, every message published twice
@@ -121,4 +124,65 @@ func TestMiddleware(t *testing.T) {
 		t.Fatalf("dead letters %v, poison ran %d times", reasons, poisonRuns.Load())
 	}
 	t.Logf("stats %+v", p.Stats())
+}
+
+// downStore fails its first n claims, as a store that is down for a while.
+type downStore struct {
+	idem.Store
+	n atomic.Int32
+}
+
+func (s *downStore) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record, bool, error) {
+	if s.n.Add(-1) >= 0 {
+		return nil, false, errors.New("connection refused")
+	}
+	return s.Store.Claim(ctx, req)
+}
+
+// TestStoreOutageIsNotPoison: Watermill has no delivery count, so the
+// middleware counts its own attempts; a store that is down for more attempts
+// than MaxDeliveries must not turn a message that never ran into a poison
+// message (the table in docs/consumers.md: store down, "waits, runs again").
+// The handler runs once when the store is back, and nothing is dead-lettered.
+func TestStoreOutageIsNotPoison(t *testing.T) {
+	st := &downStore{Store: memstore.New(nil)}
+	const maxDeliveries = 3
+	st.n.Store(2 * maxDeliveries)
+	var delays []int
+	p, err := consumer.New(st, consumer.Config{Name: "wm-outage", MaxDeliveries: maxDeliveries, Backoff: func(n int) time.Duration {
+		delays = append(delays, n)
+		return time.Millisecond
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 10}, wm.NopLogger{})
+	defer ps.Close()
+	dead, err := ps.Subscribe(context.Background(), "dead")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mw, err := idemwm.Middleware(p, idemwm.Config{Poison: ps, PoisonTopic: "dead"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runs := 0
+	h := mw(func(msg *message.Message) ([]*message.Message, error) {
+		runs++
+		return nil, nil
+	})
+	if _, err := h(message.NewMessage("o-1", []byte("order"))); err != nil {
+		t.Fatal(err)
+	}
+	if s := p.Stats(); s.Poison != 0 || s.Executed != 1 || runs != 1 {
+		m := <-dead
+		t.Fatalf("stats %+v, handler runs %d: dead-lettered (%s: %s) after a store outage, though it never ran", s, runs, m.Metadata.Get(idemwm.MetaDeadReason), m.Metadata.Get(idemwm.MetaDeadError))
+	}
+	if runs != 1 {
+		t.Fatalf("the handler ran %d times, want 1 (stats %+v)", runs, p.Stats())
+	}
+	// The outage's retries still back off: Backoff sees the attempts grow.
+	if slices.Max(delays) != 2*maxDeliveries {
+		t.Fatalf("Backoff called with %v for %d store failures; want the attempt numbers to grow to %[2]d", delays, 2*maxDeliveries)
+	}
 }
