@@ -43,6 +43,11 @@ const (
 	HeaderDeadSubject = "Idem-Dead-Subject"
 	// HeaderDeadDeliveries holds how many times it was delivered.
 	HeaderDeadDeliveries = "Idem-Dead-Deliveries"
+	// HeaderDeadTruncated is set on a copy that leaves the payload out because
+	// the payload and the Idem-Dead-* headers together exceed the server's
+	// max_payload. It says how many bytes were left out and where the original
+	// is: "N bytes; stream S sequence Q".
+	HeaderDeadTruncated = "Idem-Dead-Truncated"
 )
 
 // Config configures Handler. A nil *Config means all defaults.
@@ -52,7 +57,9 @@ type Config struct {
 	KeyHeader string
 	// DeadLetterSubject, when set, receives a copy of every dead-lettered message
 	// (payload and headers, plus the Idem-Dead-* headers) before it is
-	// terminated. Make a stream capture it. Requires JetStream.
+	// terminated; when the payload leaves no room for those headers under the
+	// server's max_payload, the copy leaves the payload out and says so in
+	// Idem-Dead-Truncated. Make a stream capture it. Requires JetStream.
 	DeadLetterSubject string
 	// JetStream publishes the dead-lettered copies.
 	JetStream jetstream.JetStream
@@ -134,7 +141,24 @@ func deadLetter(ctx context.Context, cfg *Config, msg jetstream.Msg, m *consumer
 	}
 	dl.Header.Set(HeaderDeadSubject, msg.Subject())
 	dl.Header.Set(HeaderDeadDeliveries, strconv.Itoa(m.Delivery))
-	if _, err := cfg.JetStream.PublishMsg(ctx, dl); err != nil {
+	_, err := cfg.JetStream.PublishMsg(ctx, dl)
+	if errors.Is(err, nats.ErrMaxPayload) {
+		// A payload near max_payload has no room for the Idem-Dead-* headers.
+		// Failing here would nak the message and dead-letter it again on every
+		// redelivery, forever: send the copy without its payload (and with a
+		// shortened error), saying where the original is.
+		where := "the stream it came from"
+		if md, merr := msg.Metadata(); merr == nil {
+			where = fmt.Sprintf("stream %s sequence %d", md.Stream, md.Sequence.Stream)
+		}
+		dl.Header.Set(HeaderDeadTruncated, fmt.Sprintf("%d bytes; %s", len(dl.Data), where))
+		if e := dl.Header.Get(HeaderDeadError); len(e) > 1024 {
+			dl.Header.Set(HeaderDeadError, e[:1024]+"…")
+		}
+		dl.Data = nil
+		_, err = cfg.JetStream.PublishMsg(ctx, dl)
+	}
+	if err != nil {
 		return fmt.Errorf("natsjs: publish to dead-letter subject %s: %w", cfg.DeadLetterSubject, err)
 	}
 	return nil

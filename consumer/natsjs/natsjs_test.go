@@ -2,6 +2,7 @@ package natsjs_test
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -9,6 +10,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"os/exec"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -22,6 +24,7 @@ import (
 	"github.com/idemkit/idem/consumer/internal/prooftest"
 	"github.com/idemkit/idem/consumer/natsjs"
 	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/memstore"
 )
 
 func TestMain(m *testing.M) {
@@ -592,4 +595,70 @@ func TestMismatch(t *testing.T) {
 	if st := p.Stats(); rows != 1 || st.Mismatch != 1 || st.Executed != 1 {
 		t.Fatalf("%d rows, stats %+v; want 1 row, 1 executed, 1 mismatch", rows, st)
 	}
+}
+
+// TestDeadLetterOfALargeMessage: a poison message whose payload fills the
+// server's max_payload. Its dead-letter copy carries the payload plus the
+// Idem-Dead-* headers, so it does not fit in one NATS message; the message
+// must still leave the stream (Term) with a copy on the dead-letter subject,
+// not be naked and redelivered forever, running its handler each time.
+func TestDeadLetterOfALargeMessage(t *testing.T) {
+	ctx := context.Background()
+	b := newBroker(t)
+	dlStream := b.stream + "_DEAD"
+	if _, err := b.js.CreateStream(ctx, jetstream.StreamConfig{Name: dlStream, Subjects: []string{b.subj + "dead"}, Storage: jetstream.MemoryStorage}); err != nil {
+		t.Fatal(err)
+	}
+	defer b.js.DeleteStream(context.Background(), dlStream)
+	cons := b.consumer(t, "large", 30*time.Second)
+	p, err := consumer.New(memstore.New(nil), consumer.Config{Name: "large"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := nats.NewMsg(b.subj + ".orders")
+	m.Header.Set(jetstream.MsgIDHeader, "big-1")
+	// The published message's headers take ~40 bytes; leave 200 to spare.
+	m.Data = bytes.Repeat([]byte("x"), int(b.nc.MaxPayload())-200)
+	if _, err := b.js.PublishMsg(ctx, m); err != nil {
+		t.Fatal(err)
+	}
+	runs := 0
+	h := func(ctx context.Context, m *consumer.Message) ([]byte, error) {
+		runs++
+		return nil, consumer.Permanent(errors.New("cannot parse the order: " + strings.Repeat("detail ", 50)))
+	}
+	cfg := &natsjs.Config{JetStream: b.js, DeadLetterSubject: b.subj + "dead"}
+	batch, err := cons.Fetch(1, jetstream.FetchMaxWait(10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := 0
+	for msg := range batch.Messages() {
+		got++
+		out, err := natsjs.Handle(ctx, p, msg, h, cfg)
+		if err != nil || out.Action != consumer.DeadLetter {
+			t.Fatalf("Handle = %v, %v; want the message dead-lettered and terminated", out.Action, err)
+		}
+	}
+	if got != 1 || runs != 1 {
+		t.Fatalf("fetched %d messages, handler ran %d times; want 1 and 1", got, runs)
+	}
+	ds, err := b.js.Stream(ctx, dlStream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, err := ds.GetLastMsgForSubject(ctx, b.subj+"dead")
+	if err != nil {
+		t.Fatalf("nothing on the dead-letter subject: %v", err)
+	}
+	if raw.Header.Get(natsjs.HeaderDeadReason) != "poison" {
+		t.Fatalf("dead-lettered copy: headers %v", raw.Header)
+	}
+	if !bytes.Equal(raw.Data, m.Data) && raw.Header.Get(natsjs.HeaderDeadTruncated) == "" {
+		t.Fatalf("dead-lettered copy has %d of %d payload bytes and does not say it is truncated (headers %v)", len(raw.Data), len(m.Data), raw.Header)
+	}
+	if tr := raw.Header.Get(natsjs.HeaderDeadTruncated); tr != "" && (!strings.Contains(tr, fmt.Sprint(len(m.Data))) || !strings.Contains(tr, b.stream)) {
+		t.Fatalf("%s: %q; want the left-out size %d and the stream %s", natsjs.HeaderDeadTruncated, tr, len(m.Data), b.stream)
+	}
+	drained(t, cons, 10*time.Second, nil)
 }
