@@ -90,23 +90,30 @@ func Message(d *amqp091.Delivery, keyHeader string) *consumer.Message {
 }
 
 func headerInt(h amqp091.Table, name string) int {
+	var n int64
 	switch v := h[name].(type) {
 	case int:
-		return v
+		n = int64(v)
 	case int8:
-		return int(v)
+		n = int64(v)
 	case int16:
-		return int(v)
+		n = int64(v)
 	case int32:
-		return int(v)
+		n = int64(v)
 	case int64:
-		return int(v)
+		n = v
 	case string:
-		n, _ := strconv.Atoi(v)
-		return n
+		n, _ = strconv.ParseInt(v, 10, 64)
 	}
-	return 0
+	// Anyone who can publish can set these headers: a negative count would
+	// keep a failing message below MaxDeliveries forever, and a huge one would
+	// wrap around to negative when added up. Keep it in [0, maxCount].
+	return int(min(max(n, 0), maxCount))
 }
+
+// maxCount bounds a delivery count read from a header: far above any
+// MaxDeliveries, and sums of a few stay well inside an int32.
+const maxCount = 1 << 24
 
 // Handle processes one delivery through p and h and settles it; it returns the
 // Processor's outcome and the error of settling it (the delivery then stays

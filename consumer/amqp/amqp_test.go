@@ -20,6 +20,7 @@ import (
 	idemamqp "github.com/idemkit/idem/consumer/amqp"
 	"github.com/idemkit/idem/consumer/internal/prooftest"
 	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/memstore"
 )
 
 func TestMain(m *testing.M) {
@@ -493,4 +494,54 @@ func TestPoison(t *testing.T) {
 		t.Fatalf("dead letter: %v %v %+v", ok, err, d)
 	}
 	t.Logf("%d goods processed while the poison message was retried; x-death: %v", goodsWhilePoisoned.Load(), d.Headers["x-death"])
+}
+
+// TestHostileRetriesHeader: a producer (or anything upstream) that sets the
+// adapter's own x-idem-retries header to a negative or huge number must not
+// buy a failing message more runs than MaxDeliveries, nor wrap the count
+// around: each such poison message runs at most MaxDeliveries times and is
+// dead-lettered.
+func TestHostileRetriesHeader(t *testing.T) {
+	ctx := context.Background()
+	b := newBroker(t)
+	const maxDeliveries = 3
+	p, err := consumer.New(memstore.New(nil), consumer.Config{Name: "hostile", MaxDeliveries: maxDeliveries, Backoff: func(int) time.Duration { return 10 * time.Millisecond }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	values := map[string]any{"neg32": int32(-1 << 31), "neg64": int64(-1 << 62), "max64": int64(1<<63 - 1), "negstr": "-999999999"}
+	var mu sync.Mutex
+	runs := map[string]int{}
+	var dead atomic.Int32
+	stop := consume(t, b, p, func(ctx context.Context, m *consumer.Message) ([]byte, error) {
+		mu.Lock()
+		runs[m.ID]++
+		n := runs[m.ID]
+		mu.Unlock()
+		if n > maxDeliveries {
+			return nil, consumer.Permanent(fmt.Errorf("ran %d times", n)) // end the loop; the count fails the test
+		}
+		return nil, errors.New("cannot parse the order")
+	}, "", func(_ *amqp091.Delivery, out consumer.Outcome) {
+		if out.Action == consumer.DeadLetter {
+			dead.Add(1)
+		}
+	})
+	defer stop()
+	for id, v := range values {
+		c, err := b.ch.PublishWithDeferredConfirmWithContext(ctx, "", b.queue, false, false, amqp091.Publishing{
+			MessageId: id, Body: []byte(payload(id)), Headers: amqp091.Table{idemamqp.RetriesHeader: v},
+		})
+		if err != nil || !c.Wait() {
+			t.Fatalf("publish %s: %v", id, err)
+		}
+	}
+	waitFor(t, 30*time.Second, "every hostile message dead-lettered", func() bool { return dead.Load() == int32(len(values)) })
+	mu.Lock()
+	defer mu.Unlock()
+	for id := range values {
+		if runs[id] > maxDeliveries {
+			t.Errorf("%s (x-idem-retries %v): the handler ran %d times; want at most MaxDeliveries (%d)", id, values[id], runs[id], maxDeliveries)
+		}
+	}
 }
