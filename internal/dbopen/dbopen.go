@@ -450,7 +450,7 @@ func Open(ctx context.Context, opts Options) (h *Handle, err error) {
 // orders service's: see orders.Service.Migrate.
 func (h *Handle) Migrate(ctx context.Context) error {
 	if h.schema != "" && h.Pool != nil {
-		if _, err := h.Pool.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+h.schema); err != nil {
+		if err := h.createSchema(ctx); err != nil {
 			return fmt.Errorf("create schema %s: %w (may this role create schemas? Or create it yourself)", h.schema, err)
 		}
 	}
@@ -462,6 +462,25 @@ func (h *Handle) Migrate(ctx context.Context) error {
 		return fmt.Errorf("migrate the key records: %w", err)
 	}
 	return nil
+}
+
+// createSchema runs CREATE SCHEMA IF NOT EXISTS under a transaction-scoped
+// advisory lock: two of them at once, on a schema that does not exist yet, can
+// both try to create it, and one then fails with a unique violation in
+// pg_namespace (idem migrate or idem demo started by several processes).
+func (h *Handle) createSchema(ctx context.Context) error {
+	tx, err := h.Pool.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock(hashtext('idem.schema.migrate'))"); err != nil {
+		return err
+	}
+	if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+h.schema); err != nil {
+		return err
+	}
+	return tx.Commit(ctx)
 }
 
 // Transactional reports whether orders and key records commit in one

@@ -350,3 +350,56 @@ func TestMigrateSchemaPostgres(t *testing.T) {
 	}
 	roundTrip(t, h)
 }
+
+// TestMigrateSchemaConcurrently: `idem migrate --schema S` (or idem demo
+// starting) in several processes at once, on a schema that does not exist
+// yet. PostgreSQL's CREATE SCHEMA IF NOT EXISTS is not safe against a
+// concurrent one (a unique violation in pg_namespace): every run must still
+// succeed and leave the tables in place. Rounds of fresh schemas, four
+// handles each, released together.
+func TestMigrateSchemaConcurrently(t *testing.T) {
+	t.Parallel()
+	dbURL := testenv.PostgresURL(t)
+	ctx := context.Background()
+	for round := range 10 {
+		schema := "c_" + randHex()
+		var hs []*dbopen.Handle
+		for range 4 {
+			h, err := dbopen.Open(ctx, dbopen.Options{DB: dbURL, Schema: schema})
+			if err != nil {
+				t.Fatal(err)
+			}
+			hs = append(hs, h)
+		}
+		t.Cleanup(func() {
+			if _, err := hs[0].Pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+schema+" CASCADE"); err != nil {
+				t.Error(err)
+			}
+			for _, h := range hs {
+				h.Close()
+			}
+		})
+		start := make(chan struct{})
+		errs := make(chan error, len(hs))
+		for _, h := range hs {
+			go func() {
+				<-start
+				err := h.Migrate(ctx)
+				if err == nil { // as idem migrate does next
+					var svc *orders.Service
+					if svc, err = orders.New(h.Orders, &orders.Config{Table: h.OrdersTable}); err == nil {
+						err = svc.Migrate(ctx)
+					}
+				}
+				errs <- err
+			}()
+		}
+		close(start)
+		for range hs {
+			if err := <-errs; err != nil {
+				t.Fatalf("round %d: concurrent Migrate of schema %s: %v", round, schema, err)
+			}
+		}
+		roundTrip(t, hs[0])
+	}
+}
