@@ -320,7 +320,7 @@ func demoServe(ctx context.Context, srv *http.Server, serveErr chan error, app *
 	}
 	defer h.Close()
 	if c.schema != "" {
-		if _, err := h.Pool.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+c.schema); err != nil {
+		if err := dbopen.CreateSchema(ctx, h.Pool, c.schema); err != nil {
 			return fail(fmt.Errorf("create schema %s: %w (may this role create schemas? Or create it yourself)", c.schema, err))
 		}
 	}

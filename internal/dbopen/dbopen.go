@@ -450,7 +450,7 @@ func Open(ctx context.Context, opts Options) (h *Handle, err error) {
 // orders service's: see orders.Service.Migrate.
 func (h *Handle) Migrate(ctx context.Context) error {
 	if h.schema != "" && h.Pool != nil {
-		if err := h.createSchema(ctx); err != nil {
+		if err := CreateSchema(ctx, h.Pool, h.schema); err != nil {
 			return fmt.Errorf("create schema %s: %w (may this role create schemas? Or create it yourself)", h.schema, err)
 		}
 	}
@@ -464,12 +464,13 @@ func (h *Handle) Migrate(ctx context.Context) error {
 	return nil
 }
 
-// createSchema runs CREATE SCHEMA IF NOT EXISTS under a transaction-scoped
+// CreateSchema runs CREATE SCHEMA IF NOT EXISTS under a transaction-scoped
 // advisory lock: two of them at once, on a schema that does not exist yet, can
 // both try to create it, and one then fails with a unique violation in
 // pg_namespace (idem migrate or idem demo started by several processes).
-func (h *Handle) createSchema(ctx context.Context) error {
-	tx, err := h.Pool.Begin(ctx)
+// schema must be a checked identifier.
+func CreateSchema(ctx context.Context, pool *pgxpool.Pool, schema string) error {
+	tx, err := pool.Begin(ctx)
 	if err != nil {
 		return err
 	}
@@ -477,7 +478,7 @@ func (h *Handle) createSchema(ctx context.Context) error {
 	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock(hashtext('idem.schema.migrate'))"); err != nil {
 		return err
 	}
-	if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+h.schema); err != nil {
+	if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+schema); err != nil {
 		return err
 	}
 	return tx.Commit(ctx)
