@@ -151,7 +151,7 @@ func (s *Store) Len() int {
 
 // seen notes a clock reading of the middleware's.
 func (s *Store) seen(now time.Time) {
-	n := now.UnixNano()
+	n := unixNanos(now)
 	for {
 		old := s.latest.Load()
 		if n <= old || s.latest.CompareAndSwap(old, n) {
@@ -184,7 +184,7 @@ func (s *Store) shard(scope, key string) (*shard, uint64) {
 func (s *Store) Claim(_ context.Context, req idem.ClaimRequest) (*idem.Record, bool, error) {
 	s.seen(req.Now)
 	sh, h := s.shard(req.Scope, req.Key)
-	now := req.Now.UnixNano()
+	now := unixNanos(req.Now)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	created := req.Now
@@ -250,7 +250,7 @@ func (s *Store) Extend(_ context.Context, scope, key, token string, now, leaseUn
 		return idem.ErrLockLost
 	}
 	putTime(b, offLease, leaseUntil)
-	if getNanos(b, offExpires) < leaseUntil.UnixNano() {
+	if getNanos(b, offExpires) < unixNanos(leaseUntil) {
 		putTime(b, offExpires, leaseUntil)
 	}
 	return nil
@@ -263,7 +263,7 @@ func (s *Store) Get(_ context.Context, scope, key string, now time.Time) (*idem.
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	b := sh.get(h, scope, key)
-	if b == nil || getNanos(b, offExpires) <= now.UnixNano() {
+	if b == nil || getNanos(b, offExpires) <= unixNanos(now) {
 		return nil, idem.ErrNotFound
 	}
 	return decode(b, ""), nil
@@ -281,7 +281,7 @@ func (s *Store) DeleteExpired(ctx context.Context, now time.Time, limit int) (in
 		}
 		sh := &s.shards[i]
 		sh.mu.Lock()
-		cutoff := now.UnixNano()
+		cutoff := unixNanos(now)
 		for h, b := range sh.records {
 			if deleted >= limit {
 				break

@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"net/http"
 	"regexp"
 	"strings"
@@ -290,7 +291,21 @@ func (r *row) record(scope, key string) (*idem.Record, error) {
 }
 
 // Times are stored as integer Unix nanoseconds.
-func nanos(t time.Time) int64         { return t.UnixNano() }
+// nanos is t in Unix nanoseconds, saturated at the ends of int64 (years 1677
+// and 2262): a TTL of centuries must keep its record, not wrap around into the
+// past and expire it at once.
+func nanos(t time.Time) int64 {
+	switch {
+	case t.After(maxNanosTime):
+		return math.MaxInt64
+	case t.Before(minNanosTime):
+		return math.MinInt64
+	}
+	return t.UnixNano()
+}
+
+var maxNanosTime, minNanosTime = time.Unix(0, math.MaxInt64), time.Unix(0, math.MinInt64)
+
 func fromNanos(n int64) time.Time     { return time.Unix(0, n) }
 func wrap(op string, err error) error { return fmt.Errorf("sqlitestore: %s: %w", op, err) }
 

@@ -22,6 +22,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"math"
 	"net/http"
 	"strings"
 	"sync"
@@ -61,6 +62,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 		{"ScopeIsolation", testScopeIsolation},
 		{"Janitor", testJanitor},
 		{"LiveLeasePastTTL", testLiveLeasePastTTL},
+		{"LongestTTL", testLongestTTL},
 		{"HeaderBytesExact", testHeaderBytesExact},
 		{"ResponseCopied", testResponseCopied},
 		{"HostileHeaders", testHostileHeaders},
@@ -864,4 +866,37 @@ func testClockSkew(t *testing.T, s idem.Store, skew time.Duration) {
 	gone := doneAt.Add(ttl + time.Second)
 	wantNotFound(t, s, f, gone)
 	mustClaim(t, s, f.claim("v1:new", gone, lease, ttl))
+}
+
+// testLongestTTL: the longest TTL a time.Duration can say (292 years; idem.New
+// and idem resolve accept it) puts ExpiresAt past 2262, where a time no longer
+// fits in int64 nanoseconds. The record must still count, in flight and
+// complete, and the janitor must leave it: wrapped around into the past it
+// would expire at once and the next request would run again.
+func testLongestTTL(t *testing.T, s idem.Store) {
+	ctx := ctxFor(t)
+	f := newFixture(t)
+	const forever = time.Duration(math.MaxInt64)
+	now := time.Now()
+	first := mustClaim(t, s, f.claim("v1:long", now, time.Minute, forever))
+	if rec, claimed, err := s.Claim(ctx, f.claim("v1:long", now, time.Minute, forever)); err != nil || claimed || rec.Token != first.Token {
+		t.Fatalf("second Claim with the longest TTL = %+v, %v, %v; want the first claim's live record", rec, claimed, err)
+	}
+	if rec, err := s.Get(ctx, f.scope, f.key, now); err != nil || rec.State != idem.StateInFlight {
+		t.Fatalf("Get after a Claim with the longest TTL = %+v, %v; want it in flight", rec, err)
+	}
+	now = time.Now()
+	if err := s.Complete(ctx, f.scope, f.key, first.Token, &idem.Response{Status: 201, Body: []byte("kept")}, now, now.Add(forever)); err != nil {
+		t.Fatalf("Complete with the longest TTL: %v", err)
+	}
+	if _, err := s.DeleteExpired(ctx, time.Now().Add(24*time.Hour), 100); err != nil {
+		t.Fatalf("DeleteExpired: %v", err)
+	}
+	rec, err := s.Get(ctx, f.scope, f.key, time.Now().Add(24*time.Hour))
+	if err != nil || rec.State != idem.StateComplete || rec.Response == nil || rec.Response.Status != 201 || string(rec.Response.Body) != "kept" {
+		t.Fatalf("Get a day after Complete with the longest TTL = %+v, %v; want the complete record", rec, err)
+	}
+	if rec, claimed, err := s.Claim(ctx, f.claim("v1:long", time.Now(), time.Minute, forever)); err != nil || claimed || rec.State != idem.StateComplete {
+		t.Fatalf("Claim after Complete with the longest TTL = %+v, %v, %v; want the complete record replayed", rec, claimed, err)
+	}
 }

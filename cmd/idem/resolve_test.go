@@ -69,3 +69,41 @@ func TestResolveRefusals(t *testing.T) {
 		t.Errorf("after --release --force: %v, want no record", err)
 	}
 }
+
+// TestResolveLongTTL: the longest --ttl a duration can say (2562047h, 292
+// years) lies past 2262, where a time no longer fits in int64 nanoseconds. The
+// answer must still be stored and replayed, not wrap around into the past
+// and expire at once (the next request would run the operation again).
+func TestResolveLongTTL(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	path := filepath.Join(dir, "keys.db")
+	db, err := embedded.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	s, err := sqlitestore.New(db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := s.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, ttl := range []string{"2000000h", "2562047h"} {
+		key := "k-" + ttl
+		now := time.Now().Add(-time.Minute)
+		if _, ok, err := s.Claim(ctx, idem.ClaimRequest{Scope: "t1", Key: key, Fingerprint: "v2:x", Token: "tok", Now: now, LeaseUntil: now.Add(time.Second), ExpiresAt: now.Add(time.Hour)}); !ok || err != nil {
+			t.Fatalf("claim: %v %v", ok, err)
+		}
+		code, out, errOut := runIdem(t, dir, nil, "resolve", "--db", "sqlite:"+path, "--scope", "t1", "--status", "201", "--ttl", ttl, key)
+		if code != 0 {
+			t.Fatalf("resolve --ttl %s: exit %d\n%s%s", ttl, code, out, errOut)
+		}
+		rec, err := s.Get(ctx, "t1", key, time.Now())
+		if err != nil || rec.State != idem.StateComplete || rec.Response.Status != 201 {
+			t.Fatalf("after resolve --ttl %s: %+v, %v; want the complete record with 201", ttl, rec, err)
+		}
+	}
+}
