@@ -2,6 +2,7 @@ package consumer_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"path/filepath"
 	"sync"
@@ -150,12 +151,15 @@ func TestInFlightConcurrent(t *testing.T) {
 
 // With a transactional store the handler's writes and the record commit
 // together: a failed handler leaves neither, a successful one both.
-func TestSQLiteTransaction(t *testing.T) {
+// sqliteOrders opens a migrated SQLite store in a temporary file, beside an
+// orders table of message IDs.
+func sqliteOrders(t *testing.T) (*sql.DB, *sqlitestore.Store) {
+	t.Helper()
 	db, err := embedded.Open(filepath.Join(t.TempDir(), "c.db"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer db.Close()
+	t.Cleanup(func() { _ = db.Close() })
 	ctx := context.Background()
 	if _, err := db.ExecContext(ctx, `CREATE TABLE orders (msg_id TEXT NOT NULL)`); err != nil {
 		t.Fatal(err)
@@ -167,6 +171,12 @@ func TestSQLiteTransaction(t *testing.T) {
 	if err := s.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
+	return db, s
+}
+
+func TestSQLiteTransaction(t *testing.T) {
+	db, s := sqliteOrders(t)
+	ctx := context.Background()
 	p, err := consumer.New(s, consumer.Config{Name: "orders"})
 	if err != nil {
 		t.Fatal(err)
@@ -219,22 +229,8 @@ func TestConfigErrors(t *testing.T) {
 // nothing in the store's transaction: the delivery is retried as a failed one,
 // the key released, and the next delivery runs and commits once.
 func TestSQLiteHandlerPastTimeoutCommitsNothing(t *testing.T) {
-	db, err := embedded.Open(filepath.Join(t.TempDir(), "c.db"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer db.Close()
+	db, s := sqliteOrders(t)
 	ctx := context.Background()
-	if _, err := db.ExecContext(ctx, `CREATE TABLE orders (msg_id TEXT NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
-	s, err := sqlitestore.New(db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
 	p, err := consumer.New(s, consumer.Config{Name: "orders", HandlerTimeout: 100 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)

@@ -3,13 +3,13 @@ package memstore
 import (
 	"encoding/binary"
 	"encoding/hex"
-	"math"
 	"net/http"
 	"strings"
 	"time"
 	"unsafe"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/unixnano"
 )
 
 // A record is kept as one pointer-free byte slice, a blob, so that the garbage
@@ -54,20 +54,8 @@ func putTime(b []byte, off int, t time.Time) {
 	binary.LittleEndian.PutUint64(b[off:], uint64(unixNanos(t)))
 }
 
-// unixNanos is t in Unix nanoseconds, saturated at the ends of int64 (years
-// 1677 and 2262): a TTL of centuries must keep its record, not wrap around
-// into the past and expire it at once.
-func unixNanos(t time.Time) int64 {
-	switch {
-	case t.After(maxNanosTime):
-		return math.MaxInt64
-	case t.Before(minNanosTime):
-		return math.MinInt64
-	}
-	return t.UnixNano()
-}
-
-var maxNanosTime, minNanosTime = time.Unix(0, math.MaxInt64), time.Unix(0, math.MinInt64)
+// unixNanos is t in Unix nanoseconds, saturated at the ends of int64.
+func unixNanos(t time.Time) int64 { return unixnano.Of(t) }
 
 func getNanos(b []byte, off int) int64 { return int64(binary.LittleEndian.Uint64(b[off:])) }
 

@@ -7,7 +7,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"math"
 	"net/http"
 	"regexp"
 	"strings"
@@ -18,6 +17,7 @@ import (
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/internal/headerjson"
+	"github.com/idemkit/idem/internal/unixnano"
 )
 
 // DefaultTable is the table Config.Table defaults to.
@@ -294,17 +294,7 @@ func (r *row) record(scope, key string) (*idem.Record, error) {
 // nanos is t in Unix nanoseconds, saturated at the ends of int64 (years 1677
 // and 2262): a TTL of centuries must keep its record, not wrap around into the
 // past and expire it at once.
-func nanos(t time.Time) int64 {
-	switch {
-	case t.After(maxNanosTime):
-		return math.MaxInt64
-	case t.Before(minNanosTime):
-		return math.MinInt64
-	}
-	return t.UnixNano()
-}
-
-var maxNanosTime, minNanosTime = time.Unix(0, math.MaxInt64), time.Unix(0, math.MinInt64)
+func nanos(t time.Time) int64 { return unixnano.Of(t) }
 
 func fromNanos(n int64) time.Time     { return time.Unix(0, n) }
 func wrap(op string, err error) error { return fmt.Errorf("sqlitestore: %s: %w", op, err) }
