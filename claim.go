@@ -62,14 +62,12 @@ func (h *handler) serveClaim(w http.ResponseWriter, req *request) {
 			return
 		}
 	}
-	if now.Sub(rec.CreatedAt) > time.Millisecond { // a takeover keeps the first claim's CreatedAt; stores may round to milliseconds
-		if h.LapsedLease == LapsedRefuse {
-			h.refuseLapsed(w, req, claim.Token, now)
-			return
-		}
-		h.observe(req, Event{Kind: EventTakenOver})
+	takenOver := now.Sub(rec.CreatedAt) > time.Millisecond // a takeover keeps the first claim's CreatedAt; stores may round to milliseconds
+	if takenOver && h.LapsedLease == LapsedRefuse {
+		h.refuseLapsed(w, req, claim.Token, now)
+		return
 	}
-	h.execute(w, req, claim.Token)
+	h.execute(w, req, claim.Token, takenOver)
 }
 
 // refuseLapsed answers a request that took over a lapsed lease under
@@ -89,10 +87,10 @@ func (h *handler) refuseUnknown(w http.ResponseWriter, req *request, err error) 
 		"an earlier request with this key did not finish (its server or upstream failed mid-request), so whether its operation took effect is unknown; it is not run again on its own. An operator resolves the key with idem resolve (an answer, or a release so that the next request runs it); until then every request with this key gets this answer", 0)
 }
 
-// execute runs the handler of a claimed request and settles its outcome.
-func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
+// execute runs the handler of a claimed request and settles its outcome;
+// takenOver says the claim took a lapsed lease over.
+func (h *handler) execute(w http.ResponseWriter, req *request, token string, takenOver bool) {
 	r := req.r
-	h.claimed(req)
 	rw := req.recorder(w)
 	// The handler's context: the request's values, not the client's cancellation
 	// (a claimed operation runs to its end), HandlerTimeout, and ErrLockLost as the
@@ -109,6 +107,9 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 			cctx := req.freshCleanup()
 			defer req.cctx.stop()
 			relErr := h.releaseKey(cctx, req, token)
+			if takenOver {
+				h.observe(req, Event{Kind: EventTakenOver})
+			}
 			h.problem(w, req, EventStoreError, fmt.Errorf("begin transaction: %w", err), CodeStoreUnavailable,
 				"the idempotency store could not start a transaction, so the request was not executed; "+retryNote(relErr), retrySeconds(relErr, h.Lease))
 			return
@@ -135,6 +136,13 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string) {
 		}
 		req.cctx.stop()
 	}()
+	// The events that start the hold come once the cleanup above is in place: an
+	// Observer that panics on them must not leave the key held until its lease
+	// lapses (under LapsedRefuse, until an operator resolves it).
+	if takenOver {
+		h.observe(req, Event{Kind: EventTakenOver})
+	}
+	h.claimed(req)
 	h.next.ServeHTTP(rw, r.WithContext(ctx))
 	settled = true
 	req.stopRenewal()

@@ -31,9 +31,7 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 		return
 	}
 	defer req.cctx.stop()
-	if rec == nil {
-		h.claimed(req)
-	} else {
+	if rec != nil {
 		_ = tx.Rollback(req.freshCleanup())
 		switch match, _ := sameRequest(req.fp, rec.Fingerprint, r, req.body); {
 		case !match:
@@ -65,6 +63,7 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 			h.observe(req, Event{Kind: EventReleased})
 		}
 	}()
+	h.claimed(req) // after the rollback above is in place: an Observer may panic
 	h.next.ServeHTTP(rw, r.WithContext(ctx))
 	settled = true
 	req.stopRenewal()
