@@ -2,6 +2,8 @@ package idem_test
 
 import (
 	"context"
+	"errors"
+	"io"
 	"net/http"
 	"path/filepath"
 	"strings"
@@ -114,5 +116,71 @@ func TestObserverPanicOnClaimReleasesTheKey(t *testing.T) {
 				t.Errorf("the handler ran %d times, want once", n)
 			}
 		})
+	}
+}
+
+// A claimed handler cannot hijack the connection, neither through
+// http.ResponseController (which unwraps the middleware's writer) nor by a type
+// assertion: what it wrote on the raw connection could not be stored, and the
+// empty 200 left behind was stored and replayed instead of the answer the
+// client got. Before the fix the first answer was the handler's 201 "hi" on the
+// hijacked connection, and the retry got 409 (the hijacked answer reached the
+// client before the completion) or the replay of an empty 200.
+func TestKeyedHandlerCannotHijack(t *testing.T) {
+	t.Parallel()
+	var runs atomic.Int64
+	mw, err := idem.New(newMem(t), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := serveLoopback(t, mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		hijack := http.NewResponseController(w).Hijack
+		if strings.Contains(r.URL.Path, "assert") {
+			hj, ok := w.(http.Hijacker)
+			if !ok {
+				w.WriteHeader(http.StatusNotImplemented)
+				return
+			}
+			hijack = hj.Hijack
+		}
+		c, brw, err := hijack()
+		if err != nil {
+			if !errors.Is(err, http.ErrNotSupported) {
+				t.Errorf("Hijack: %v, want an error wrapping http.ErrNotSupported", err)
+			}
+			w.WriteHeader(http.StatusNotImplemented)
+			return
+		}
+		defer c.Close()
+		_, _ = brw.WriteString("HTTP/1.1 201 Created\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi")
+		_ = brw.Flush()
+	})))
+	for _, path := range []string{"/controller", "/assert"} {
+		send := func() answer {
+			req, err := http.NewRequest(http.MethodPost, srv.URL+path, strings.NewReader("{}"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			req.Header.Set("Idempotency-Key", "k"+path[1:])
+			client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 30 * time.Second}
+			resp, err := client.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer resp.Body.Close()
+			body, _ := io.ReadAll(resp.Body)
+			return answer{resp.StatusCode, resp.Header, body}
+		}
+		first, retry := send(), send()
+		if first.status != http.StatusNotImplemented {
+			t.Errorf("%s: first answer %d %q, want the handler's 501 after a refused hijack", path, first.status, first.body)
+		}
+		if retry.status != first.status || string(retry.body) != string(first.body) || retry.header.Get(idem.ReplayedHeader) != "true" {
+			t.Errorf("%s: the retry got %d %q (replayed %q), want the replay of %d %q", path, retry.status, retry.body, retry.header.Get(idem.ReplayedHeader), first.status, first.body)
+		}
+	}
+	if n := runs.Load(); n != 2 {
+		t.Errorf("the handler ran %d times, want once per key", n)
 	}
 }

@@ -1,10 +1,13 @@
 package idem
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"maps"
+	"net"
 	"net/http"
 )
 
@@ -93,6 +96,14 @@ func (rw *recorder) overLimit() bool { return rw.mode != buffering }
 // Unwrap returns the underlying writer, so that http.ResponseController can set
 // deadlines through the recorder. Flushing is answered by the recorder itself.
 func (rw *recorder) Unwrap() http.ResponseWriter { return rw.w }
+
+// errHijack is what Hijack answers.
+var errHijack = fmt.Errorf("idem: a keyed request's connection cannot be hijacked: what is written on it could not be stored or replayed: %w", http.ErrNotSupported)
+
+// Hijack refuses. Without it, http.ResponseController would reach the
+// connection through Unwrap: the handler would answer on it directly, and the
+// empty 200 left in the recorder would be stored and replayed as the outcome.
+func (rw *recorder) Hijack() (net.Conn, *bufio.ReadWriter, error) { return nil, nil, errHijack }
 
 // Flush does nothing while the response is buffered until its outcome is stored
 // (and committed); it makes the recorder an http.Flusher, so that
