@@ -184,3 +184,38 @@ func TestKeyedHandlerCannotHijack(t *testing.T) {
 		t.Errorf("the handler ran %d times, want once per key", n)
 	}
 }
+
+// A clock that jumps back while a request holds its key (or a record written
+// by a server whose clock is ahead) makes the lease look far longer than Lease:
+// the 409's Retry-After must still not exceed the lease (a lease is never
+// renewed further ahead than that). Before the fix an hour's jump back told the
+// client to come back in 3602 s.
+func TestInFlightRetryAfterCappedAtLease(t *testing.T) {
+	t.Parallel()
+	var offset atomic.Int64
+	clock := func() time.Time { return time.Now().Add(time.Duration(offset.Load())) }
+	gate := make(chan struct{})
+	started := make(chan struct{}, 1)
+	mw, err := idem.New(newMem(t), &idem.Config{NowFunc: clock, Lease: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := serveLoopback(t, mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		started <- struct{}{}
+		<-gate
+		w.WriteHeader(http.StatusCreated)
+	})))
+	first := make(chan answer, 1)
+	go func() { first <- postAnswer(t, srv, "k") }()
+	<-started
+	offset.Store(int64(-time.Hour))
+	a := postAnswer(t, srv, "k")
+	close(gate)
+	wantProblem(t, a, http.StatusConflict, idem.CodeKeyInUse)
+	if ra := a.header.Get("Retry-After"); ra != "5" {
+		t.Errorf("Retry-After = %q after the clock went back an hour, want 5 (the lease)", ra)
+	}
+	if a := <-first; a.status != http.StatusCreated {
+		t.Errorf("the holder: %d %s, want 201", a.status, a.body)
+	}
+}

@@ -180,6 +180,10 @@ func (req *request) readBody() ([]byte, error) {
 }
 
 func (h *handler) inFlight(w http.ResponseWriter, req *request, left time.Duration) {
+	// A lease is never renewed further than Lease ahead, so more than that left
+	// means a clock that went back (or another server's clock ahead): the wait
+	// is capped at the lease rather than told in hours.
+	left = min(left, h.Lease)
 	secs := int((left + time.Second - 1) / time.Second)
 	if secs < 1 {
 		secs = 1
