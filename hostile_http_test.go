@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"io"
+	"log"
 	"net/http"
+	"net/http/httptest"
 	"path/filepath"
 	"strings"
 	"sync/atomic"
@@ -217,5 +219,46 @@ func TestInFlightRetryAfterCappedAtLease(t *testing.T) {
 	}
 	if a := <-first; a.status != http.StatusCreated {
 		t.Errorf("the holder: %d %s, want 201", a.status, a.body)
+	}
+}
+
+// A handler that writes a status net/http refuses (outside 100–999) panics as
+// it would without idem, and leaves nothing behind. Before the fix a status of
+// 1000 was stored first and only then sent, so net/http's panic came after the
+// completion: the key stayed complete and every retry's replay panicked and
+// dropped the connection until the record expired (24 h); a status under 100
+// was stored and replayed as 200.
+func TestInvalidStatusIsNotStored(t *testing.T) {
+	t.Parallel()
+	for _, code := range []int{1000, 99, 0} {
+		var runs atomic.Int64
+		mw, err := idem.New(newMem(t), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := httptest.NewUnstartedServer(mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if runs.Add(1) == 1 {
+				w.WriteHeader(code)
+				_, _ = w.Write([]byte("x"))
+				return
+			}
+			w.WriteHeader(http.StatusCreated)
+		})))
+		srv.Config.ErrorLog = log.New(io.Discard, "", 0) // the handler's panic
+		srv.Start()
+		t.Cleanup(srv.Close)
+		req, err := http.NewRequest(http.MethodPost, srv.URL+"/orders", strings.NewReader(`{"item":"book"}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Idempotency-Key", "k")
+		client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 30 * time.Second}
+		if resp, err := client.Do(req); err == nil {
+			resp.Body.Close()
+			t.Errorf("WriteHeader(%d): the first request got %d, want a dropped connection", code, resp.StatusCode)
+		}
+		if a := postAnswer(t, srv, "k"); a.status != http.StatusCreated || a.header.Get(idem.ReplayedHeader) != "" {
+			t.Errorf("WriteHeader(%d): the retry got %d (replayed %q), want a fresh 201", code, a.status, a.header.Get(idem.ReplayedHeader))
+		}
 	}
 }

@@ -53,8 +53,12 @@ type recorderKey struct{}
 func (rw *recorder) Header() http.Header { return rw.w.Header() }
 
 // WriteHeader records the status. Informational (1xx) statuses are ignored: they
-// cannot be replayed.
+// cannot be replayed. A status net/http refuses panics here as it would there,
+// before it is stored: kept, it would make every replay panic.
 func (rw *recorder) WriteHeader(status int) {
+	if status < 100 || status > 999 {
+		panic(fmt.Sprintf("invalid WriteHeader code %v", status))
+	}
 	if rw.written || status < 200 {
 		return
 	}
