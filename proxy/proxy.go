@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -161,11 +162,12 @@ func New(cfg Config) (*Proxy, error) {
 	p := &Proxy{mux: http.NewServeMux(), routes: map[string]*route{}, scope: cfg.Scope, keyHeader: idem.DefaultHeaderName, log: cfg.ErrorLog}
 	up := &upstream{timeout: cfg.UpstreamTimeout, log: cfg.ErrorLog}
 	up.rp = &httputil.ReverseProxy{
-		Rewrite:       rewrite(cfg.Upstream),
-		Transport:     cfg.Transport,
-		ErrorHandler:  up.failed,
-		ErrorLog:      cfg.ErrorLog,
-		FlushInterval: -1,
+		Rewrite:        rewrite(cfg.Upstream),
+		Transport:      cfg.Transport,
+		ErrorHandler:   up.failed,
+		ModifyResponse: bufferAnswer,
+		ErrorLog:       cfg.ErrorLog,
+		FlushInterval:  -1,
 	}
 	p.bare = up
 	lapsed := idem.LapsedRefuse
@@ -198,7 +200,12 @@ func New(cfg Config) (*Proxy, error) {
 		if _, dup := p.routes[rt.Pattern]; dup {
 			return nil, fmt.Errorf("proxy: route %d: pattern %q is listed twice", i+1, rt.Pattern)
 		}
-		r := &route{protected: mw(up), keyed: map[string]bool{}}
+		buffered := int64(rt.MaxStoredBody)
+		if buffered == 0 {
+			buffered = idem.DefaultMaxStoredBody
+		}
+		rup := &upstream{rp: up.rp, timeout: up.timeout, log: up.log, buffered: buffered}
+		r := &route{protected: mw(rup), keyed: map[string]bool{}}
 		for _, m := range methods {
 			r.keyed[strings.ToUpper(m)] = true
 		}
@@ -267,9 +274,10 @@ type released struct{ err error }
 
 // upstream is the handler behind the middleware: one upstream call.
 type upstream struct {
-	rp      *httputil.ReverseProxy
-	timeout time.Duration
-	log     *log.Logger
+	rp       *httputil.ReverseProxy
+	timeout  time.Duration
+	log      *log.Logger
+	buffered int64 // the route's MaxStoredBody: see bufferAnswer
 }
 
 type callKey struct{}
@@ -278,11 +286,13 @@ type callKey struct{}
 type call struct {
 	keyed       bool
 	unreachable error
+	buffered    int64 // how much of a keyed answer's body is read before it is passed on
+	streamed    bool  // the answer was longer: it streams after that part
 }
 
 func (u *upstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	_, _, keyed := idem.KeyFrom(r.Context())
-	c := &call{keyed: keyed}
+	c := &call{keyed: keyed, buffered: u.buffered}
 	ctx, cancel := context.WithTimeout(context.WithValue(r.Context(), callKey{}, c), u.timeout)
 	defer cancel()
 	if keyed {
@@ -291,11 +301,17 @@ func (u *upstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 				if v != http.ErrAbortHandler {
 					panic(v)
 				}
-				// The upstream's answer broke off after it began: the operation ran,
-				// with an outcome the client could not hear. The recorder sends what
-				// arrived, which the client sees as a truncated answer.
+				// The upstream's answer broke off after it began (past the part
+				// bufferAnswer read): the operation ran, with an outcome the client
+				// could not hear.
 				idem.MarkOutcomeUnknown(r.Context())
 				u.log.Printf("idem proxy: %s %s: the upstream's answer broke off; the outcome of key %q is unknown", r.Method, r.URL.Path, keyOf(r))
+				if c.streamed {
+					// Its start already went to the client (the middleware stored the
+					// outcome without its body, too large to keep): the client must see
+					// the answer break off too, not a well-formed end after the part.
+					panic(v)
+				}
 			}
 		}()
 	}
@@ -334,6 +350,40 @@ func (u *upstream) failed(w http.ResponseWriter, r *http.Request, err error) {
 		writeProblem(w, http.StatusBadGateway, CodeUpstreamFailed, "The upstream failed mid-request",
 			"the upstream failed after the request was sent ("+err.Error()+"), so whether the operation took effect is unknown; a retry with the same key gets 409 while the lease runs, then 503 idempotency_outcome_unknown until an operator resolves the key (or a second execution, when the upstream is configured as safe to repeat)")
 	}
+}
+
+// bufferAnswer is the ReverseProxy's ModifyResponse. It reads the body of a
+// keyed request's answer (up to the route's MaxStoredBody, which the middleware
+// buffers anyway) before any of it is passed on, so that an upstream that
+// breaks its answer off there is the documented 502 upstream_failed (the
+// outcome unknown): once the status and part of the body reached the
+// middleware, the broken answer could only be sent on as it was — a 201 with
+// half a body and a Content-Length that matched it. An answer longer than that
+// streams after its first part; if it breaks off later, so does the answer the
+// client gets.
+func bufferAnswer(res *http.Response) error {
+	c, _ := res.Request.Context().Value(callKey{}).(*call)
+	if c == nil || !c.keyed || res.StatusCode < 200 || res.Body == nil || res.Body == http.NoBody {
+		return nil // a 101's body is the upgraded connection: not to be read here
+	}
+	buf, err := io.ReadAll(io.LimitReader(res.Body, c.buffered+1))
+	if err != nil {
+		return fmt.Errorf("reading the answer's body: %w", err)
+	}
+	if int64(len(buf)) <= c.buffered {
+		res.Body = readCloser{bytes.NewReader(buf), res.Body}
+	} else {
+		// Longer than the middleware keeps: it streams the answer once its
+		// buffer overflows, which this part does.
+		c.streamed = true
+		res.Body = readCloser{io.MultiReader(bytes.NewReader(buf), res.Body), res.Body}
+	}
+	return nil
+}
+
+type readCloser struct {
+	io.Reader
+	io.Closer
 }
 
 // rewrite points the outgoing request at upstream. ReverseProxy removes the
