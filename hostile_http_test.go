@@ -1,10 +1,13 @@
 package idem_test
 
 import (
+	"bufio"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
@@ -260,5 +263,81 @@ func TestInvalidStatusIsNotStored(t *testing.T) {
 		if a := postAnswer(t, srv, "k"); a.status != http.StatusCreated || a.header.Get(idem.ReplayedHeader) != "" {
 			t.Errorf("WriteHeader(%d): the retry got %d (replayed %q), want a fresh 201", code, a.status, a.header.Get(idem.ReplayedHeader))
 		}
+	}
+}
+
+// The request body is read whole before the key is touched: at MaxRequestBody
+// it passes and one byte more is 413, with and without Content-Length (chunked);
+// a client that sends half its body and stalls holds nothing, so a second
+// request with the key runs meanwhile and the stalled one, once its body is
+// complete, hears that outcome; one that hangs up mid-body leaves the key free.
+func TestBodyBoundsAndStalledBodies(t *testing.T) {
+	t.Parallel()
+	const max = 64
+	b := setup(t, &idem.Config{MaxRequestBody: max}, &orders{})
+	for _, chunked := range []bool{false, true} {
+		for _, n := range []int{max - 1, max, max + 1} {
+			body := strings.Repeat("x", n)
+			var r io.Reader = strings.NewReader(body)
+			if chunked {
+				r = io.MultiReader(strings.NewReader(body)) // no length known: sent chunked
+			}
+			req, err := http.NewRequest(http.MethodPost, b.server.URL+"/orders", r)
+			if err != nil {
+				t.Fatal(err)
+			}
+			req.Header.Set("Idempotency-Key", fmt.Sprintf("b-%v-%d", chunked, n))
+			resp, err := b.client.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			a := answer{resp.StatusCode, resp.Header, got}
+			if n > max {
+				wantProblem(t, a, http.StatusRequestEntityTooLarge, idem.CodeBodyTooLarge)
+			} else if a.status != http.StatusCreated || !strings.Contains(string(a.body), body) {
+				t.Errorf("chunked %v, %d bytes: %d %s, want 201 with the body", chunked, n, a.status, a.body)
+			}
+		}
+	}
+
+	host := strings.TrimPrefix(b.server.URL, "http://")
+	stalled, err := net.Dial("tcp", host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stalled.Close()
+	body := `{"cart":"stalled"}`
+	half := len(body) / 2
+	fmt.Fprintf(stalled, "POST /orders HTTP/1.1\r\nHost: %s\r\nIdempotency-Key: stall\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s", host, len(body), body[:half])
+	// While its body stalls, the key is free: another request with it runs.
+	if a := b.post(t, "stall", body); a.status != http.StatusCreated || a.header.Get(idem.ReplayedHeader) != "" {
+		t.Fatalf("a request while another's body stalls: %d %s, want a fresh 201", a.status, a.body)
+	}
+	if _, err := io.WriteString(stalled, body[half:]); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(stalled), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusCreated || resp.Header.Get(idem.ReplayedHeader) != "true" {
+		t.Errorf("the stalled request once its body arrived: %d (replayed %q), want the replay", resp.StatusCode, resp.Header.Get(idem.ReplayedHeader))
+	}
+
+	// A client that hangs up mid-body leaves the key free.
+	gone, err := net.Dial("tcp", host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprintf(gone, "POST /orders HTTP/1.1\r\nHost: %s\r\nIdempotency-Key: gone\r\nContent-Length: %d\r\n\r\n%s", host, len(body), body[:half])
+	_ = gone.Close()
+	if a := b.post(t, "gone", body); a.status != http.StatusCreated || a.header.Get(idem.ReplayedHeader) != "" {
+		t.Errorf("after a client hung up mid-body: %d %s, want a fresh 201", a.status, a.body)
+	}
+	if n := b.orders.runs.Load(); n != 6 {
+		t.Errorf("the handler ran %d times, want 6 (4 bodies within the bound, the stalled key once, the hung-up key once)", n)
 	}
 }
