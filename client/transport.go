@@ -201,6 +201,22 @@ func (s *settings) keyed(method string) bool {
 	return false
 }
 
+// headerValues returns the values of the header name in h, also when the
+// caller put them under a spelling that is not canonical
+// (h["idempotency-key"]): net/http sends such a key as it is, so a key of our
+// own beside it would be a second key header line.
+func headerValues(h http.Header, name string) []string {
+	if vs := h.Values(name); len(vs) > 0 {
+		return vs
+	}
+	for k, vs := range h {
+		if len(vs) > 0 && strings.EqualFold(k, name) {
+			return vs
+		}
+	}
+	return nil
+}
+
 // ErrAttemptTimeout is wrapped by the error of an attempt abandoned after
 // Transport.AttemptTimeout, or because the body of an answer to retry stalled
 // (RetryError.Err); check it with errors.Is.
@@ -241,7 +257,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		header = make(http.Header)
 	}
 	var key string
-	if vs := req.Header.Values(s.header); len(vs) > 0 {
+	if vs := headerValues(req.Header, s.header); len(vs) > 0 {
 		key = vs[0] // the caller's key, sent as it is
 	} else {
 		k, ok := KeyFrom(ctx)
