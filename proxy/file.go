@@ -29,6 +29,7 @@ import (
 //	    stored_headers: [Content-Type, Location]
 //	    max_request_body: 1MiB
 //	    max_stored_body: 1MiB
+//	    release_5xx: false      # true: an upstream 5xx is not kept; a retry runs again
 //	  - match: PATCH /orders/{id}
 //	    key: optional
 //
@@ -72,6 +73,7 @@ type FileRoute struct {
 	StoredHeaders  []string `yaml:"stored_headers"`
 	MaxRequestBody Size     `yaml:"max_request_body"`
 	MaxStoredBody  Size     `yaml:"max_stored_body"`
+	Release5xx     bool     `yaml:"release_5xx"`
 }
 
 // Duration is a time.Duration written as "30s", "24h".
@@ -159,7 +161,7 @@ func (f *File) ProxyRoutes() ([]Route, error) {
 		}
 		rt := Route{
 			Pattern: r.Match, TTL: time.Duration(r.TTL), Lease: time.Duration(r.Lease), StoredHeaders: r.StoredHeaders,
-			MaxRequestBody: int64(r.MaxRequestBody), MaxStoredBody: int(r.MaxStoredBody),
+			MaxRequestBody: int64(r.MaxRequestBody), MaxStoredBody: int(r.MaxStoredBody), Release5xx: r.Release5xx,
 		}
 		switch r.Key {
 		case "", "required":

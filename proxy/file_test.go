@@ -39,6 +39,7 @@ routes:
     stored_headers: [Content-Type, Location]
     max_request_body: 64KiB
     max_stored_body: 2MiB
+    release_5xx: true
   - match: PATCH /orders/{id}
     key: optional
 `)
@@ -53,6 +54,7 @@ routes:
 	want := proxy.Route{Pattern: "POST /orders", TTL: 2 * time.Hour, Lease: 10 * time.Second, StoredHeaders: []string{"Content-Type", "Location"}, MaxRequestBody: 64 << 10, MaxStoredBody: 2 << 20}
 	if len(routes) != 2 || routes[0].Pattern != want.Pattern || routes[0].TTL != want.TTL || routes[0].Lease != want.Lease ||
 		routes[0].MaxRequestBody != want.MaxRequestBody || routes[0].MaxStoredBody != want.MaxStoredBody || len(routes[0].StoredHeaders) != 2 ||
+		!routes[0].Release5xx || routes[1].Release5xx ||
 		!routes[1].KeyOptional || routes[1].Pattern != "PATCH /orders/{id}" {
 		t.Errorf("routes = %+v", routes)
 	}

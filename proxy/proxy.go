@@ -70,7 +70,16 @@ type Route struct {
 	// MaxStoredBody is the largest response body kept for replay
 	// (idem.Config.MaxStoredBody).
 	MaxStoredBody int
+	// Release5xx passes an upstream's 5xx answer on without keeping it, and
+	// releases the key, so that a retry runs the operation again. Set it only
+	// when the upstream's 5xx answers never leave effects behind. By default
+	// every answer the upstream completes is kept and replayed for TTL, 5xx
+	// included: the upstream may have acted before it failed.
+	Release5xx bool
 }
+
+// below500 is the KeepFunc of a route with Release5xx.
+func below500(status int) bool { return status < 500 }
 
 // DefaultRoutes is what Config.Routes means when empty: POST and PATCH keyed on
 // every path.
@@ -180,7 +189,12 @@ func New(cfg Config) (*Proxy, error) {
 		if m, _, ok := strings.Cut(strings.TrimSpace(rt.Pattern), " "); ok && !strings.HasPrefix(m, "/") {
 			methods = []string{m}
 		}
+		var keep func(int) bool
+		if rt.Release5xx {
+			keep = below500
+		}
 		mw, err := idem.New(store, &idem.Config{
+			KeepFunc:       keep,
 			Methods:        methods,
 			KeyOptional:    rt.KeyOptional,
 			Lease:          rt.Lease,

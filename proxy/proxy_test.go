@@ -17,6 +17,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -433,4 +434,39 @@ func ExampleNew() {
 	})
 	fmt.Println(p != nil, err)
 	// Output: true <nil>
+}
+
+// An upstream 5xx is kept and replayed like any answer by default (the
+// upstream may have acted before it failed); with Release5xx it is passed on,
+// the key released, and the retry runs the operation again.
+func TestUpstream5xxKeptUnlessReleased(t *testing.T) {
+	t.Parallel()
+	var calls atomic.Int64
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if calls.Add(1)%2 == 1 { // every other call fails, as an overloaded upstream does
+			http.Error(w, "overloaded", http.StatusServiceUnavailable)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprint(w, `{"id":1}`)
+	}))
+	t.Cleanup(up.Close)
+	for _, release := range []bool{false, true} {
+		calls.Store(0)
+		px := startProxy(t, up.URL, proxy.Config{Routes: []proxy.Route{{Pattern: "POST /orders", Release5xx: release}}})
+		first := send(t, "POST", px.url+"/orders", `{}`, "Idempotency-Key", "k")
+		retry := send(t, "POST", px.url+"/orders", `{}`, "Idempotency-Key", "k")
+		if first.status != http.StatusServiceUnavailable {
+			t.Fatalf("Release5xx %v: first answer %d %s, want the upstream's 503", release, first.status, first.body)
+		}
+		switch {
+		case !release && (retry.status != http.StatusServiceUnavailable || retry.header.Get(idem.ReplayedHeader) != "true" || calls.Load() != 1):
+			t.Fatalf("default: retry %d replayed=%q after %d upstream calls, want the 503 replayed after 1", retry.status, retry.header.Get(idem.ReplayedHeader), calls.Load())
+		case release && (retry.status != http.StatusCreated || retry.header.Get(idem.ReplayedHeader) != "" || calls.Load() != 2):
+			t.Fatalf("Release5xx: retry %d replayed=%q after %d upstream calls, want a fresh 201 after 2", retry.status, retry.header.Get(idem.ReplayedHeader), calls.Load())
+		}
+		if again := send(t, "POST", px.url+"/orders", `{}`, "Idempotency-Key", "k"); again.status != retry.status || again.header.Get(idem.ReplayedHeader) != "true" {
+			t.Fatalf("Release5xx %v: third request %d replayed=%q, want the second answer replayed", release, again.status, again.header.Get(idem.ReplayedHeader))
+		}
+	}
 }

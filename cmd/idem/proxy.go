@@ -85,6 +85,7 @@ func runProxy(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	jwksFile := fs.String("jwks-file", "", "the JSON Web Key Set that verifies JWTs")
 	jwtIssuer := fs.String("jwt-issuer", "", "the iss a JWT must have")
 	jwtAudience := fs.String("jwt-audience", "", "an aud a JWT must have")
+	release5xx := fs.Bool("release-5xx", false, "pass an upstream 5xx on without keeping it, and release the key so that a retry runs again (only for upstreams whose 5xx leaves no effects; default: kept and replayed like any answer)")
 	repeatSafe := fs.Bool("repeat-safe", false, "the upstream may run an operation twice: after a lapsed lease, run it again instead of 503 idempotency_outcome_unknown")
 	timeout := fs.Duration("upstream-timeout", 0, "bound on each upstream call (default 30s); past it: 504 upstream_timeout, outcome unknown")
 	fs.Usage = storeUsage(fs, proxyUsage, proxyEnv)
@@ -149,6 +150,7 @@ func runProxy(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	for i := range rts { // flags apply to every route
 		r := &rts[i]
 		r.KeyOptional = r.KeyOptional || *keyOptional
+		r.Release5xx = r.Release5xx || *release5xx
 		if set["ttl"] {
 			r.TTL = *ttl
 		}
