@@ -5,6 +5,8 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/idemkit/idem"
@@ -68,6 +70,40 @@ func Failed(err error) bool {
 func Hash(s string) string {
 	sum := sha256.Sum256([]byte(s))
 	return hex.EncodeToString(sum[:8])
+}
+
+// Redact returns msg, an error's message, with the key and the scope replaced
+// by "key#"+Hash(key) and "scope#"+Hash(scope) wherever it names them: raw,
+// Go-quoted (as %q writes them: a key may hold '"' and '\', a scope any byte),
+// or cut short (a store that quotes only the first bytes of a long key). Store
+// errors name the key; observers that pass an error on use Redact to keep
+// hashes only.
+func Redact(msg, key, scope string) string {
+	if key != "" {
+		msg = redactOne(msg, key, "key#"+Hash(key))
+	}
+	if scope != "" {
+		msg = redactOne(msg, scope, "scope#"+Hash(scope))
+	}
+	return msg
+}
+
+// minRedactedPrefix is the shortest leading part of a key or scope Redact
+// looks for: shorter ones would hide ordinary words, and reveal little.
+const minRedactedPrefix = 16
+
+func redactOne(msg, s, repl string) string {
+	quoted := func(s string) string { q := strconv.Quote(s); return q[1 : len(q)-1] }
+	msg = strings.ReplaceAll(msg, s, repl)
+	msg = strings.ReplaceAll(msg, quoted(s), repl)
+	for n := len(s) - 1; n >= minRedactedPrefix; n-- {
+		for _, form := range [2]string{s[:n], quoted(s[:n])} {
+			if strings.Contains(msg, form) {
+				msg = strings.ReplaceAll(msg, form, repl)
+			}
+		}
+	}
+	return msg
 }
 
 // StoreObserver is told about every operation of a Store decorated with Store.

@@ -281,16 +281,7 @@ type redacted struct {
 	key, scope string
 }
 
-func (r redacted) Error() string {
-	msg := r.err.Error()
-	if r.key != "" {
-		msg = strings.ReplaceAll(msg, r.key, "key#"+idemobs.Hash(r.key))
-	}
-	if r.scope != "" {
-		msg = strings.ReplaceAll(msg, r.scope, "scope#"+idemobs.Hash(r.scope))
-	}
-	return msg
-}
+func (r redacted) Error() string { return idemobs.Redact(r.err.Error(), r.key, r.scope) }
 
 func (r redacted) Unwrap() error { return r.err }
 

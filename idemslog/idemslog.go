@@ -8,7 +8,9 @@
 //	idem.scope_hash  idemobs.Hash of the scope; absent for the empty scope
 //	idem.status      the status sent, when one was
 //	idem.took        time since the request reached idem (a duration)
-//	idem.err         the error behind the outcome, when there is one
+//	idem.err         the error behind the outcome, when there is one, with
+//	                 the key and scope in it replaced (idemobs.Redact) unless
+//	                 Config.RawKeys
 //	idem.key, idem.scope  the raw key and scope, only with Config.RawKeys
 //
 // Levels (DefaultLevel): executed and replayed at Debug; in_flight, mismatch,
@@ -100,7 +102,11 @@ func (o *Observer) Observe(ctx context.Context, e idem.Event) {
 		attrs = append(attrs, slog.Int("idem.status", e.Status))
 	}
 	if e.Err != nil {
-		attrs = append(attrs, slog.String("idem.err", e.Err.Error()))
+		msg := e.Err.Error()
+		if !o.raw { // store errors name the key
+			msg = idemobs.Redact(msg, e.Key, e.Scope)
+		}
+		attrs = append(attrs, slog.String("idem.err", msg))
 	}
 	if o.raw {
 		attrs = append(attrs, slog.String("idem.key", e.Key), slog.String("idem.scope", e.Scope))
