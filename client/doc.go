@@ -78,7 +78,9 @@
 //
 //   - A request body without GetBody is read into memory before the first attempt,
 //     whatever its size. Bodies from bytes.Reader, bytes.Buffer and strings.Reader
-//     (http.NewRequest sets GetBody for them) are not copied.
+//     (http.NewRequest sets GetBody for them) are not copied. The copy ends with
+//     the request context: a reader that stalls is closed then, and RoundTrip
+//     returns the context's error without having sent anything.
 //   - Attempts counts the Transport's attempts only: not the resends net/http makes
 //     by itself on a dropped keep-alive connection, nor the attempts of a retrying
 //     client wrapped around the Transport.

@@ -272,7 +272,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		header.Set(s.header, key)
 	}
 
-	bodies, err := newBodies(req)
+	bodies, err := newBodies(ctx, req)
 	if err != nil {
 		return nil, fmt.Errorf("idem/client: reading the request body, to be able to resend it, failed before the first attempt (nothing was sent): %w", err)
 	}
@@ -486,8 +486,10 @@ type bodies struct {
 }
 
 // newBodies prepares to resend req's body: from req.GetBody when set, otherwise
-// from a copy read now. It closes req.Body when it reads it.
-func newBodies(req *http.Request) (*bodies, error) {
+// from a copy read now. It closes req.Body when it reads it. The copy ends with
+// ctx: a reader that stalls (a pipe, a socket) must not hold the caller past its
+// deadline; req.Body is closed then, to end the read.
+func newBodies(ctx context.Context, req *http.Request) (*bodies, error) {
 	b := &bodies{first: req.Body, length: req.ContentLength}
 	if req.Body == nil || req.Body == http.NoBody {
 		return b, nil
@@ -496,10 +498,26 @@ func newBodies(req *http.Request) (*bodies, error) {
 		b.getBody = req.GetBody
 		return b, nil
 	}
-	data, err := io.ReadAll(req.Body)
-	_ = req.Body.Close()
-	if err != nil {
-		return nil, err
+	type copied struct {
+		data []byte
+		err  error
+	}
+	done := make(chan copied, 1)
+	go func() {
+		data, err := io.ReadAll(req.Body)
+		done <- copied{data, err}
+	}()
+	var data []byte
+	select {
+	case c := <-done:
+		_ = req.Body.Close()
+		if c.err != nil {
+			return nil, c.err
+		}
+		data = c.data
+	case <-ctx.Done():
+		_ = req.Body.Close()
+		return nil, context.Cause(ctx)
 	}
 	b.getBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil }
 	b.first, _ = b.getBody()
