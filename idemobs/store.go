@@ -110,9 +110,25 @@ func (b *base) done(ctx context.Context, op Op, t0 time.Time, err error) {
 	b.o.StoreDone(ctx, op, time.Since(t0), err)
 }
 
+// undoOnPanic, deferred after an operation that took something (a claim, a
+// transaction), runs undo and lets the panic go on when the observer panics
+// while told of it: the caller never gets what was taken, so nothing else would
+// give it back (a claimed key would stay held until its lease lapsed).
+func undoOnPanic(undo func()) {
+	if v := recover(); v != nil {
+		undo()
+		panic(v)
+	}
+}
+
 func (b *base) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record, bool, error) {
 	ctx, t0 := b.start(ctx, OpClaim)
 	rec, claimed, err := b.s.Claim(ctx, req)
+	defer undoOnPanic(func() {
+		if claimed && err == nil { // the caller never learns of its claim
+			_ = b.s.Release(context.WithoutCancel(ctx), req.Scope, req.Key, req.Token)
+		}
+	})
 	b.done(ctx, OpClaim, t0, err)
 	return rec, claimed, err
 }
@@ -161,6 +177,11 @@ type txPart struct {
 func (p txPart) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
 	octx, t0 := p.b.start(ctx, OpBegin)
 	txCtx, tx, err := p.tx.BeginTx(ctx)
+	defer undoOnPanic(func() {
+		if err == nil {
+			_ = tx.Rollback(context.WithoutCancel(ctx))
+		}
+	})
 	p.b.done(octx, OpBegin, t0, err)
 	if err != nil {
 		return txCtx, tx, err
@@ -198,6 +219,11 @@ type singlePart struct {
 func (p singlePart) BeginLocked(ctx context.Context, scope, key string, now time.Time) (context.Context, idem.LockedTx, *idem.Record, error) {
 	octx, t0 := p.b.start(ctx, OpBegin)
 	txCtx, tx, rec, err := p.single.BeginLocked(ctx, scope, key, now)
+	defer undoOnPanic(func() {
+		if err == nil {
+			_ = tx.Rollback(context.WithoutCancel(ctx))
+		}
+	})
 	p.b.done(octx, OpBegin, t0, err)
 	if err != nil {
 		return txCtx, tx, rec, err
