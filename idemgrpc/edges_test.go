@@ -1,8 +1,10 @@
 package idemgrpc_test
 
 import (
+	"bytes"
 	"context"
 	"fmt"
+	"net/http/httptest"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -15,6 +17,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/structpb"
 )
 
@@ -165,5 +168,48 @@ func TestHugeMessages(t *testing.T) {
 	b := invoke(context.Background(), cc, createMethod, "k-bigresp", "t1", in)
 	if status.Code(b.err) != codes.Internal || errorInfoReason(b.err) != "IDEMPOTENCY_RESPONSE_TOO_LARGE" || n.Load() != 1 {
 		t.Fatalf("retry of a response too large to keep: %v (reason %q), %d executions; want Internal IDEMPOTENCY_RESPONSE_TOO_LARGE, 1", b.err, errorInfoReason(b.err), n.Load())
+	}
+}
+
+// plantLapsed puts an in-flight record for key whose lease lapsed an hour ago
+// into mem, as a process that died mid-call leaves behind, with the
+// fingerprint a Create of in under scope would have.
+func plantLapsed(t *testing.T, mem *memstore.Store, scope, key string, in *structpb.Struct) {
+	t.Helper()
+	body, err := proto.MarshalOptions{Deterministic: true}.Marshal(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fp := idem.FingerprintV2(httptest.NewRequest("POST", createMethod, bytes.NewReader(body)), body)
+	past := time.Now().Add(-time.Hour)
+	if _, ok, err := mem.Claim(context.Background(), idem.ClaimRequest{Scope: scope, Key: key, Fingerprint: fp, Token: "dead",
+		Now: past, LeaseUntil: past.Add(time.Minute), ExpiresAt: past.Add(48 * time.Hour)}); err != nil || !ok {
+		t.Fatalf("plant a lapsed claim: %v %v", ok, err)
+	}
+}
+
+// TestLapsedClaimOverGRPC: a call whose key is held by a dead claim is refused
+// with FailedPrecondition IDEMPOTENCY_OUTCOME_UNKNOWN under LapsedRefuse (the
+// handler does not run), and taken over, the handler run once, under the
+// default LapsedTakeOver.
+func TestLapsedClaimOverGRPC(t *testing.T) {
+	t.Parallel()
+	in := mustStruct(t, map[string]any{"cart": "c"})
+	for _, mode := range []idem.LapsedLease{idem.LapsedRefuse, idem.LapsedTakeOver} {
+		c := &counter{}
+		mem := memstore.New(nil)
+		t.Cleanup(func() { _ = mem.Close() })
+		plantLapsed(t, mem, "t1", "k-lapsed", in)
+		addr := serve(t, newServer(t, mem, &idemgrpc.Config{Idem: &idem.Config{LapsedLease: mode}}), &ordersService{create: c.create})
+		o := invoke(context.Background(), dial(t, addr), createMethod, "k-lapsed", "t1", in)
+		if mode == idem.LapsedRefuse {
+			if status.Code(o.err) != codes.FailedPrecondition || errorInfoReason(o.err) != "IDEMPOTENCY_OUTCOME_UNKNOWN" || c.n.Load() != 0 {
+				t.Fatalf("LapsedRefuse: %v (reason %q), %d executions; want FailedPrecondition IDEMPOTENCY_OUTCOME_UNKNOWN, none", o.err, errorInfoReason(o.err), c.n.Load())
+			}
+			continue
+		}
+		if o.err != nil || o.replayed || c.n.Load() != 1 {
+			t.Fatalf("LapsedTakeOver: %v (replayed %v), %d executions; want the call taken over and run once", o.err, o.replayed, c.n.Load())
+		}
 	}
 }
