@@ -31,7 +31,9 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/idemobs"
@@ -189,6 +191,11 @@ func (m *Metrics) Observe(ctx context.Context, e idem.Event) {
 		return
 	}
 	outcome, route := e.Kind.String(), m.route(ctx)
+	if !utf8.ValidString(route) {
+		// A label value must be UTF-8 (WithLabelValues panics otherwise, in the
+		// request): keep the route, with its invalid bytes replaced.
+		route = strings.ToValidUTF8(route, "\uFFFD")
+	}
 	m.requests.WithLabelValues(outcome, route).Inc()
 	m.durations.WithLabelValues(outcome, route).Observe(secs)
 }

@@ -349,3 +349,40 @@ func TestConcurrentGauge(t *testing.T) {
 		t.Errorf("idem_in_flight = %v, want 0", got)
 	}
 }
+
+// A route that is not valid UTF-8 (a Config.Route that returns a raw path, say)
+// is counted with its invalid bytes replaced: Prometheus refuses such a label
+// value with a panic, which must not reach the request.
+func TestInvalidUTF8RouteIsCounted(t *testing.T) {
+	t.Parallel()
+	reg := prometheus.NewRegistry()
+	m, err := idemprom.New(reg, &idemprom.Config{Route: idemprom.RouteFrom})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mem := memstore.New(nil)
+	t.Cleanup(func() { _ = mem.Close() })
+	mw, err := idem.New(m.Store(mem), &idem.Config{Observer: m})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(idemprom.WithRoute("POST /\xffrders", mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusCreated)
+	}))))
+	t.Cleanup(srv.Close)
+	req, _ := http.NewRequest("POST", srv.URL+"/orders", nil)
+	req.Header.Set("Idempotency-Key", "k")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("a request on a route that is not UTF-8: %v", err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusCreated {
+		t.Fatalf("status %d, want 201", resp.StatusCode)
+	}
+	metrics := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	t.Cleanup(metrics.Close)
+	if got := value(t, scrape(t, metrics.URL), "idem_requests_total", "outcome", "executed", "route", "POST /\uFFFDrders"); got != 1 {
+		t.Errorf("executed on the route = %v, want 1", got)
+	}
+}
