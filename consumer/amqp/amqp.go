@@ -33,8 +33,14 @@ import (
 	"github.com/idemkit/idem/consumer"
 )
 
-// RetriesHeader counts the retries of a message republished through q.retry.
+// RetriesHeader counts the failed deliveries of a message republished through
+// q.retry: the ones whose handler failed, which MaxDeliveries bounds.
 const RetriesHeader = "x-idem-retries"
+
+// OutagesHeader counts the retries of a message republished through q.retry
+// because the store failed (or the lease was lost): its handler did not fail,
+// so they do not count toward MaxDeliveries; they only lengthen the backoff.
+const OutagesHeader = "x-idem-outages"
 
 // Declare declares queue, queue+".retry" and queue+".dead" (see the package
 // doc) on ch. It is safe to call again with the same name.
@@ -125,12 +131,22 @@ func Handle(ctx context.Context, p *consumer.Processor, d *amqp091.Delivery, h c
 	case consumer.Ack:
 		return out, d.Ack(false)
 	case consumer.Retry:
-		retries := headerInt(d.Headers, RetriesHeader)
-		if out.Reason != consumer.InFlight {
+		retries := headerInt(d.Headers, RetriesHeader) + headerInt(d.Headers, "x-delivery-count")
+		outages := headerInt(d.Headers, OutagesHeader)
+		delay := out.Delay
+		switch out.Reason {
+		case consumer.InFlight:
 			// Waiting for another delivery to finish is not a failed delivery.
-			retries += 1 + headerInt(d.Headers, "x-delivery-count")
+		case consumer.Failed:
+			retries++
+		default:
+			// The store failed, or the lease was lost: the handler did not fail,
+			// so this is no delivery for MaxDeliveries (a long store outage must
+			// not dead-letter messages that never ran), but the retries back off.
+			outages = min(outages+1, maxCount)
+			delay = p.Backoff(outages)
 		}
-		if err := retry(ctx, cfg, d, retries, out.Delay); err != nil {
+		if err := retry(ctx, cfg, d, retries, outages, delay); err != nil {
 			return out, errors.Join(err, d.Nack(false, true))
 		}
 		return out, d.Ack(false)
@@ -141,7 +157,7 @@ func Handle(ctx context.Context, p *consumer.Processor, d *amqp091.Delivery, h c
 
 // retry republishes d to the retry queue with delay and waits for the
 // broker's confirmation.
-func retry(ctx context.Context, cfg *Config, d *amqp091.Delivery, retries int, delay time.Duration) error {
+func retry(ctx context.Context, cfg *Config, d *amqp091.Delivery, retries, outages int, delay time.Duration) error {
 	if cfg.Publisher == nil || cfg.Queue == "" {
 		return errors.New("amqp: Config.Publisher and Config.Queue are required to retry a message; set them (Publisher in confirm mode)")
 	}
@@ -152,6 +168,9 @@ func retry(ctx context.Context, cfg *Config, d *amqp091.Delivery, retries int, d
 		}
 	}
 	headers[RetriesHeader] = int32(retries)
+	if outages > 0 {
+		headers[OutagesHeader] = int32(outages)
+	}
 	ms := max(delay.Milliseconds(), 1)
 	c, err := cfg.Publisher.PublishWithDeferredConfirmWithContext(ctx, "", cfg.Queue+".retry", false, false, amqp091.Publishing{
 		Headers: headers, ContentType: d.ContentType, ContentEncoding: d.ContentEncoding,

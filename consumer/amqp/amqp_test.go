@@ -16,6 +16,7 @@ import (
 
 	"github.com/rabbitmq/amqp091-go"
 
+	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/consumer"
 	idemamqp "github.com/idemkit/idem/consumer/amqp"
 	"github.com/idemkit/idem/consumer/internal/prooftest"
@@ -543,5 +544,59 @@ func TestHostileRetriesHeader(t *testing.T) {
 		if runs[id] > maxDeliveries {
 			t.Errorf("%s (x-idem-retries %v): the handler ran %d times; want at most MaxDeliveries (%d)", id, values[id], runs[id], maxDeliveries)
 		}
+	}
+}
+
+// failingClaims is a store whose first Claims fail, as during an outage.
+type failingClaims struct {
+	idem.Store
+	left atomic.Int32
+}
+
+func (s *failingClaims) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record, bool, error) {
+	if s.left.Add(-1) >= 0 {
+		return nil, false, errors.New("store: connection refused")
+	}
+	return s.Store.Claim(ctx, req)
+}
+
+// TestStoreOutageIsNotPoison: a store that fails more times in a row than
+// MaxDeliveries delays a message, but does not dead-letter it unrun: store
+// failures are not failed deliveries. The message then runs once, and a
+// handler failure after the outage still gets its MaxDeliveries.
+func TestStoreOutageIsNotPoison(t *testing.T) {
+	b := newBroker(t)
+	store := &failingClaims{Store: memstore.New(nil)}
+	store.left.Store(6)
+	const maxDeliveries = 2
+	p, err := consumer.New(store, consumer.Config{Name: "outage", MaxDeliveries: maxDeliveries, Backoff: func(int) time.Duration { return 10 * time.Millisecond }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var runs, dead, executed, outages atomic.Int32
+	var failOnce atomic.Bool
+	failOnce.Store(true)
+	stop := consume(t, b, p, func(ctx context.Context, m *consumer.Message) ([]byte, error) {
+		runs.Add(1)
+		if failOnce.CompareAndSwap(true, false) {
+			return nil, errors.New("a transient failure after the outage")
+		}
+		return []byte("done"), nil
+	}, "", func(_ *amqp091.Delivery, out consumer.Outcome) {
+		switch {
+		case out.Action == consumer.DeadLetter:
+			dead.Add(1)
+		case out.Reason == consumer.Executed:
+			executed.Add(1)
+		case out.Reason == consumer.StoreFailed:
+			outages.Add(1)
+		}
+	})
+	defer stop()
+	b.publish(t, "", []string{"during-outage"}, payload)
+	waitFor(t, 30*time.Second, "the message settled", func() bool { return dead.Load()+executed.Load() > 0 })
+	if dead.Load() != 0 || executed.Load() != 1 || runs.Load() != 2 || outages.Load() != 6 {
+		t.Fatalf("dead-lettered %d, executed %d, handler runs %d, store failures %d; want 0, 1, 2 (one failure, one success) and 6",
+			dead.Load(), executed.Load(), runs.Load(), outages.Load())
 	}
 }
