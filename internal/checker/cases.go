@@ -80,10 +80,17 @@ func (c *checker) firstExchange(ctx context.Context) *exchange {
 }
 
 // needFirst returns the first request when it succeeded, or the Case to report
-// when it did not.
+// when it did not: a skip that points to first_request's failure, or a failure
+// when first_request is not among the cases run (Options.Only).
 func (c *checker) needFirst(ctx context.Context) (*exchange, *Case) {
 	f := c.firstExchange(ctx)
 	if !f.ok() {
+		if c.o.only != nil && !c.o.only[CaseFirstRequest] {
+			// first_request is not in the run to report the failure: skipping
+			// would turn a dead or refusing server into a passing run.
+			cs := Case{Result: Fail, Summary: fmt.Sprintf("the first request got %s, want 2xx, so there is nothing to retry (add %s to --only for its details)", status(f), CaseFirstRequest)}
+			return nil, &cs
+		}
 		cs := skipped("the first request got %s, so there is nothing to retry; see %s", status(f), CaseFirstRequest)
 		return nil, &cs
 	}

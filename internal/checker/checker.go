@@ -122,7 +122,8 @@ type Options struct {
 	HangupAfter time.Duration
 
 	// Only restricts the run to the named cases (see CaseNames); cases that need
-	// the first request send it themselves. Defaults to all cases.
+	// the first request send it themselves (and fail when it is not answered
+	// 2xx, if first_request is not among them). Defaults to all cases.
 	Only []string
 
 	// Progress, when set, receives a one-line progress indicator (rewritten with
