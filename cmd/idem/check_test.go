@@ -110,6 +110,7 @@ func TestCheckUsage(t *testing.T) {
 		"bad timeout":     {"http://a/", "--timeout", "soon"},
 		"bad hang-up":     {"http://a/", "--hangup-after", "-1s"},
 		"unknown case":    {"http://a/", "--only", "race,racy"},
+		"tenants alone":   {"http://a/", "--only", "tenant_isolation"},
 		"bad URL":         {"localhost:8080/orders"},
 	}
 	for name, args := range tests {

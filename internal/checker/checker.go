@@ -217,6 +217,11 @@ func (o Options) validate() (*options, error) {
 			}
 			v.only[name] = true
 		}
+		// Named alone, it would be skipped and the run, having checked
+		// nothing, would pass.
+		if v.only[CaseTenantIsolation] && len(c.TenantBHeader) == 0 {
+			errs = append(errs, fmt.Errorf("case %s needs a second tenant's headers (--tenant-b-header 'Authorization: Bearer <tenant B's token>')", CaseTenantIsolation))
+		}
 	}
 	if len(errs) > 0 {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidOptions, errors.Join(errs...))

@@ -344,6 +344,7 @@ func TestInvalidOptions(t *testing.T) {
 		"body without mark":    {URL: "http://h/", CountURL: "http://h/orders?c={{marker}}", Body: `{"a":1}`},
 		"count path alone":     {URL: "http://h/", CountPath: "orders"},
 		"unknown case":         {URL: "http://h/", Only: []string{"racy"}},
+		"tenants without B":    {URL: "http://h/", Only: []string{checker.CaseRace, checker.CaseTenantIsolation}},
 		"tenant B same as A":   {URL: "http://h/", Header: http.Header{"Authorization": {"Bearer a"}}, TenantBHeader: http.Header{"Authorization": {"Bearer a"}}},
 		"negative rounds":      {URL: "http://h/", Rounds: -1},
 		"relative count URL":   {URL: "http://h/", CountURL: "/orders?c={{marker}}"},
