@@ -487,11 +487,18 @@ func WriteProblem(w http.ResponseWriter, status int, code, detail string) {
 }
 
 // Authenticate is the demo's authentication: the tenant is the bearer token of
-// the Authorization header, stored with idem.WithScope. A request without one is
-// answered 401 before it reaches anything behind, so it is never bound to an
+// the Authorization header, stored with idem.WithScope. A request without one,
+// or with two header lines, is answered 401 before it reaches anything behind, so it is never bound to an
 // idempotency key. Real services verify the token; this one trusts it.
 func Authenticate(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if n := len(r.Header.Values("Authorization")); n > 1 {
+			// Authorization is a singleton field (RFC 9110 §11.6.2): taking one
+			// of two would let whoever added the other choose the tenant.
+			w.Header().Set("WWW-Authenticate", `Bearer realm="idem demo", error="invalid_request"`)
+			WriteProblem(w, http.StatusUnauthorized, "unauthorized", fmt.Sprintf("%d Authorization header lines were sent; send exactly one, \"Authorization: Bearer <tenant>\"", n))
+			return
+		}
 		auth := r.Header.Get("Authorization")
 		scheme, token, ok := strings.Cut(auth, " ")
 		token = strings.TrimSpace(token)
