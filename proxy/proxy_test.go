@@ -424,6 +424,30 @@ func TestHeaderAndBearerScopes(t *testing.T) {
 	}
 }
 
+// TestScopeHeaderSentTwice: two lines of the scope header (or of
+// Authorization) are 401 scope_invalid, never the scope of the first line: a
+// gateway that appends its header after the client's would otherwise let the
+// client read another tenant's stored answers. Before, the first line was the
+// scope, and tenant t2's request with t1's line first got t1's replay.
+func TestScopeHeaderSentTwice(t *testing.T) {
+	t.Parallel()
+	app := pyorders.Start(t, "")
+	hp := startProxy(t, app.URL, proxy.Config{Scope: proxy.HeaderScope("X-Tenant-ID")})
+	body := `{"cart_id":"twice"}`
+	if a := send(t, "POST", hp.url+"/orders", body, "Idempotency-Key", "k2", "X-Tenant-ID", "t1"); a.status != 201 {
+		t.Fatalf("t1: %d %s", a.status, a.body)
+	}
+	wantProblem(t, send(t, "POST", hp.url+"/orders", body, "Idempotency-Key", "k2", "X-Tenant-ID", "t1", "X-Tenant-ID", "t2"), 401, proxy.CodeScopeInvalid)
+	bp := startProxy(t, app.URL, proxy.Config{Scope: proxy.BearerScope()})
+	if a := send(t, "POST", bp.url+"/orders", body, "Idempotency-Key", "k3", "Authorization", "Bearer a"); a.status != 201 {
+		t.Fatalf("bearer a: %d %s", a.status, a.body)
+	}
+	wantProblem(t, send(t, "POST", bp.url+"/orders", body, "Idempotency-Key", "k3", "Authorization", "Bearer a", "Authorization", "Bearer b"), 401, proxy.CodeScopeInvalid)
+	if n := app.Executions(t); n != 2 {
+		t.Errorf("upstream executions: %d, want 2", n)
+	}
+}
+
 func ExampleNew() {
 	up, _ := url.Parse("http://127.0.0.1:3000")
 	p, err := proxy.New(proxy.Config{

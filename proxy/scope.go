@@ -38,6 +38,11 @@ var ErrNoScope = errors.New("no scope")
 func HeaderScope(name string) Scope {
 	name = http.CanonicalHeaderKey(name)
 	return ScopeFunc(func(r *http.Request) (string, error) {
+		if n := len(r.Header.Values(name)); n > 1 {
+			// A gateway that appends its header after the client's would
+			// otherwise let the client's line choose the scope.
+			return "", fmt.Errorf("%d %s header lines were sent; send exactly one", n, name)
+		}
 		v := strings.TrimSpace(r.Header.Get(name))
 		if v == "" {
 			return "", fmt.Errorf("%w: send the tenant in the %s header", ErrNoScope, name)
@@ -51,6 +56,9 @@ func HeaderScope(name string) Scope {
 // BearerScopeOf(token).
 func BearerScope() Scope {
 	return ScopeFunc(func(r *http.Request) (string, error) {
+		if err := singleAuthorization(r); err != nil {
+			return "", err
+		}
 		tok, ok := bearer(r)
 		if !ok {
 			return "", fmt.Errorf("%w: send Authorization: Bearer TOKEN", ErrNoScope)
@@ -64,6 +72,16 @@ func BearerScope() Scope {
 func BearerScopeOf(token string) string {
 	sum := sha256.Sum256([]byte(token))
 	return "bearer-sha256:" + hex.EncodeToString(sum[:])
+}
+
+// singleAuthorization refuses a request with more than one Authorization line
+// (a singleton field, RFC 9110 §11.6.2): taking one of them would let whoever
+// added the other choose the scope.
+func singleAuthorization(r *http.Request) error {
+	if n := len(r.Header.Values("Authorization")); n > 1 {
+		return fmt.Errorf("%d Authorization header lines were sent; send exactly one", n)
+	}
+	return nil
 }
 
 func bearer(r *http.Request) (string, bool) {
@@ -132,6 +150,9 @@ func JWTScope(cfg JWTConfig) (Scope, error) {
 		cfg.NowFunc = time.Now
 	}
 	return ScopeFunc(func(r *http.Request) (string, error) {
+		if err := singleAuthorization(r); err != nil {
+			return "", err
+		}
 		raw, ok := bearer(r)
 		if !ok {
 			return "", fmt.Errorf("%w: send Authorization: Bearer JWT", ErrNoScope)
