@@ -488,8 +488,9 @@ func WriteProblem(w http.ResponseWriter, status int, code, detail string) {
 
 // Authenticate is the demo's authentication: the tenant is the bearer token of
 // the Authorization header, stored with idem.WithScope. A request without one,
-// or with two header lines, is answered 401 before it reaches anything behind, so it is never bound to an
-// idempotency key. Real services verify the token; this one trusts it.
+// or with two header lines, is answered 401 before it reaches anything behind,
+// so it is never bound to an idempotency key. Real services verify the token;
+// this one trusts it.
 func Authenticate(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if n := len(r.Header.Values("Authorization")); n > 1 {

@@ -20,7 +20,7 @@ import (
 // tenant, put into the request's context with idem.WithScope.
 func auth(next echo.HandlerFunc) echo.HandlerFunc {
 	return func(c echo.Context) error {
-		tenant, ok := shop.Tenant(c.Request().Header.Get("Authorization"))
+		tenant, ok := shop.Tenant(c.Request().Header)
 		if !ok {
 			return echo.NewHTTPError(http.StatusUnauthorized, "send Authorization: Bearer <tenant>")
 		}

@@ -90,7 +90,7 @@ func (w *writer) Hijack() (net.Conn, *bufio.ReadWriter, error) {
 // auth is the Gin authentication middleware: the bearer token names the
 // tenant, put into the request's context with idem.WithScope.
 func auth(c *gin.Context) {
-	tenant, ok := shop.Tenant(c.GetHeader("Authorization"))
+	tenant, ok := shop.Tenant(c.Request.Header)
 	if !ok {
 		c.AbortWithStatusJSON(http.StatusUnauthorized, gin.H{"error": "send Authorization: Bearer <tenant>"})
 		return

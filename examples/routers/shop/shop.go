@@ -73,11 +73,16 @@ func (o *Orders) List(tenant, cart string) []Order {
 	return out
 }
 
-// Tenant returns the tenant named by an "Authorization: Bearer <tenant>" header
-// value (the token is the tenant: a stand-in for verifying a real token), and
-// whether there is one.
-func Tenant(authorization string) (string, bool) {
-	tok, ok := strings.CutPrefix(authorization, "Bearer ")
+// Tenant returns the tenant named by the request's "Authorization: Bearer
+// <tenant>" header (the token is the tenant: a stand-in for verifying a real
+// token), and whether there is exactly one. Two Authorization lines name no
+// tenant: taking one of them would let whoever added the other choose it.
+func Tenant(h http.Header) (string, bool) {
+	lines := h.Values("Authorization")
+	if len(lines) != 1 {
+		return "", false
+	}
+	tok, ok := strings.CutPrefix(lines[0], "Bearer ")
 	if !ok || tok == "" {
 		return "", false
 	}
@@ -119,7 +124,7 @@ func ListHandler(o *Orders) http.HandlerFunc {
 // without one the answer is 401.
 func Auth(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		tenant, ok := Tenant(r.Header.Get("Authorization"))
+		tenant, ok := Tenant(r.Header)
 		if !ok {
 			http.Error(w, "send Authorization: Bearer <tenant>", http.StatusUnauthorized)
 			return

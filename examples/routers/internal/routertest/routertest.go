@@ -35,4 +35,27 @@ func Check(t *testing.T, url, countURL string) {
 		t.Fatalf("idem check failed or skipped a case:\n%s", sb.String())
 	}
 	t.Logf("idem check:\n%s", sb.String())
+	twoAuthorizationLines(t, url)
+}
+
+// twoAuthorizationLines: a request with two Authorization lines names no
+// tenant (401): taking either would let whoever added the other choose it.
+func twoAuthorizationLines(t *testing.T, url string) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodPost, url, strings.NewReader(`{"cart_id":"two-auth","total_cents":1}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Idempotency-Key", "two-authorization-lines")
+	req.Header.Add("Authorization", "Bearer tenant-a")
+	req.Header.Add("Authorization", "Bearer tenant-b")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = resp.Body.Close()
+	if resp.StatusCode != http.StatusUnauthorized {
+		t.Fatalf("a request with two Authorization lines: %d, want 401", resp.StatusCode)
+	}
 }
