@@ -93,17 +93,43 @@ func Redact(msg, key, scope string) string {
 const minRedactedPrefix = 16
 
 func redactOne(msg, s, repl string) string {
-	quoted := func(s string) string { q := strconv.Quote(s); return q[1 : len(q)-1] }
+	q := strconv.Quote(s)
+	q = q[1 : len(q)-1]
 	msg = strings.ReplaceAll(msg, s, repl)
-	msg = strings.ReplaceAll(msg, quoted(s), repl)
-	for n := len(s) - 1; n >= minRedactedPrefix; n-- {
-		for _, form := range [2]string{s[:n], quoted(s[:n])} {
-			if strings.Contains(msg, form) {
-				msg = strings.ReplaceAll(msg, form, repl)
-			}
-		}
+	if q != s {
+		msg = strings.ReplaceAll(msg, q, repl)
+	}
+	msg = redactPrefixes(msg, s, repl)
+	if q != s {
+		msg = redactPrefixes(msg, q, repl)
 	}
 	return msg
+}
+
+// redactPrefixes replaces every run in msg that is a leading part of form at
+// least minRedactedPrefix bytes long (a store that quotes only the first bytes
+// of a long key). It takes time linear in len(msg) per occurrence, whatever
+// the length of form: a scope or key of any size must not make logging slow.
+func redactPrefixes(msg, form, repl string) string {
+	if len(form) <= minRedactedPrefix || !strings.Contains(msg, form[:minRedactedPrefix]) {
+		return msg
+	}
+	head := form[:minRedactedPrefix]
+	var b strings.Builder
+	for {
+		i := strings.Index(msg, head)
+		if i < 0 {
+			b.WriteString(msg)
+			return b.String()
+		}
+		n := minRedactedPrefix
+		for n < len(form) && i+n < len(msg) && msg[i+n] == form[n] {
+			n++
+		}
+		b.WriteString(msg[:i])
+		b.WriteString(repl)
+		msg = msg[i+n:]
+	}
 }
 
 // StoreObserver is told about every operation of a Store decorated with Store.
