@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 )
@@ -81,12 +82,14 @@ type ReplayFunc func(w http.ResponseWriter, r *http.Request, rec *Record) error
 // Config configures the middleware. A nil *Config means all defaults. New copies
 // and validates it; the caller's struct is never modified.
 type Config struct {
-	// HeaderName is the request header that carries the key.
-	// Defaults to "Idempotency-Key".
+	// HeaderName is the request header that carries the key: a header field
+	// name (RFC 9110 token), neither Host nor a hop-by-hop header, which a
+	// handler never sees. Defaults to "Idempotency-Key".
 	HeaderName string
 
 	// Methods are the request methods that are keyed; others pass straight through.
-	// Defaults to POST and PATCH.
+	// Each must be a method name (an RFC 9110 token); an empty, non-nil list is
+	// refused, as it would key nothing. Defaults (nil) to POST and PATCH.
 	Methods []string
 
 	// KeyOptional lets keyed requests without a key through, unprotected. When
@@ -128,8 +131,10 @@ type Config struct {
 	// gets the full response and retries get that problem. Defaults to 1 MiB.
 	MaxStoredBody int
 
-	// StoredHeaders are the response headers kept and replayed. Set-Cookie is refused.
-	// Defaults to DefaultStoredHeaders.
+	// StoredHeaders are the response headers kept and replayed. Set-Cookie,
+	// hop-by-hop headers (Connection, Keep-Alive, Transfer-Encoding, Upgrade,
+	// TE, Trailer, Proxy-*) and names that are not header field names are
+	// refused. Defaults (nil) to DefaultStoredHeaders; an empty list keeps none.
 	StoredHeaders []string
 
 	// KeepFunc decides whether an outcome with the given status is stored. An
@@ -302,18 +307,29 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 		s.Config = *c
 	}
 	cfg := &s.Config
+	var errs []error
 	if cfg.HeaderName == "" {
 		cfg.HeaderName = DefaultHeaderName
 	}
 	cfg.HeaderName = http.CanonicalHeaderKey(cfg.HeaderName)
-	if len(cfg.Methods) == 0 {
+	if !validFieldName(cfg.HeaderName) {
+		errs = append(errs, fmt.Errorf("invalid HeaderName %q: not a header field name (letters, digits and !#$%%&'*+-.^_`|~ only); leave it empty for %q", cfg.HeaderName, DefaultHeaderName))
+	} else if why, bad := unkeyableHeaders[cfg.HeaderName]; bad {
+		errs = append(errs, fmt.Errorf("invalid HeaderName %q: %s, so no key would ever be seen; leave it empty for %q", cfg.HeaderName, why, DefaultHeaderName))
+	}
+	if cfg.Methods == nil {
 		cfg.Methods = DefaultMethods
+	} else if len(cfg.Methods) == 0 {
+		errs = append(errs, errors.New("invalid Methods: the list is empty, so no request would be keyed; list the methods to key, or leave it nil for POST and PATCH"))
 	}
 	s.keyed = make(map[string]bool, len(cfg.Methods))
 	for _, m := range cfg.Methods {
+		if !validFieldName(m) {
+			errs = append(errs, fmt.Errorf("invalid Methods: %q is not a method name (an HTTP token such as POST), so no request would match it", m))
+			continue
+		}
 		s.keyed[strings.ToUpper(m)] = true
 	}
-	var errs []error
 	if cfg.MaxKeyLength == 0 {
 		cfg.MaxKeyLength = DefaultMaxKeyLength
 	} else if cfg.MaxKeyLength < 0 || cfg.MaxKeyLength > DefaultMaxKeyLength {
@@ -332,6 +348,9 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 	}
 	if cfg.TTL == 0 {
 		cfg.TTL = DefaultTTL
+		if cfg.TTL < cfg.Lease {
+			errs = append(errs, fmt.Errorf("invalid TTL: the default %v is shorter than Lease (%v); a record must outlive its lease, so set TTL to at least Lease", cfg.TTL, cfg.Lease))
+		}
 	} else if cfg.TTL < cfg.Lease {
 		errs = append(errs, fmt.Errorf("invalid TTL %v: shorter than Lease (%v); a record must outlive its lease", cfg.TTL, cfg.Lease))
 	}
@@ -350,9 +369,18 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 	}
 	for _, h := range cfg.StoredHeaders {
 		ch := http.CanonicalHeaderKey(h)
-		if ch == "Set-Cookie" {
+		switch {
+		case ch == "Set-Cookie":
 			errs = append(errs, errors.New("invalid StoredHeaders: it lists Set-Cookie; a replay must never hand one client's cookie to another attempt, remove it"))
 			continue
+		case !validFieldName(ch):
+			errs = append(errs, fmt.Errorf("invalid StoredHeaders: %q is not a header field name (letters, digits and !#$%%&'*+-.^_`|~ only), so no response header would match it; remove it or correct it", h))
+			continue
+		case hopByHop[ch]:
+			errs = append(errs, fmt.Errorf("invalid StoredHeaders: %s is a hop-by-hop header, about one connection, not the outcome; a replay must not send it again, remove it", ch))
+			continue
+		case slices.Contains(s.storedHdrs, ch):
+			continue // listed twice: kept once
 		}
 		s.storedHdrs = append(s.storedHdrs, ch)
 	}
@@ -403,3 +431,37 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 }
 
 func keepEverything(int) bool { return true }
+
+// validFieldName reports whether s is an RFC 9110 token: a valid header field
+// name or method.
+func validFieldName(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c == ':' || c == '/' || !tokenChar[c] {
+			return false
+		}
+	}
+	return true
+}
+
+// hopByHop are the header fields about one connection (RFC 9110 §7.6.1 and
+// the ones proxies have always treated so): never part of an outcome.
+var hopByHop = map[string]bool{
+	"Connection": true, "Keep-Alive": true, "Proxy-Connection": true, "Te": true,
+	"Trailer": true, "Transfer-Encoding": true, "Upgrade": true,
+	"Proxy-Authenticate": true, "Proxy-Authorization": true,
+}
+
+// unkeyableHeaders are header names a handler never finds in Request.Header.
+var unkeyableHeaders = map[string]string{
+	"Host":              "net/http moves it out of Request.Header (into Request.Host)",
+	"Transfer-Encoding": "it is hop-by-hop, and net/http moves it out of Request.Header",
+	"Connection":        "it is hop-by-hop: proxies drop it",
+	"Keep-Alive":        "it is hop-by-hop: proxies drop it",
+	"Proxy-Connection":  "it is hop-by-hop: proxies drop it",
+	"Te":                "it is hop-by-hop: proxies drop it",
+	"Trailer":           "it is hop-by-hop: proxies drop it",
+	"Upgrade":           "it is hop-by-hop: proxies drop it",
+}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strconv"
 	"strings"
@@ -137,6 +138,10 @@ func (m *middleware) isKeyed(method string) bool {
 
 var errBodyTooLarge = errors.New("body too large")
 
+// preallocBody is the largest Content-Length for which the body's memory is
+// taken in one piece before it is read.
+const preallocBody = 1 << 20
+
 // bodyReader replaces the request body after it was read for fingerprinting.
 type bodyReader struct{ bytes.Reader }
 
@@ -155,7 +160,7 @@ func (req *request) readBody() ([]byte, error) {
 	}
 	var body []byte
 	var err error
-	if r.ContentLength >= 0 {
+	if r.ContentLength >= 0 && r.ContentLength <= preallocBody {
 		body = make([]byte, r.ContentLength)
 		if _, err = io.ReadFull(r.Body, body); err == nil {
 			// The server enforces ContentLength; a body that goes on is not ours to read.
@@ -165,9 +170,19 @@ func (req *request) readBody() ([]byte, error) {
 			}
 		}
 	} else {
-		body, err = io.ReadAll(io.LimitReader(r.Body, max+1))
-		if err == nil && int64(len(body)) > max {
+		// Read as it arrives: a large Content-Length is only a claim, and
+		// memory for it is not taken before the bytes are there.
+		limit := max
+		if limit < math.MaxInt64 { // max+1 would wrap round and read nothing
+			limit++
+		}
+		body, err = io.ReadAll(io.LimitReader(r.Body, limit))
+		switch {
+		case err != nil:
+		case int64(len(body)) > max:
 			err = errBodyTooLarge
+		case r.ContentLength >= 0 && int64(len(body)) != r.ContentLength:
+			err = fmt.Errorf("the body has %d bytes, not its Content-Length of %d", len(body), r.ContentLength)
 		}
 	}
 	_ = r.Body.Close()

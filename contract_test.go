@@ -1,0 +1,194 @@
+package idem_test
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/memstore"
+)
+
+// TestConfigRefusesWhatCannotWork: a setting that would make the middleware
+// do something other than the user wrote is an error from New that names the
+// field and says what to change, never a panic and never a silent fix.
+func TestConfigRefusesWhatCannotWork(t *testing.T) {
+	t.Parallel()
+	store := memstore.New(&memstore.Config{JanitorInterval: -1})
+	t.Cleanup(func() { _ = store.Close() })
+	bad := []struct {
+		name string
+		cfg  idem.Config
+		want string // in the error
+	}{
+		// A header name no request can carry: every keyed request would be 400
+		// idempotency_key_missing (or, with KeyOptional, unprotected).
+		{"HeaderName with a space", idem.Config{HeaderName: "Idempotency Key"}, "HeaderName"},
+		{"HeaderName with CR LF", idem.Config{HeaderName: "Idempotency-Key\r\nX-Evil: 1"}, "HeaderName"},
+		{"HeaderName with a colon", idem.Config{HeaderName: "Idempotency-Key:"}, "HeaderName"},
+		{"HeaderName non-ASCII", idem.Config{HeaderName: "Idempotenz-Schlüssel"}, "HeaderName"},
+		{"HeaderName Host", idem.Config{HeaderName: "host"}, "HeaderName"},
+		{"HeaderName hop-by-hop", idem.Config{HeaderName: "Connection"}, "HeaderName"},
+		// Methods that match nothing: the routes would run unprotected.
+		{"Methods empty", idem.Config{Methods: []string{}}, "Methods"},
+		{"Methods with an empty name", idem.Config{Methods: []string{"POST", ""}}, "Methods"},
+		{"Methods with a space", idem.Config{Methods: []string{"POST PATCH"}}, "Methods"},
+		{"Methods with a path", idem.Config{Methods: []string{"POST /orders"}}, "Methods"},
+		// Stored headers that match nothing, or must never be replayed.
+		{"StoredHeaders Set-Cookie", idem.Config{StoredHeaders: []string{"set-cookie"}}, "Set-Cookie"},
+		{"StoredHeaders empty name", idem.Config{StoredHeaders: []string{""}}, "StoredHeaders"},
+		{"StoredHeaders invalid name", idem.Config{StoredHeaders: []string{"Content Type"}}, "StoredHeaders"},
+		{"StoredHeaders Connection", idem.Config{StoredHeaders: []string{"Location", "connection"}}, "hop-by-hop"},
+		{"StoredHeaders Transfer-Encoding", idem.Config{StoredHeaders: []string{"Transfer-Encoding"}}, "hop-by-hop"},
+		{"StoredHeaders Keep-Alive", idem.Config{StoredHeaders: []string{"Keep-Alive"}}, "hop-by-hop"},
+		{"StoredHeaders Upgrade", idem.Config{StoredHeaders: []string{"Upgrade"}}, "hop-by-hop"},
+		// Sizes and durations.
+		{"MaxKeyLength over 255", idem.Config{MaxKeyLength: 256}, "MaxKeyLength"},
+		{"MaxKeyLength negative", idem.Config{MaxKeyLength: -1}, "MaxKeyLength"},
+		{"MaxRequestBody negative", idem.Config{MaxRequestBody: -1}, "MaxRequestBody"},
+		{"MaxStoredBody negative", idem.Config{MaxStoredBody: math.MinInt}, "MaxStoredBody"},
+		{"Lease negative", idem.Config{Lease: -time.Second}, "Lease"},
+		{"Lease tiny", idem.Config{Lease: time.Nanosecond}, "Lease"},
+		{"TTL negative", idem.Config{TTL: -time.Hour}, "TTL"},
+		{"Lease longer than the default TTL", idem.Config{Lease: 48 * time.Hour}, "TTL"},
+		{"CleanupTimeout negative", idem.Config{CleanupTimeout: -1}, "CleanupTimeout"},
+		{"LapsedLease unknown", idem.Config{LapsedLease: 2}, "LapsedLease"},
+		{"Flow unknown", idem.Config{Flow: 3}, "Flow"},
+		{"FlowSingleTx on memstore", idem.Config{Flow: idem.FlowSingleTx}, "SingleTxStore"},
+	}
+	for _, tc := range bad {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := tc.cfg
+			_, err := idem.New(store, &cfg)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("New = %v, want an error naming %s", err, tc.want)
+			}
+			if verr := (&cfg).Validate(); tc.want != "SingleTxStore" && (verr == nil || verr.Error() != err.Error()) {
+				t.Errorf("Validate = %v, want New's error %v", verr, err)
+			}
+			if strings.ContainsAny(err.Error(), "\r\n") && !strings.Contains(err.Error(), `\r\n`) {
+				t.Errorf("the error carries a raw line break: %q", err)
+			}
+		})
+	}
+	// Errors are joined: every problem is named at once.
+	_, err := idem.New(store, &idem.Config{HeaderName: "a b", Methods: []string{""}, MaxRequestBody: -1})
+	for _, field := range []string{"HeaderName", "Methods", "MaxRequestBody"} {
+		if err == nil || !strings.Contains(err.Error(), field) {
+			t.Errorf("New with three bad fields = %v, want %s named", err, field)
+		}
+	}
+	// And a nil store.
+	if _, err := idem.New(nil, nil); err == nil || !strings.Contains(err.Error(), "store is nil") {
+		t.Errorf("New(nil, nil) = %v, want an error that says the store is nil", err)
+	}
+}
+
+// TestConfigExtremesWork: the largest values a field can hold, and lists with
+// repeats, are accepted and mean what they say.
+func TestConfigExtremesWork(t *testing.T) {
+	t.Parallel()
+	store := memstore.New(&memstore.Config{JanitorInterval: -1})
+	t.Cleanup(func() { _ = store.Close() })
+	good := map[string]idem.Config{
+		"longest durations": {Lease: math.MaxInt64, TTL: math.MaxInt64, CleanupTimeout: math.MaxInt64, HandlerTimeout: math.MaxInt64},
+		"largest sizes":     {MaxRequestBody: math.MaxInt64, MaxStoredBody: math.MaxInt, MaxKeyLength: 255},
+		"repeated methods":  {Methods: []string{"POST", "post", "POST", "Patch"}},
+		"repeated headers":  {StoredHeaders: []string{"Location", "location", "LOCATION"}},
+		"no stored headers": {StoredHeaders: []string{}},
+		"custom header":     {HeaderName: "x-request-key"},
+	}
+	for name, cfg := range good {
+		if _, err := idem.New(store, &cfg); err != nil {
+			t.Errorf("%s: New = %v, want it accepted", name, err)
+		}
+	}
+	mw, err := idem.New(store, &idem.Config{HeaderName: "x-request-key", StoredHeaders: []string{"Location", "location"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runs := 0
+	srv := httptest.NewServer(mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs++
+		w.Header().Set("Location", "/orders/1")
+		w.WriteHeader(201)
+	})))
+	t.Cleanup(srv.Close)
+	for i := range 2 {
+		req, _ := http.NewRequest("POST", srv.URL, strings.NewReader("{}"))
+		req.Header.Set("X-Request-Key", "k")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != 201 || len(resp.Header.Values("Location")) != 1 {
+			t.Errorf("answer %d: %d, Location %q; want 201 and one Location", i+1, resp.StatusCode, resp.Header.Values("Location"))
+		}
+	}
+	if runs != 1 {
+		t.Errorf("the handler ran %d times for one key under a custom HeaderName, want 1", runs)
+	}
+}
+
+// TestLargestMaxRequestBody: MaxRequestBody at its largest value is "no
+// limit", not an overflow. Before, a chunked body was read through
+// io.LimitReader(body, MaxRequestBody+1), which wrapped round to a negative
+// limit: the body was fingerprinted as empty and the handler got none of it.
+// And a Content-Length within the limit is only a claim: memory is not taken
+// for a terabyte before the bytes arrive (it was, in one make: the process
+// died of it).
+func TestLargestMaxRequestBody(t *testing.T) {
+	t.Parallel()
+	store := memstore.New(&memstore.Config{JanitorInterval: -1})
+	t.Cleanup(func() { _ = store.Close() })
+	mw, err := idem.New(store, &idem.Config{MaxRequestBody: math.MaxInt64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		w.WriteHeader(201)
+		fmt.Fprintf(w, "got %q", b)
+	})))
+	t.Cleanup(srv.Close)
+
+	// Chunked (no Content-Length): io.Reader that is not a known type.
+	req, _ := http.NewRequest("POST", srv.URL, io.MultiReader(strings.NewReader(`{"cart_id":`), strings.NewReader(`"c_42"}`)))
+	req.Header.Set("Idempotency-Key", "chunked")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 201 || string(body) != `got "{\"cart_id\":\"c_42\"}"` {
+		t.Errorf("chunked body under the largest MaxRequestBody: %d %s, want 201 with the body the client sent", resp.StatusCode, body)
+	}
+
+	// A Content-Length of 1 TiB, 10 bytes sent, then the client stops sending.
+	conn, err := net.Dial("tcp", srv.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	fmt.Fprintf(conn, "POST / HTTP/1.1\r\nHost: x\r\nIdempotency-Key: huge\r\nContent-Length: %d\r\n\r\n0123456789", int64(1)<<40)
+	_ = conn.(*net.TCPConn).CloseWrite()
+	_ = conn.SetReadDeadline(time.Now().Add(30 * time.Second))
+	resp, err = http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatalf("no answer to a body shorter than its Content-Length: %v", err)
+	}
+	body, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 400 || !strings.Contains(string(body), idem.CodeBodyUnreadable) {
+		t.Errorf("a body cut short of its 1 TiB Content-Length: %d %s, want 400 %s", resp.StatusCode, body, idem.CodeBodyUnreadable)
+	}
+}
