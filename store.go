@@ -101,7 +101,7 @@ type ClaimRequest struct {
 	// Scope is the stored form of the request's scope (see StoredScope): valid
 	// UTF-8 without control characters, at most MaxStoredScopeLength bytes.
 	Scope string
-	// Key is the parsed key: 1 to MaxKeyLengthLimit bytes of visible ASCII.
+	// Key is the parsed key: 1 to DefaultMaxKeyLength (255) bytes of visible ASCII.
 	Key string
 	// Fingerprint is the request's fingerprint with its version prefix (at most
 	// a few hundred bytes of visible ASCII).

@@ -60,6 +60,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 		{"TakeoverRace", testTakeoverRace},
 		{"ExpiredReclaimed", testExpiredReclaimed},
 		{"ScopeIsolation", testScopeIsolation},
+		{"LongKeysDistinct", testLongKeysDistinct},
 		{"Janitor", testJanitor},
 		{"LiveLeasePastTTL", testLiveLeasePastTTL},
 		{"LongestTTL", testLongestTTL},
@@ -297,6 +298,7 @@ func testCompleteAndReplay(t *testing.T, s idem.Store) {
 		mustGet(t, s, f, now),
 		mustNotClaim(t, s, f.claim("v1:done", now.Add(time.Second), time.Minute, longTTL)),
 		mustNotClaim(t, s, f.claim("v1:other", now.Add(2*time.Minute), time.Minute, longTTL)), // past the old lease: a complete record is never taken over
+		mustNotClaim(t, s, f.claim("v1:done", now.Add(2*time.Minute), time.Minute, longTTL)),  // not by its own request either
 	} {
 		if rec.State != idem.StateComplete {
 			t.Fatalf("State = %v, want complete", rec.State)
@@ -454,6 +456,11 @@ func testExtend(t *testing.T, s idem.Store) {
 	}
 	if rec := mustGet(t, s, f, now); !sameTime(rec.LeaseUntil, newLease) {
 		t.Errorf("LeaseUntil after Extend = %v, want %v", rec.LeaseUntil, newLease)
+	} else if !sameTime(rec.ExpiresAt, req.ExpiresAt) {
+		// Extend raises an earlier expiry to the lease, and never lowers a later
+		// one: a record cut short would count as absent once its holder died,
+		// and the next request with another body would run instead of a 422.
+		t.Errorf("ExpiresAt after Extend to %v = %v, want the claim's %v kept", newLease, rec.ExpiresAt, req.ExpiresAt)
 	}
 	time.Sleep(shortLease + 50*time.Millisecond) // the original lease has lapsed, the extended one has not
 	rec := mustNotClaim(t, s, f.claim("v1:ext", time.Now(), time.Minute, longTTL))
@@ -606,6 +613,47 @@ func testScopeIsolation(t *testing.T, s idem.Store) {
 		if got := mustGet(t, s, a, now); got.State != idem.StateComplete || string(got.Response.Body) != "a" {
 			t.Errorf("record (%q, %q) = %+v, want complete with body a", a.scope, a.key, got)
 		}
+	}
+}
+
+// testLongKeysDistinct: keys of the longest length the middleware passes
+// (idem.DefaultMaxKeyLength bytes) and scopes of the longest stored length
+// (idem.MaxStoredScopeLength bytes) that differ only in their last byte are
+// different records, kept and returned whole: a store that indexes, hashes
+// or locks a prefix of them would hand one client's outcome to another.
+func testLongKeysDistinct(t *testing.T, s idem.Store) {
+	now := time.Now()
+	id := randomID(t)
+	longKey := func(last byte) string {
+		return id + strings.Repeat("k", idem.DefaultMaxKeyLength-len(id)-1) + string(last)
+	}
+	longScope := func(last byte) string {
+		return id + strings.Repeat("s", idem.MaxStoredScopeLength-len(id)-1) + string(last)
+	}
+	pairs := [][2]fixture{
+		{{scope: id, key: longKey('a')}, {scope: id, key: longKey('b')}},
+		{{scope: longScope('a'), key: "k"}, {scope: longScope('b'), key: "k"}},
+		{{scope: longScope('a'), key: longKey('a')}, {scope: longScope('b'), key: longKey('b')}},
+	}
+	for _, p := range pairs {
+		a, b := p[0], p[1]
+		ra := a.claim("v1:a", now, time.Minute, longTTL)
+		rb := b.claim("v1:b", now, time.Minute, longTTL)
+		checkInFlight(t, mustClaim(t, s, ra), ra)
+		checkInFlight(t, mustClaim(t, s, rb), rb)
+		if err := s.Complete(ctxFor(t), a.scope, a.key, ra.Token, &idem.Response{Status: 201, Body: []byte("a")}, now, now.Add(longTTL)); err != nil {
+			t.Fatalf("Complete of a %d-byte key in a %d-byte scope: %v", len(a.key), len(a.scope), err)
+		}
+		checkInFlight(t, mustGet(t, s, b, now), rb)
+		got := mustGet(t, s, a, now)
+		if got.Scope != a.scope || got.Key != a.key || got.State != idem.StateComplete || got.Response == nil || string(got.Response.Body) != "a" {
+			t.Errorf("record (%d-byte scope, %d-byte key) = %+v, want it complete with body a, its scope and key whole", len(a.scope), len(a.key), got)
+		}
+		if err := s.Release(ctxFor(t), b.scope, b.key, rb.Token); err != nil {
+			t.Fatalf("Release of the second long key: %v", err)
+		}
+		wantNotFound(t, s, b, now)
+		mustGet(t, s, a, now)
 	}
 }
 
