@@ -2,15 +2,21 @@ package idem_test
 
 import (
 	"bufio"
+	"encoding/json"
 	"fmt"
 	"io"
 	"math"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/memstore"
@@ -190,5 +196,123 @@ func TestLargestMaxRequestBody(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != 400 || !strings.Contains(string(body), idem.CodeBodyUnreadable) {
 		t.Errorf("a body cut short of its 1 TiB Content-Length: %d %s, want 400 %s", resp.StatusCode, body, idem.CodeBodyUnreadable)
+	}
+}
+
+// TestErrorCodeTableIsTheCode: the README's error-code table and the problems
+// idem writes agree: every code idem has is in the table, under its anchor, with
+// the status NewProblem gives it, and the table names no code idem lacks.
+func TestErrorCodeTableIsTheCode(t *testing.T) {
+	t.Parallel()
+	readme, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	row := regexp.MustCompile("(?m)^\\| (\\d{3}) \\| <a id=\"([a-z_]+)\"></a>`([a-z_]+)` \\|")
+	table := map[string]int{}
+	for _, m := range row.FindAllStringSubmatch(string(readme), -1) {
+		status, _ := strconv.Atoi(m[1])
+		if m[2] != m[3] {
+			t.Errorf("README row for %s has the anchor %s", m[3], m[2])
+		}
+		table[m[3]] = status
+	}
+	codes := []string{
+		idem.CodeKeyMissing, idem.CodeKeyInvalid, idem.CodeKeyInUse, idem.CodeKeyReused,
+		idem.CodeBodyTooLarge, idem.CodeBodyUnreadable, idem.CodeStoreUnavailable, idem.CodeLeaseLost,
+		idem.CodeCommitFailed, idem.CodeResponseTooLarge, idem.CodeReplayFailed, idem.CodeTxAborted,
+		idem.CodeOutcomeUnknown,
+	}
+	if len(table) != len(codes) {
+		t.Errorf("the README's error table has %d codes, idem has %d: %v", len(table), len(codes), table)
+	}
+	for _, code := range codes {
+		p := idem.NewProblem(code, "d")
+		if p.Type != idem.ProblemTypeBase+code || p.Title == "" || p.Code != code || p.Detail != "d" {
+			t.Errorf("NewProblem(%s) = %+v", code, p)
+		}
+		if st, ok := table[code]; !ok || st != p.Status {
+			t.Errorf("%s: README says %d (listed: %v), idem answers %d", code, st, ok, p.Status)
+		}
+	}
+}
+
+// TestProblemsEchoNothingRaw: keys a client can send that are refused — quotes,
+// backslashes, markup, bytes past ASCII, a megabyte of them — come back in a
+// problem that is valid JSON with every member, whose detail and headers carry
+// none of the key: a client's bytes are never reflected into the answer.
+func TestProblemsEchoNothingRaw(t *testing.T) {
+	t.Parallel()
+	store := memstore.New(&memstore.Config{JanitorInterval: -1})
+	t.Cleanup(func() { _ = store.Close() })
+	mw, err := idem.New(store, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(201) })))
+	t.Cleanup(srv.Close)
+	keys := []string{
+		`<script>alert(1)</script>`, `"a\u0000b"`, `"unterminated`, `"a" , "b"`, `a;b=<x>`,
+		"caf\xc3\xa9-\xff\xfe", `"\x"`, strings.Repeat("<k>", 300), `"` + strings.Repeat(`\"`, 300) + `"`,
+		"x-evil\x1b[31m", `}{"code":"ok"`,
+	}
+	for _, key := range keys {
+		conn, err := net.Dial("tcp", srv.Listener.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		fmt.Fprintf(conn, "POST / HTTP/1.1\r\nHost: x\r\nIdempotency-Key: %s\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}", key)
+		_ = conn.SetReadDeadline(time.Now().Add(30 * time.Second))
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			conn.Close()
+			t.Fatalf("key %q: %v", key, err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		conn.Close()
+		if resp.StatusCode == 201 {
+			t.Errorf("key %q was accepted", key)
+			continue
+		}
+		if resp.StatusCode != 400 { // net/http's own 400 for a header it cannot parse is not idem's
+			t.Errorf("key %q: %d %s, want 400", key, resp.StatusCode, body)
+			continue
+		}
+		if resp.Header.Get("Content-Type") != "application/problem+json" {
+			if !strings.Contains(string(body), "400 Bad Request") {
+				t.Errorf("key %q: %s %q", key, resp.Header.Get("Content-Type"), body)
+			}
+			continue // refused by net/http before idem saw it
+		}
+		var p map[string]any
+		if err := json.Unmarshal(body, &p); err != nil {
+			t.Errorf("key %q: the problem is not JSON: %v: %q", key, err, body)
+			continue
+		}
+		for _, m := range []string{"type", "title", "status", "detail", "code"} {
+			if _, ok := p[m]; !ok {
+				t.Errorf("key %q: problem without %q: %s", key, m, body)
+			}
+		}
+		if p["code"] != idem.CodeKeyInvalid {
+			t.Errorf("key %q: code %v, want %s", key, p["code"], idem.CodeKeyInvalid)
+		}
+		detail, _ := p["detail"].(string)
+		if !utf8.ValidString(detail) || strings.ContainsFunc(detail, unicode.IsControl) {
+			t.Errorf("key %q: the detail carries bytes that are not printable UTF-8: %q", key, detail)
+		}
+		for _, part := range []string{"<script>", "<k><k>", `\"\"\"`, `{"code":"ok"`, "\x1b"} {
+			if strings.Contains(key, part) && strings.Contains(detail, part) {
+				t.Errorf("key %q: the detail echoes %q: %q", key, part, detail)
+			}
+		}
+		for name, vals := range resp.Header {
+			for _, v := range vals {
+				if len(key) > 4 && strings.Contains(v, key) {
+					t.Errorf("key %q echoed in the %s header", key, name)
+				}
+			}
+		}
 	}
 }
