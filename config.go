@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"reflect"
 	"slices"
 	"strings"
 	"time"
@@ -404,7 +405,8 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 	if co, ok := cfg.Observer.(ClaimObserver); ok {
 		s.observeClaims = co.ObservesClaims()
 	}
-	if cfg.Flow == FlowAuto && store != nil {
+	nilStore := isNil(store)
+	if cfg.Flow == FlowAuto && !nilStore {
 		cfg.Flow = FlowClaimComplete
 		if p, ok := store.(FlowPreferrer); ok && p.PreferredFlow() == FlowSingleTx {
 			if _, ok := store.(SingleTxStore); ok {
@@ -415,14 +417,14 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 	switch cfg.Flow {
 	case FlowAuto, FlowClaimComplete:
 	case FlowSingleTx:
-		if _, ok := store.(SingleTxStore); !ok && store != nil {
+		if _, ok := store.(SingleTxStore); !ok && !nilStore {
 			errs = append(errs, fmt.Errorf("invalid Flow: FlowSingleTx needs an idem.SingleTxStore, and %T is not one; use pgstore, sqlitestore or mysqlstore, or FlowClaimComplete", store))
 		}
 	default:
 		errs = append(errs, fmt.Errorf("invalid Flow %d: unknown; use FlowAuto, FlowClaimComplete or FlowSingleTx", cfg.Flow))
 	}
-	if store == nil && !validateOnly {
-		errs = append(errs, errors.New("store is nil; pass one, for example memstore.New(nil) or a SQL store"))
+	if nilStore && !validateOnly {
+		errs = append(errs, fmt.Errorf("store is nil (%T); pass one, for example memstore.New(nil) or a SQL store, and check the error of the call that made it", store))
 	}
 	if len(errs) > 0 {
 		return nil, fmt.Errorf("idem: invalid config: %w", errors.Join(errs...))
@@ -431,6 +433,20 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 }
 
 func keepEverything(int) bool { return true }
+
+// isNil reports whether store is nil, or a nil pointer (or map, func, …) in an
+// interface: what a constructor returns beside its error, and which would
+// panic on the first request.
+func isNil(store Store) bool {
+	if store == nil {
+		return true
+	}
+	switch v := reflect.ValueOf(store); v.Kind() {
+	case reflect.Pointer, reflect.Map, reflect.Func, reflect.Chan, reflect.Interface, reflect.Slice:
+		return v.IsNil()
+	}
+	return false
+}
 
 // validFieldName reports whether s is an RFC 9110 token: a valid header field
 // name or method.

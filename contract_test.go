@@ -316,3 +316,16 @@ func TestProblemsEchoNothingRaw(t *testing.T) {
 		}
 	}
 }
+
+// TestNilStoreInAnInterface: the store a constructor returns beside its error
+// is a nil pointer; passed on unchecked it was accepted, and every request
+// then panicked in the store. New refuses it as it refuses a nil interface.
+func TestNilStoreInAnInterface(t *testing.T) {
+	t.Parallel()
+	var store *memstore.Store
+	for _, cfg := range []*idem.Config{nil, {Flow: idem.FlowClaimComplete}, {Flow: idem.FlowSingleTx}} {
+		if _, err := idem.New(store, cfg); err == nil || !strings.Contains(err.Error(), "store is nil (*memstore.Store)") {
+			t.Errorf("New(nil *memstore.Store, %+v) = %v, want an error that says the store is nil", cfg, err)
+		}
+	}
+}
