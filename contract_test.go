@@ -13,6 +13,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 	"unicode"
@@ -328,4 +329,157 @@ func TestNilStoreInAnInterface(t *testing.T) {
 			t.Errorf("New(nil *memstore.Store, %+v) = %v, want an error that says the store is nil", cfg, err)
 		}
 	}
+}
+
+// TestDefaultsAreTheDocumentedOnes: a nil Config behaves as the README's
+// configuration table says, field by field, at each limit and one past it.
+func TestDefaultsAreTheDocumentedOnes(t *testing.T) {
+	t.Parallel()
+	store := memstore.New(&memstore.Config{JanitorInterval: -1})
+	t.Cleanup(func() { _ = store.Close() })
+	mw, err := idem.New(store, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type seen struct {
+		deadline time.Time
+		rec      *idem.Record
+	}
+	seenc := make(chan seen, 1)
+	gate, entered := make(chan struct{}), make(chan struct{}, 1)
+	const mib = 1 << 20
+	srv := httptest.NewServer(mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/held": // tells what it sees, then waits
+			dl, _ := r.Context().Deadline()
+			scope, key, _ := idem.KeyFrom(r.Context())
+			rec, _ := store.Get(r.Context(), scope, key, time.Now())
+			seenc <- seen{dl, rec}
+			entered <- struct{}{}
+			<-gate
+		case "/headers":
+			for _, h := range idem.DefaultStoredHeaders {
+				w.Header().Set(h, "v-"+h)
+			}
+			w.Header().Set("X-Not-Kept", "x")
+		case "/size":
+			n, _ := strconv.Atoi(r.URL.Query().Get("n"))
+			_, _ = w.Write([]byte(strings.Repeat("r", n)))
+			return
+		}
+		w.WriteHeader(201)
+	})))
+	t.Cleanup(srv.Close)
+	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 2 * time.Minute}
+	do := func(method, path, key, body string) (int, http.Header, string) {
+		t.Helper()
+		req, _ := http.NewRequest(method, srv.URL+path, strings.NewReader(body))
+		if key != "" {
+			req.Header.Set("Idempotency-Key", key)
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, resp.Header, string(b)
+	}
+	// Methods: POST and PATCH keyed (key required), others pass through.
+	for _, m := range []string{"POST", "PATCH"} {
+		if st, _, body := do(m, "/", "", ""); st != 400 || !strings.Contains(body, idem.CodeKeyMissing) {
+			t.Errorf("%s without a key: %d %s, want 400 %s", m, st, body, idem.CodeKeyMissing)
+		}
+	}
+	for _, m := range []string{"PUT", "DELETE", "GET"} {
+		if st, _, _ := do(m, "/", "", ""); st != 201 {
+			t.Errorf("%s without a key: %d, want it passed through (201)", m, st)
+		}
+	}
+	// MaxKeyLength 255.
+	if st, _, _ := do("POST", "/", strings.Repeat("k", 255), ""); st != 201 {
+		t.Errorf("a 255-byte key: %d, want 201", st)
+	}
+	if st, _, body := do("POST", "/", strings.Repeat("k", 256), ""); st != 400 || !strings.Contains(body, idem.CodeKeyInvalid) {
+		t.Errorf("a 256-byte key: %d %s, want 400", st, body)
+	}
+	// MaxRequestBody 1 MiB.
+	if st, _, _ := do("POST", "/", "body-at-limit", strings.Repeat("b", mib)); st != 201 {
+		t.Errorf("a 1 MiB body: %d, want 201", st)
+	}
+	if st, _, body := do("POST", "/", "body-past-limit", strings.Repeat("b", mib+1)); st != 413 || !strings.Contains(body, idem.CodeBodyTooLarge) {
+		t.Errorf("a body of 1 MiB + 1: %d %.100s, want 413", st, body)
+	}
+	// MaxStoredBody 1 MiB: at it, replayed whole; past it, never replayed.
+	for _, n := range []int{mib, mib + 1} {
+		key := fmt.Sprintf("resp-%d", n)
+		path := fmt.Sprintf("/size?n=%d", n)
+		if st, _, body := do("POST", path, key, ""); st != 200 || len(body) != n {
+			t.Errorf("a %d-byte answer: %d with %d bytes, want it whole", n, st, len(body))
+		}
+		st, h, body := do("POST", path, key, "")
+		if n == mib && (st != 200 || len(body) != n || h.Get(idem.ReplayedHeader) != "true") {
+			t.Errorf("retry of a 1 MiB answer: %d, %d bytes, replayed %q; want the replay whole", st, len(body), h.Get(idem.ReplayedHeader))
+		}
+		if n > mib && (st != 500 || !strings.Contains(body, idem.CodeResponseTooLarge)) {
+			t.Errorf("retry of a 1 MiB + 1 answer: %d %.100s, want 500 %s", st, body, idem.CodeResponseTooLarge)
+		}
+	}
+	// StoredHeaders: the eight defaults, and nothing else.
+	do("POST", "/headers", "hdr", "")
+	_, h, _ := do("POST", "/headers", "hdr", "")
+	for _, name := range idem.DefaultStoredHeaders {
+		if h.Get(name) != "v-"+name {
+			t.Errorf("replay: %s = %q, want it kept", name, h.Get(name))
+		}
+	}
+	if h.Get("X-Not-Kept") != "" || h.Get(idem.ReplayedHeader) != "true" {
+		t.Errorf("replay headers %v: X-Not-Kept must not be kept", h)
+	}
+	// Lease 30s, TTL 24h, HandlerTimeout 1m, the claim-then-complete flow on
+	// memstore (the record is in flight while the handler runs), and a 409
+	// with Retry-After 30 meanwhile.
+	var once sync.Once
+	release := func() { once.Do(func() { close(gate) }) }
+	t.Cleanup(release) // before the server closes: it waits for the handler
+	start := time.Now()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		req, _ := http.NewRequest("POST", srv.URL+"/held", nil)
+		req.Header.Set("Idempotency-Key", "held")
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Errorf("held request: %v", err)
+			return
+		}
+		resp.Body.Close()
+		if resp.StatusCode != 201 {
+			t.Errorf("held request: %d", resp.StatusCode)
+		}
+	}()
+	s := <-seenc
+	<-entered
+	if s.rec == nil || s.rec.State != idem.StateInFlight {
+		t.Errorf("while the handler runs the record is %+v, want in flight (claim-then-complete)", s.rec)
+	} else {
+		if lease := s.rec.LeaseUntil.Sub(s.rec.CreatedAt); lease < 29*time.Second || lease > 31*time.Second {
+			t.Errorf("lease %v, want 30s", lease)
+		}
+		if ttl := s.rec.ExpiresAt.Sub(s.rec.CreatedAt); ttl < 24*time.Hour-time.Second || ttl > 24*time.Hour+time.Second {
+			t.Errorf("TTL %v, want 24h", ttl)
+		}
+	}
+	if d := s.deadline.Sub(start); d < 50*time.Second || d > 70*time.Second {
+		t.Errorf("the handler's deadline is %v after the request, want 1m (deadline %v)", d, s.deadline)
+	}
+	st, h, body := do("POST", "/held", "held", "")
+	if st != 409 || !strings.Contains(body, idem.CodeKeyInUse) {
+		t.Errorf("while in flight: %d %s, want 409", st, body)
+	}
+	if ra, _ := strconv.Atoi(h.Get("Retry-After")); ra < 28 || ra > 30 {
+		t.Errorf("Retry-After %q, want the lease left (30 s)", h.Get("Retry-After"))
+	}
+	release()
+	<-done
 }
