@@ -41,7 +41,139 @@ const (
 	sharedResponse       bug = "shared-response"           // says it copies responses, keeps the caller's
 	completeKeepsExpiry  bug = "complete-keeps-expiry"     // Complete ignores expiresAt
 	takeoverNewCreatedAt bug = "takeover-new-created-at"   // a takeover resets CreatedAt
+
+	// Bugs of the transactional stores (refTxStore).
+	unfencedTxComplete bug = "unfenced-tx-complete"  // Tx.Complete and Commit ignore the token
+	txCompleteAtOnce   bug = "tx-complete-at-once"   // Tx.Complete writes at once: a rollback keeps it
+	noKeyLock          bug = "no-key-lock"           // BeginLocked never reports ErrInFlight
+	lockKeptOnRollback bug = "lock-kept-on-rollback" // Rollback of a LockedTx leaves the key locked
 )
+
+// txBugs are the bugs planted in refTxStore rather than refStore.
+var txBugs = map[bug]bool{unfencedTxComplete: true, txCompleteAtOnce: true, noKeyLock: true, lockKeptOnRollback: true}
+
+// refTxStore is refStore with a transactional completion (idem.TxStore) and
+// the single-transaction flow (idem.SingleTxStore): a transaction applies its
+// writes under the store's lock at Commit.
+type refTxStore struct {
+	*refStore
+	locked map[[2]string]bool // keys held by a LockedTx; guarded by mu
+}
+
+func newRefTxStore(b bug) *refTxStore {
+	return &refTxStore{refStore: newRefStore(b), locked: map[[2]string]bool{}}
+}
+
+type refTx struct {
+	s       *refTxStore
+	pending []func() error // run under s.mu at Commit
+	done    bool
+}
+
+func (s *refTxStore) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
+	return ctx, &refTx{s: s}, nil
+}
+
+func (tx *refTx) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, now, expiresAt time.Time) error {
+	s := tx.s
+	fenced := s.bug != unfencedTxComplete
+	resp = copyResponse(resp)
+	apply := func() error {
+		rec := s.held(scope, key, token, fenced)
+		if rec == nil {
+			return idem.ErrLockLost
+		}
+		rec.State, rec.Token, rec.ExpiresAt, rec.Response = idem.StateComplete, "", expiresAt, resp
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.bug == txCompleteAtOnce {
+		return apply()
+	}
+	if s.held(scope, key, token, fenced) == nil {
+		return idem.ErrLockLost
+	}
+	tx.pending = append(tx.pending, apply)
+	return nil
+}
+
+func (tx *refTx) Commit(ctx context.Context) error {
+	tx.s.mu.Lock()
+	defer tx.s.mu.Unlock()
+	if tx.done {
+		return nil
+	}
+	tx.done = true
+	for _, f := range tx.pending {
+		if err := f(); err != nil {
+			return err // one write per transaction here: all or nothing
+		}
+	}
+	return nil
+}
+
+func (tx *refTx) Rollback(ctx context.Context) error {
+	tx.s.mu.Lock()
+	tx.done = true
+	tx.s.mu.Unlock()
+	return nil
+}
+
+type refLockedTx struct {
+	refTx
+	id     [2]string
+	insert *idem.Record
+}
+
+func (s *refTxStore) BeginLocked(ctx context.Context, scope, key string, now time.Time) (context.Context, idem.LockedTx, *idem.Record, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	id := s.id(scope, key)
+	if s.locked[id] && s.bug != noKeyLock {
+		return ctx, nil, nil, idem.ErrInFlight
+	}
+	s.locked[id] = true
+	tx := &refLockedTx{refTx: refTx{s: s}, id: id}
+	if rec := s.m[id]; rec != nil && rec.ExpiresAt.After(now) {
+		return ctx, tx, copyRecord(rec), nil
+	}
+	return ctx, tx, nil, nil
+}
+
+func (tx *refLockedTx) Insert(ctx context.Context, rec *idem.Record) error {
+	tx.insert = copyRecord(rec)
+	return nil
+}
+
+func (tx *refLockedTx) Commit(ctx context.Context) error {
+	s := tx.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if tx.done {
+		return nil
+	}
+	tx.done = true
+	delete(s.locked, tx.id)
+	if tx.insert != nil {
+		if old := s.m[tx.id]; old != nil && old.ExpiresAt.After(tx.insert.CreatedAt) {
+			return idem.ErrInFlight
+		}
+		s.m[tx.id] = tx.insert
+	}
+	return nil
+}
+
+func (tx *refLockedTx) Rollback(ctx context.Context) error {
+	s := tx.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !tx.done && s.bug != lockKeptOnRollback {
+		delete(s.locked, tx.id)
+	}
+	tx.done = true
+	return nil
+}
 
 // refStore is a plain, mutex-guarded implementation of idem.Store, with one
 // planted bug (or none).
@@ -226,6 +358,10 @@ func TestRunOnPlantedBug(t *testing.T) {
 	if !ok {
 		t.Skip("run by TestRunCatchesPlantedBugs")
 	}
+	if txBugs[bug(b)] {
+		storetest.Run(t, func(t *testing.T) idem.Store { return newRefTxStore(bug(b)) })
+		return
+	}
 	storetest.Run(t, func(t *testing.T) idem.Store { return newRefStore(bug(b)) })
 }
 
@@ -233,7 +369,12 @@ func TestRunOnPlantedBug(t *testing.T) {
 // failures below are the bugs'.
 func TestRunPassesTheReferenceStore(t *testing.T) {
 	t.Parallel()
-	storetest.Run(t, func(t *testing.T) idem.Store { return newRefStore(noBug) })
+	t.Run("plain", func(t *testing.T) {
+		storetest.Run(t, func(t *testing.T) idem.Store { return newRefStore(noBug) })
+	})
+	t.Run("transactional", func(t *testing.T) {
+		storetest.Run(t, func(t *testing.T) idem.Store { return newRefTxStore(noBug) })
+	})
 }
 
 func TestRunCatchesPlantedBugs(t *testing.T) {
@@ -257,6 +398,10 @@ func TestRunCatchesPlantedBugs(t *testing.T) {
 		sharedResponse:       {"ResponseCopied"},
 		completeKeepsExpiry:  {"CompleteAndReplay"},
 		takeoverNewCreatedAt: {"LapsedLeaseTakenOver"},
+		unfencedTxComplete:   {"TxComplete"},
+		txCompleteAtOnce:     {"TxComplete"},
+		noKeyLock:            {"SingleTxLock"},
+		lockKeptOnRollback:   {"SingleTxLock"},
 	}
 	for b, want := range cases {
 		t.Run(string(b), func(t *testing.T) {
@@ -270,7 +415,7 @@ func TestRunCatchesPlantedBugs(t *testing.T) {
 				t.Fatalf("storetest.Run passed a store whose %s:\n%s", b, tail(out))
 			}
 			for _, name := range want {
-				if strings.Contains(string(out), "--- FAIL: TestRunOnPlantedBug/"+name+" ") {
+				if strings.Contains(string(out), "--- FAIL: TestRunOnPlantedBug/"+name+" ") || strings.Contains(string(out), "--- FAIL: TestRunOnPlantedBug/"+name+"/") {
 					return
 				}
 			}

@@ -61,6 +61,8 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 		{"ExpiredReclaimed", testExpiredReclaimed},
 		{"ScopeIsolation", testScopeIsolation},
 		{"LongKeysDistinct", testLongKeysDistinct},
+		{"TxComplete", testTxComplete},
+		{"SingleTxLock", testSingleTxLock},
 		{"Janitor", testJanitor},
 		{"LiveLeasePastTTL", testLiveLeasePastTTL},
 		{"LongestTTL", testLongestTTL},
@@ -613,6 +615,136 @@ func testScopeIsolation(t *testing.T, s idem.Store) {
 		if got := mustGet(t, s, a, now); got.State != idem.StateComplete || string(got.Response.Body) != "a" {
 			t.Errorf("record (%q, %q) = %+v, want complete with body a", a.scope, a.key, got)
 		}
+	}
+}
+
+// testTxComplete: a TxStore's completion inside the business transaction is
+// fenced as Store.Complete is — a stale token, or the token of a holder that
+// was taken over, completes nothing (ErrLockLost from Tx.Complete or from
+// Commit) — and commits only with the transaction: rolled back, the record
+// stays in flight under its token.
+func testTxComplete(t *testing.T, s idem.Store) {
+	ts, ok := s.(idem.TxStore)
+	if !ok {
+		t.Skip("the store is not an idem.TxStore")
+	}
+	completeIn := func(f fixture, token string, resp *idem.Response, now time.Time, commit bool) error {
+		ctx, tx, err := ts.BeginTx(ctxFor(t))
+		if err != nil {
+			t.Fatalf("BeginTx: %v", err)
+		}
+		defer func() { _ = tx.Rollback(ctxFor(t)) }()
+		if err := tx.Complete(ctx, f.scope, f.key, token, resp, now, now.Add(longTTL)); err != nil {
+			return err
+		}
+		if !commit {
+			return tx.Rollback(ctx)
+		}
+		return tx.Commit(ctx)
+	}
+	resp := &idem.Response{Status: 201, Body: []byte("tx")}
+	t.Run("stale token", func(t *testing.T) {
+		f := newFixture(t)
+		now := time.Now()
+		req := f.claim("v1:tx", now, time.Minute, longTTL)
+		mustClaim(t, s, req)
+		wantLockLost(t, "Tx.Complete (and Commit) with a stale token", completeIn(f, "not-the-token", resp, now, true))
+		checkInFlight(t, mustGet(t, s, f, now), req)
+	})
+	t.Run("rolled back", func(t *testing.T) {
+		f := newFixture(t)
+		now := time.Now()
+		req := f.claim("v1:tx", now, time.Minute, longTTL)
+		mustClaim(t, s, req)
+		if err := completeIn(f, req.Token, resp, now, false); err != nil {
+			t.Fatalf("Tx.Complete, then Rollback: %v", err)
+		}
+		checkInFlight(t, mustGet(t, s, f, now), req)
+		if err := completeIn(f, req.Token, resp, now, true); err != nil {
+			t.Fatalf("Tx.Complete and Commit after a rolled-back one: %v", err)
+		}
+		checkResponse(t, mustGet(t, s, f, now).Response, resp)
+		wantLockLost(t, "a second Tx.Complete (and Commit) of a complete record", completeIn(f, req.Token, &idem.Response{Status: 500}, now, true))
+		checkResponse(t, mustGet(t, s, f, now).Response, resp)
+	})
+	t.Run("taken over", func(t *testing.T) {
+		f := newFixture(t)
+		first := f.claim("v1:tx", time.Now(), shortLease, longTTL)
+		mustClaim(t, s, first)
+		time.Sleep(shortLease + 50*time.Millisecond)
+		now := time.Now()
+		taker := f.claim("v1:tx", now, time.Minute, longTTL)
+		mustClaim(t, s, taker)
+		wantLockLost(t, "Tx.Complete (and Commit) by the holder that was taken over", completeIn(f, first.Token, resp, now, true))
+		checkInFlight(t, mustGet(t, s, f, now), taker)
+	})
+}
+
+// testSingleTxLock: a SingleTxStore's BeginLocked is the in-flight signal of
+// the single-transaction flow: while one transaction holds (scope, key), a
+// second BeginLocked of it is ErrInFlight; Rollback and Commit free it; a
+// record inserted and committed is the complete record every later call sees,
+// and an expired record is replaced by Insert.
+func testSingleTxLock(t *testing.T, s idem.Store) {
+	ls, ok := s.(idem.SingleTxStore)
+	if !ok {
+		t.Skip("the store is not an idem.SingleTxStore")
+	}
+	f := newFixture(t)
+	now := time.Now()
+	begin := func(now time.Time) (context.Context, idem.LockedTx, *idem.Record, error) {
+		return ls.BeginLocked(ctxFor(t), f.scope, f.key, now)
+	}
+	_, tx, rec, err := begin(now)
+	if err != nil || rec != nil {
+		t.Fatalf("BeginLocked of a fresh key = %+v, %v; want no record", rec, err)
+	}
+	if _, tx2, rec, err := begin(now); !errors.Is(err, idem.ErrInFlight) {
+		if tx2 != nil {
+			_ = tx2.Rollback(ctxFor(t))
+		}
+		_ = tx.Rollback(ctxFor(t))
+		t.Fatalf("a second BeginLocked while the first holds the key = %+v, %v; want ErrInFlight", rec, err)
+	}
+	if err := tx.Rollback(ctxFor(t)); err != nil {
+		t.Fatalf("Rollback: %v", err)
+	}
+	wantNotFound(t, s, f, now)
+	insert := func(now, expires time.Time, body string) {
+		t.Helper()
+		ctx, tx, rec, err := begin(now)
+		if err != nil || rec != nil {
+			t.Fatalf("BeginLocked after a rollback or past the expiry = %+v, %v; want the key free and no live record", rec, err)
+		}
+		defer func() { _ = tx.Rollback(ctxFor(t)) }()
+		err = tx.Insert(ctx, &idem.Record{Scope: f.scope, Key: f.key, State: idem.StateComplete, Fingerprint: "v1:single",
+			Token: "tok-" + randToken(), CreatedAt: now, LeaseUntil: now, ExpiresAt: expires,
+			Response: &idem.Response{Status: 201, Body: []byte(body)}})
+		if err != nil {
+			t.Fatalf("Insert: %v", err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatalf("Commit: %v", err)
+		}
+	}
+	const ttl = 400 * time.Millisecond
+	insert(now, now.Add(ttl), "first")
+	if got := mustGet(t, s, f, now); got.State != idem.StateComplete || string(got.Response.Body) != "first" {
+		t.Fatalf("after Insert and Commit the record is %+v, want complete with body first", got)
+	}
+	_, tx, rec, err = begin(now)
+	if err != nil || rec == nil || rec.State != idem.StateComplete || rec.Response == nil || string(rec.Response.Body) != "first" {
+		t.Fatalf("BeginLocked of a complete key = %+v, %v; want its complete record", rec, err)
+	}
+	_ = tx.Rollback(ctxFor(t))
+	if rec, claimed, err := s.Claim(ctxFor(t), f.claim("v1:single", now, time.Minute, longTTL)); err != nil || claimed || rec.State != idem.StateComplete {
+		t.Fatalf("Claim of a key inserted complete = %+v, %v, %v; want its complete record", rec, claimed, err)
+	}
+	time.Sleep(ttl + 50*time.Millisecond)
+	later := time.Now()
+	insert(later, later.Add(longTTL), "second")
+	if got := mustGet(t, s, f, later); got.State != idem.StateComplete || string(got.Response.Body) != "second" {
+		t.Fatalf("after an Insert over an expired record the record is %+v, want the new one", got)
 	}
 }
 
