@@ -373,7 +373,7 @@ func retrySeconds(relErr error, lease time.Duration) int {
 	if relErr == nil {
 		return 1
 	}
-	return max(1, int((lease+time.Second-1)/time.Second))
+	return max(1, ceilSeconds(lease))
 }
 
 // commitFailedDetail explains a commit whose outcome is unknown.

@@ -2,6 +2,7 @@ package idem_test
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -479,6 +480,85 @@ func TestDefaultsAreTheDocumentedOnes(t *testing.T) {
 	}
 	if ra, _ := strconv.Atoi(h.Get("Retry-After")); ra < 28 || ra > 30 {
 		t.Errorf("Retry-After %q, want the lease left (30 s)", h.Get("Retry-After"))
+	}
+	release()
+	<-done
+}
+
+// fullTimeStore is memstore returning lease deadlines as given, past 2262
+// (memstore keeps Unix nanoseconds, saturated there; PostgreSQL's timestamptz
+// and MySQL's DATETIME keep them whole).
+type fullTimeStore struct {
+	*memstore.Store
+	mu    sync.Mutex
+	lease map[string]time.Time // by token
+}
+
+func (s *fullTimeStore) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record, bool, error) {
+	rec, claimed, err := s.Store.Claim(ctx, req)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if claimed {
+		s.lease[req.Token] = req.LeaseUntil
+	} else if rec != nil {
+		if l, ok := s.lease[rec.Token]; ok {
+			rec.LeaseUntil = l
+		}
+	}
+	return rec, claimed, err
+}
+
+// TestLongestLeaseRetryAfter: with the longest Lease a Duration holds, a 409's
+// Retry-After is the lease left, not 1: rounding it up to whole seconds
+// overflowed (left + 1s - 1ns wrapped negative) and sent clients back at once.
+func TestLongestLeaseRetryAfter(t *testing.T) {
+	t.Parallel()
+	mem := memstore.New(&memstore.Config{JanitorInterval: -1})
+	t.Cleanup(func() { _ = mem.Close() })
+	store := &fullTimeStore{Store: mem, lease: map[string]time.Time{}}
+	mw, err := idem.New(store, &idem.Config{Lease: math.MaxInt64, TTL: math.MaxInt64, HandlerTimeout: math.MaxInt64, CleanupTimeout: math.MaxInt64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	gate, entered := make(chan struct{}), make(chan struct{})
+	srv := httptest.NewServer(mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/held" {
+			close(entered)
+			<-gate
+		}
+		w.WriteHeader(201)
+		_, _ = io.WriteString(w, "done")
+	})))
+	var once sync.Once
+	release := func() { once.Do(func() { close(gate) }) }
+	t.Cleanup(srv.Close)
+	t.Cleanup(release)
+	post := func(path string) (*http.Response, string) {
+		req, _ := http.NewRequest("POST", srv.URL+path, strings.NewReader("{}"))
+		req.Header.Set("Idempotency-Key", "k"+path[1:])
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Error(err)
+			return nil, ""
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp, string(b)
+	}
+	for i := range 2 { // executed, then replayed: nothing overflows on the way
+		if resp, body := post("/quick"); resp == nil || resp.StatusCode != 201 || body != "done" || (i == 1) != (resp.Header.Get(idem.ReplayedHeader) == "true") {
+			t.Fatalf("request %d under the longest durations: %v %q", i+1, resp, body)
+		}
+	}
+	done := make(chan struct{})
+	go func() { defer close(done); post("/held") }()
+	<-entered
+	resp, body := post("/held")
+	if resp == nil || resp.StatusCode != 409 {
+		t.Fatalf("while in flight: %v %s, want 409", resp, body)
+	}
+	if ra, err := strconv.ParseInt(resp.Header.Get("Retry-After"), 10, 64); err != nil || ra < 1<<32 {
+		t.Errorf("Retry-After %q under a 292-year lease, want the lease left in seconds", resp.Header.Get("Retry-After"))
 	}
 	release()
 	<-done

@@ -199,11 +199,18 @@ func (h *handler) inFlight(w http.ResponseWriter, req *request, left time.Durati
 	// means a clock that went back (or another server's clock ahead): the wait
 	// is capped at the lease rather than told in hours.
 	left = min(left, h.Lease)
-	secs := int((left + time.Second - 1) / time.Second)
-	if secs < 1 {
-		secs = 1
-	}
+	secs := max(1, ceilSeconds(left))
 	h.problem(w, req, EventInFlight, nil, CodeKeyInUse, fmt.Sprintf("a request with this key is still being processed; retry after %d s with the same key and body", secs), secs)
+}
+
+// ceilSeconds is d in whole seconds, rounded up, without the overflow of
+// (d + time.Second - 1) near the longest Duration.
+func ceilSeconds(d time.Duration) int {
+	secs := d / time.Second
+	if d%time.Second > 0 {
+		secs++
+	}
+	return int(secs)
 }
 
 // responseTooLarge answers a request whose transaction was rolled back because
