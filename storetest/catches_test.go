@@ -38,6 +38,7 @@ const (
 	truncatedScopes      bug = "truncated-scopes"          // scopes cut to 64 bytes
 	getExpired           bug = "get-expired"               // Get returns expired records
 	janitorDeletesLive   bug = "janitor-deletes-in-flight" // DeleteExpired deletes in-flight records past their claim's TTL
+	janitorByLease       bug = "janitor-by-lease"          // DeleteExpired deletes records whose lease has passed
 	sharedResponse       bug = "shared-response"           // says it copies responses, keeps the caller's
 	completeKeepsExpiry  bug = "complete-keeps-expiry"     // Complete ignores expiresAt
 	takeoverNewCreatedAt bug = "takeover-new-created-at"   // a takeover resets CreatedAt
@@ -340,7 +341,7 @@ func (s *refStore) DeleteExpired(ctx context.Context, now time.Time, limit int) 
 			break
 		}
 		rec := s.m[id]
-		if !rec.ExpiresAt.After(now) || (s.bug == janitorDeletesLive && rec.State == idem.StateInFlight && !rec.CreatedAt.Add(250*time.Millisecond).After(now)) {
+		if !rec.ExpiresAt.After(now) || (s.bug == janitorByLease && !rec.LeaseUntil.After(now)) || (s.bug == janitorDeletesLive && rec.State == idem.StateInFlight && !rec.CreatedAt.Add(250*time.Millisecond).After(now)) {
 			delete(s.m, id)
 			n++
 		}
@@ -395,6 +396,7 @@ func TestRunCatchesPlantedBugs(t *testing.T) {
 		truncatedScopes:      {"LongKeysDistinct"},
 		getExpired:           {"ExpiredReclaimed"},
 		janitorDeletesLive:   {"LiveLeasePastTTL"},
+		janitorByLease:       {"Janitor"},
 		sharedResponse:       {"ResponseCopied"},
 		completeKeepsExpiry:  {"CompleteAndReplay"},
 		takeoverNewCreatedAt: {"LapsedLeaseTakenOver"},
