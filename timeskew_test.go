@@ -9,12 +9,12 @@ import (
 	"net/http/httptest"
 	"path/filepath"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/expirytest"
 	"github.com/idemkit/idem/internal/racetest"
 	"github.com/idemkit/idem/memstore"
 	"github.com/idemkit/idem/sqlitestore"
@@ -69,116 +69,36 @@ func postOnce(t *testing.T, url, key, body string) racetest.Result {
 	return res
 }
 
-// TestExpiryBoundaryConcurrent: a complete record reaches its expiry exactly
-// while duplicates arrive on two servers sharing the store — one whose clock
-// reads 1 ms before the record's ExpiresAt, one whose clock reads ExpiresAt —
-// and janitors sweep at ExpiresAt. All requests are released from one barrier.
-// The operation runs exactly once more (the expired record is gone for the
-// second server; whichever request claims first runs it), the server at
-// ExpiresAt never replays the expired execution, and a 409 is only heard once
-// the new execution exists.
+// TestExpiryBoundaryConcurrent: expirytest.Boundary on memstore and on SQLite
+// in both flows (the other stores run it in their packages).
 func TestExpiryBoundaryConcurrent(t *testing.T) {
 	t.Parallel()
-	stores := map[string]func(t *testing.T) (idem.Store, idem.Flow){
-		"memstore": func(t *testing.T) (idem.Store, idem.Flow) {
+	t.Run("memstore", func(t *testing.T) {
+		t.Parallel()
+		expirytest.Boundary(t, func(t *testing.T) idem.Store {
 			s := memstore.New(nil)
 			t.Cleanup(func() { _ = s.Close() })
-			return s, idem.FlowAuto
-		},
-	}
+			return s
+		}, idem.FlowAuto)
+	})
 	for _, flow := range []idem.Flow{idem.FlowClaimComplete, idem.FlowSingleTx} {
-		stores[fmt.Sprintf("sqlite-flow%d", flow)] = func(t *testing.T) (idem.Store, idem.Flow) {
-			db, err := embedded.Open(filepath.Join(t.TempDir(), "expiry.db"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = db.Close() })
-			s, err := sqlitestore.New(db, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := s.Migrate(context.Background()); err != nil {
-				t.Fatal(err)
-			}
-			return s, flow
-		}
-	}
-	for name, open := range stores {
-		t.Run(name, func(t *testing.T) {
+		t.Run(fmt.Sprintf("sqlite-flow%d", flow), func(t *testing.T) {
 			t.Parallel()
-			for round := range 3 {
-				store, flow := open(t)
-				const ttl = time.Hour
-				t0 := time.Now().Truncate(time.Second).Add(-ttl)
-				expires := t0.Add(ttl)
-				h := &execCounter{}
-				cfg := func(now time.Time) *idem.Config {
-					return &idem.Config{Flow: flow, TTL: ttl, Lease: 30 * time.Second, NowFunc: func() time.Time { return now }}
+			expirytest.Boundary(t, func(t *testing.T) idem.Store {
+				db, err := embedded.Open(filepath.Join(t.TempDir(), "expiry.db"))
+				if err != nil {
+					t.Fatal(err)
 				}
-				first := serveWith(t, store, cfg(t0), h)
-				before := serveWith(t, store, cfg(expires.Add(-time.Millisecond)), h)
-				at := serveWith(t, store, cfg(expires), h)
-				key := fmt.Sprintf("expiry-%d", round)
-				body := `{"item":"chair"}`
-				if r := postOnce(t, first, key, body); r.Status != http.StatusCreated || string(r.Body) != `{"exec":1}` {
-					t.Fatalf("first = %d %s", r.Status, r.Body)
+				t.Cleanup(func() { _ = db.Close() })
+				s, err := sqlitestore.New(db, nil)
+				if err != nil {
+					t.Fatal(err)
 				}
-
-				const n = 24
-				janitor := &idem.Janitor{Store: store, BatchSize: 1, NowFunc: func() time.Time { return expires }}
-				var jwg sync.WaitGroup
-				startJanitors := make(chan struct{})
-				for range 2 {
-					jwg.Go(func() {
-						<-startJanitors
-						for range 5 {
-							if _, err := janitor.Sweep(context.Background()); err != nil {
-								t.Errorf("Sweep: %v", err)
-							}
-						}
-					})
+				if err := s.Migrate(context.Background()); err != nil {
+					t.Fatal(err)
 				}
-				urls := func(i int) string {
-					if i%2 == 0 {
-						return before
-					}
-					return at
-				}
-				close(startJanitors)
-				results := racetest.Fire(n, func(i int) (*http.Request, error) {
-					return racetest.Post(urls(i), key, []byte(body), nil)(i)
-				})
-				jwg.Wait()
-
-				var fresh, oldReplays, conflicts int
-				for i, r := range results {
-					if r.Err != nil {
-						t.Fatalf("request %d: %v", i, r.Err)
-					}
-					replayed := r.Header.Get(idem.ReplayedHeader) == "true"
-					switch {
-					case r.Status == http.StatusConflict:
-						conflicts++
-					case r.Status == http.StatusCreated && !replayed && string(r.Body) == `{"exec":2}`:
-						fresh++
-					case r.Status == http.StatusCreated && replayed && string(r.Body) == `{"exec":2}`:
-					case r.Status == http.StatusCreated && replayed && string(r.Body) == `{"exec":1}`:
-						oldReplays++
-						if urls(i) == at {
-							t.Errorf("request %d at ExpiresAt got the replay of the expired execution", i)
-						}
-					default:
-						t.Errorf("request %d (%s): %d replayed=%v %s", i, map[bool]string{true: "before", false: "at"}[urls(i) == before], r.Status, replayed, r.Body)
-					}
-				}
-				if got := h.runs.Load(); got != 2 || fresh != 1 {
-					t.Fatalf("round %d: handler ran %d times (%d fresh answers), want 2 (one after the expiry); %d 409s, %d replays of the old execution", round, got, fresh, conflicts, oldReplays)
-				}
-				// The janitor at ExpiresAt deleted nothing live: the new record replays.
-				if r := postOnce(t, at, key, body); r.Header.Get(idem.ReplayedHeader) != "true" || string(r.Body) != `{"exec":2}` {
-					t.Fatalf("after the race: %d %s, want the replay of execution 2", r.Status, r.Body)
-				}
-			}
+				return s
+			}, flow)
 		})
 	}
 }
