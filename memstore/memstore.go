@@ -149,14 +149,13 @@ func (s *Store) Len() int {
 	return n
 }
 
-// seen notes a clock reading of the middleware's.
+// seen notes a clock reading of the middleware's. The latest reading wins, not
+// the highest: a clock that jumped ahead once and came back must not leave the
+// janitor ahead, deleting every record it writes afterwards. Concurrent calls
+// may leave a reading a moment older than another's, which only delays a sweep.
 func (s *Store) seen(now time.Time) {
-	n := unixNanos(now)
-	for {
-		old := s.latest.Load()
-		if n <= old || s.latest.CompareAndSwap(old, n) {
-			return
-		}
+	if n := unixNanos(now); s.latest.Load() != n {
+		s.latest.Store(n)
 	}
 }
 

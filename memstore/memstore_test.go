@@ -53,3 +53,54 @@ func TestJanitorFollowsTheMiddlewareClock(t *testing.T) {
 		time.Sleep(5 * time.Millisecond)
 	}
 }
+
+// TestJanitorFollowsAClockThatWentBack: the janitor sweeps by the middleware's
+// latest clock reading, and a clock that jumped a year ahead once (a wrong
+// clock at boot that NTP corrected) must not leave the janitor a year ahead:
+// records written after the clock came back, live by it, must survive the
+// sweeps (regression: the janitor kept the highest reading ever seen and
+// deleted every record at its next sweep, so every retry ran the handler again).
+func TestJanitorFollowsAClockThatWentBack(t *testing.T) {
+	t.Parallel()
+	s := memstore.New(&memstore.Config{JanitorInterval: 5 * time.Millisecond})
+	t.Cleanup(func() { _ = s.Close() })
+	ctx := context.Background()
+	now := time.Now()
+	// Readings: a year ahead, then back (Extend of an absent record only reads the clock).
+	for _, at := range []time.Time{now.AddDate(1, 0, 0), now} {
+		if err := s.Extend(ctx, "other", "k", "t", at, at.Add(time.Second)); !errors.Is(err, idem.ErrLockLost) {
+			t.Fatalf("extend of an absent record: %v", err)
+		}
+	}
+	claim := func(key string, expires time.Time) {
+		t.Helper()
+		req := idem.ClaimRequest{Scope: "s", Key: key, Fingerprint: "v2:x", Token: "t-" + key,
+			Now: now, LeaseUntil: now.Add(time.Second), ExpiresAt: expires}
+		if _, claimed, err := s.Claim(ctx, req); err != nil || !claimed {
+			t.Fatalf("claim %s: %v %v", key, claimed, err)
+		}
+		if err := s.Complete(ctx, "s", key, "t-"+key, &idem.Response{Status: 201}, now, expires); err != nil {
+			t.Fatalf("complete %s: %v", key, err)
+		}
+	}
+	claim("live", now.Add(time.Hour))
+	claim("sentinel", now.Add(2*time.Second))
+	// The clock moves on three seconds: the sentinel expires, the live record does not.
+	later := now.Add(3 * time.Second)
+	if err := s.Extend(ctx, "other", "k", "t", later, later.Add(time.Second)); !errors.Is(err, idem.ErrLockLost) {
+		t.Fatalf("extend of an absent record: %v", err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if _, err := s.Get(ctx, "s", "sentinel", now); errors.Is(err, idem.ErrNotFound) {
+			break // a sweep ran after the last reading
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the expired sentinel was never swept")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if _, err := s.Get(ctx, "s", "live", later); err != nil {
+		t.Fatalf("the record live by the middleware's clock was swept: %v (the janitor ran on the clock's old jump)", err)
+	}
+}
