@@ -55,9 +55,10 @@
 // commit, the least a transaction with an in-flight lock can cost: BEGIN, the
 // lock and the record lookup pipelined (the lookup runs after the lock was
 // granted, so it sees what any earlier holder committed); the handler's
-// statements; the record INSERT pipelined with COMMIT. A live record answers
-// the request whether or not the lock was granted, so retries of a completed
-// key replay side by side. A crash frees the key at once, because the lock dies
+// statements; the record INSERT pipelined with COMMIT. The lock is tried only
+// when no record is live at the request's clock reading, and a live record
+// answers the request without it, so retries of a completed key replay side by
+// side and never hold the key from a request for which it has just expired. A crash frees the key at once, because the lock dies
 // with the connection. It holds a connection and a transaction for the
 // handler's whole run, so it suits handlers whose effects all live in this
 // database.

@@ -148,7 +148,12 @@ WHERE scope = $1 AND key = $2 AND token = $3 AND state = 1`
 	s.deleteSQL = `DELETE FROM ` + t + ` WHERE ctid = ANY(ARRAY(
 	SELECT ctid FROM ` + t + ` WHERE expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED
 )) AND expires_at <= $1`
-	s.lockSQL = `SELECT pg_try_advisory_xact_lock($1)`
+	// lockSQL tries the key's lock only when no record is live at $4: a request
+	// that will replay (or answer 409 or 422 from) a live record must not hold
+	// the lock while it reads, or a request whose clock has passed the record's
+	// expiry — for which the key is free — would hear 409 with nothing running.
+	s.lockSQL = `SELECT CASE WHEN EXISTS (SELECT FROM ` + t + ` WHERE scope = $2 AND key = $3 AND expires_at > $4)
+THEN false ELSE pg_try_advisory_xact_lock($1) END`
 	// lookupSQL reads the record whether or not it expired at $3 (its first
 	// column says), so that the insert at commit knows whether a row is there to
 	// replace; the body of an expired record is not sent.

@@ -326,7 +326,7 @@ func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Tim
 	b := &t.batch
 	b.QueuedQueries = t.qp[:0]
 	b.BeginTx(pgx.TxOptions{})
-	t.qq[0] = pgx.QueuedQuery{SQL: s.lockSQL, Arguments: t.args[0:1]}
+	t.qq[0] = pgx.QueuedQuery{SQL: s.lockSQL, Arguments: t.args[0:4]}
 	t.qq[1] = pgx.QueuedQuery{SQL: s.lookupSQL, Arguments: t.args[1:4]}
 	b.QueuedQueries = append(b.QueuedQueries, &t.qq[0], &t.qq[1])
 	conn, err := s.pool.Acquire(ctx)
