@@ -122,9 +122,13 @@
 //     volatile-ttl, …; every idem key has a TTL, so volatile-* policies pick them
 //     too) may drop an in-flight or complete record, and the next retry executes
 //     the operation again. With noeviction a full Redis refuses new claims (OOM),
-//     the middleware answers 503 and nothing runs twice: raise maxmemory or
-//     shorten the TTL. The policy is per server, so do not share that Redis with
-//     a cache that relies on eviction.
+//     the middleware answers 503 and the handler does not run; complete records
+//     still replay. Requests already running when it filled up can neither renew
+//     their lease nor complete (a store error, as when Redis is unreachable at
+//     completion): their keys stay in flight, and a retry once memory is free and
+//     the lease has lapsed runs the operation again. Raise maxmemory with room to
+//     spare, or shorten the TTL. The policy is per server, so do not share that
+//     Redis with a cache that relies on eviction.
 //   - Persistence. With RDB snapshots only (or none), a restart loses every
 //     record written since the last snapshot, with the same effect as a failover.
 //     Enable AOF (appendonly yes); appendfsync everysec loses at most about a
