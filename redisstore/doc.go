@@ -148,7 +148,9 @@
 // which the middleware ignores. When a stalled server (a slow command, a
 // fork) outlasts the client's ReadTimeout, go-redis gives up on the command, but
 // the server still runs it when it catches up: Complete then reports a store
-// error although the record ends complete. Under CLIENT PAUSE, the command of a
+// error although the record ends complete, and a Claim the middleware answered
+// with 503 leaves the key in flight under a token nobody holds, as a crashed
+// holder would: retries hear 409 until its lease lapses, then one takes it over. Under CLIENT PAUSE, the command of a
 // client that went away is dropped, and the re-send is what runs.
 //
 // # Limits

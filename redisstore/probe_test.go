@@ -6,7 +6,9 @@ import (
 	"errors"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -359,5 +361,75 @@ func TestOutOfMemory(t *testing.T) {
 	}
 	if n, err := client.Exists(ctx, recordKeyOf(store.Prefix(), "", "during")).Result(); err != nil || n != 0 {
 		t.Fatalf("a refused claim left a record: %d, %v", n, err)
+	}
+}
+
+// TestClaimOutlivesItsTimeout stalls Redis (DEBUG SLEEP) past the client's
+// ReadTimeout while a Claim is on the wire, with no retries left: the
+// middleware answers 503 and does not run the handler, but the server runs the
+// claim when it wakes up. The key is then in flight with a token nobody holds,
+// as after a crashed holder: retries hear 409 with a Retry-After no longer than
+// the lease, and once the lease has lapsed a retry takes it over and runs the
+// handler, once.
+func TestClaimOutlivesItsTimeout(t *testing.T) {
+	t.Parallel()
+	rs := startPrivateRedis(t, 0, "--enable-debug-command", "yes")
+	ctx := context.Background()
+	admin := redis.NewClient(&redis.Options{Addr: rs.addr()})
+	defer admin.Close()
+	client := redis.NewClient(&redis.Options{Addr: rs.addr(), ReadTimeout: 100 * time.Millisecond, MaxRetries: -1, PoolSize: 4})
+	defer client.Close()
+	store, err := redisstore.New(client, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var clock atomic.Int64
+	clock.Store(time.Now().UnixNano())
+	const lease = 30 * time.Second
+	h := newOrderHandler()
+	mw, err := idem.New(store, &idem.Config{Lease: lease, NowFunc: func() time.Time { return time.Unix(0, clock.Load()) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(mw(h))
+	defer srv.Close()
+	if status, _, body := post(t, srv.URL, "warm"); status != http.StatusCreated { // scripts cached, pool dialled
+		t.Fatalf("warm-up: %d %s", status, body)
+	}
+	stalled := make(chan error, 1)
+	go func() { stalled <- admin.Do(ctx, "DEBUG", "SLEEP", "3").Err() }()
+	for { // wait until the server is asleep: a PING on a fresh connection times out
+		c := redis.NewClient(&redis.Options{Addr: rs.addr(), ReadTimeout: 200 * time.Millisecond, MaxRetries: -1})
+		err := c.Ping(ctx).Err()
+		c.Close()
+		if err != nil {
+			break
+		}
+	}
+	status, hdr, body := post(t, srv.URL, "orphan")
+	wantUnavailable(t, status, hdr, body)
+	if err := <-stalled; err != nil {
+		t.Fatalf("DEBUG SLEEP: %v", err)
+	}
+	rec, err := store.Get(ctx, "", "orphan", time.Unix(0, clock.Load()))
+	if err != nil {
+		t.Skipf("the stalled claim did not run after the server woke (%v); nothing to check", err)
+	}
+	if rec.State != idem.StateInFlight {
+		t.Fatalf("record = %+v, want in flight", rec)
+	}
+	status, hdr, body = post(t, srv.URL, "orphan")
+	if status != http.StatusConflict {
+		t.Fatalf("retry while the orphaned claim's lease runs: %d %s, want 409", status, body)
+	}
+	if ra, err := strconv.Atoi(hdr.Get("Retry-After")); err != nil || ra < 1 || time.Duration(ra)*time.Second > lease+time.Second {
+		t.Fatalf("Retry-After = %q, want 1..%v seconds", hdr.Get("Retry-After"), lease)
+	}
+	clock.Add(int64(lease + time.Second))
+	if status, hdr, body := post(t, srv.URL, "orphan"); status != http.StatusCreated || hdr.Get(idem.ReplayedHeader) != "" {
+		t.Fatalf("retry after the lease lapsed: %d %s, want the handler's 201", status, body)
+	}
+	if got := h.runsOf("orphan"); got != 1 {
+		t.Fatalf("handler ran %d times, want 1", got)
 	}
 }
