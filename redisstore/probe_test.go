@@ -433,3 +433,104 @@ func TestClaimOutlivesItsTimeout(t *testing.T) {
 		t.Fatalf("handler ran %d times, want 1", got)
 	}
 }
+
+// TestSlowServerOtherScripts is TestSlowServer for Claim, Extend and Release:
+// the server stalls (DEBUG SLEEP, CLIENT PAUSE WRITE) longer than the client's
+// ReadTimeout while the script is on the wire, and go-redis re-sends it. A
+// Claim must not come back "not claimed" with its own record, an Extend must
+// not report a lost lock, and a Release must leave the record gone (a re-sent
+// Release may report ErrLockLost, which the middleware ignores).
+func TestSlowServerOtherScripts(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []string{"debug-sleep", "client-pause"} {
+		for _, op := range []string{"claim", "extend", "release"} {
+			t.Run(mode+"/"+op, func(t *testing.T) {
+				t.Parallel()
+				rs := startPrivateRedis(t, 0, "--enable-debug-command", "yes")
+				ctx := context.Background()
+				admin := redis.NewClient(&redis.Options{Addr: rs.addr()})
+				defer admin.Close()
+				client := redis.NewClient(&redis.Options{Addr: rs.addr(), ReadTimeout: 100 * time.Millisecond, MaxRetries: 30, PoolSize: 16})
+				defer client.Close()
+				s, err := redisstore.New(client, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				now := time.Now()
+				req := idem.ClaimRequest{Scope: "s", Key: "warm", Fingerprint: "v1:slow", Token: "tok-" + randomHex(8), Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)}
+				if _, claimed, err := s.Claim(ctx, req); err != nil || !claimed {
+					t.Fatalf("Claim = %v, %v", claimed, err)
+				}
+				if err := s.Extend(ctx, "s", "warm", req.Token, now, now.Add(time.Minute)); err != nil {
+					t.Fatal(err)
+				}
+				if err := s.Release(ctx, "s", "warm", req.Token); err != nil {
+					t.Fatal(err) // every script is in the server's cache now
+				}
+				req.Key, req.Token = "k", "tok-"+randomHex(8)
+				if op != "claim" {
+					if _, claimed, err := s.Claim(ctx, req); err != nil || !claimed {
+						t.Fatalf("Claim = %v, %v", claimed, err)
+					}
+				}
+				held := make([]*redis.Conn, 16) // idle, handshaken connections (see TestSlowServer)
+				for i := range held {
+					held[i] = client.Conn()
+					if err := held[i].Ping(ctx).Err(); err != nil {
+						t.Fatal(err)
+					}
+				}
+				for _, c := range held {
+					_ = c.Close()
+				}
+				stalled := make(chan error, 1)
+				switch mode {
+				case "debug-sleep":
+					go func() { stalled <- admin.Do(ctx, "DEBUG", "SLEEP", "0.6").Err() }()
+					time.Sleep(50 * time.Millisecond) // the server is asleep now (if not, the op simply runs at once)
+				case "client-pause":
+					stalled <- admin.Do(ctx, "CLIENT", "PAUSE", "600", "WRITE").Err()
+				}
+				var opErr error
+				switch op {
+				case "claim":
+					var rec *idem.Record
+					var claimed bool
+					rec, claimed, opErr = s.Claim(ctx, req)
+					if opErr == nil && !claimed {
+						t.Errorf("Claim across a %s: not claimed, record %+v; a re-send must recognise its own claim", mode, rec)
+					}
+				case "extend":
+					opErr = s.Extend(ctx, "s", "k", req.Token, now, now.Add(2*time.Minute))
+					if errors.Is(opErr, idem.ErrLockLost) {
+						t.Errorf("Extend across a %s: %v; the record was ours", mode, opErr)
+					}
+				case "release":
+					opErr = s.Release(ctx, "s", "k", req.Token)
+				}
+				if e := <-stalled; e != nil {
+					t.Fatalf("stalling the server: %v", e)
+				}
+				for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+					rec, err := s.Get(ctx, "s", "k", now)
+					var ok bool
+					switch op {
+					case "claim":
+						ok = err == nil && rec.Token == req.Token
+					case "extend":
+						ok = err == nil && rec.LeaseUntil.Equal(time.UnixMilli(now.Add(2*time.Minute).UnixMilli()))
+					case "release":
+						ok = errors.Is(err, idem.ErrNotFound)
+					}
+					if ok {
+						break
+					}
+					if time.Now().After(deadline) {
+						t.Fatalf("%s across a %s (%v): record = %+v, %v", op, mode, opErr, rec, err)
+					}
+				}
+				t.Logf("%s across a %s: %v", op, mode, opErr)
+			})
+		}
+	}
+}
