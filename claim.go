@@ -246,7 +246,7 @@ func (req *request) spillOutcome() {
 		h.observe(req, Event{Kind: EventReleased, Status: status, Err: h.releaseKey(cctx, req, req.token)})
 		return
 	}
-	resp := &Response{Status: status, Header: h.storedHeader(rw.w.Header()), Ref: rw.ref, BodyOmitted: true}
+	resp := &Response{Status: status, Header: h.storedHeader(rw.header()), Ref: rw.ref, BodyOmitted: true}
 	h.observeCompletion(req, status, h.complete(cctx, req, req.token, resp))
 }
 
@@ -259,9 +259,9 @@ func (h *handler) response(w http.ResponseWriter, rw *recorder) *storedResponse 
 	if h.reuseResponses {
 		sr = responsePool.Get().(*storedResponse)
 		sr.pooled = true
-		sr.Response = Response{Status: rw.statusOrOK(), Header: h.storedHeaderInto(sr, w.Header()), Ref: rw.ref}
+		sr.Response = Response{Status: rw.statusOrOK(), Header: h.storedHeaderInto(sr, rw.header()), Ref: rw.ref}
 	} else {
-		sr = &storedResponse{Response: Response{Status: rw.statusOrOK(), Header: h.storedHeader(w.Header()), Ref: rw.ref}}
+		sr = &storedResponse{Response: Response{Status: rw.statusOrOK(), Header: h.storedHeader(rw.header()), Ref: rw.ref}}
 	}
 	if h.ReplayFunc != nil || rw.overLimit() {
 		sr.BodyOmitted = true

@@ -265,7 +265,7 @@ func (h *handler) observe(req *request, e Event) {
 
 // recorder returns the request's recorder, writing to w.
 func (req *request) recorder(w http.ResponseWriter) *recorder {
-	req.rw = recorder{w: w, scope: req.scope, key: req.key}
+	req.rw = recorder{w: w, scope: req.scope, key: req.key, head: req.r.Method == http.MethodHead}
 	req.rw.snapshotHeaders()
 	return &req.rw
 }
@@ -291,9 +291,25 @@ func (h *handler) releaseKey(ctx context.Context, req *request, token string) er
 }
 
 // setContentLength sets Content-Length for bodies net/http would otherwise send
-// chunked; for smaller ones net/http sets it itself, at no cost to us.
+// chunked; for smaller ones net/http sets it itself, at no cost to us. A
+// response with trailers stays chunked: with a Content-Length net/http drops
+// them.
 func setContentLength(h http.Header, n int) {
-	if n >= 2048 && h.Get("Content-Length") == "" {
+	if n >= 2048 && h.Get("Content-Length") == "" && !hasTrailers(h) {
 		h.Set("Content-Length", strconv.Itoa(n))
 	}
+}
+
+// hasTrailers reports whether h declares trailers, by a Trailer field or a
+// key with http.TrailerPrefix.
+func hasTrailers(h http.Header) bool {
+	if len(h["Trailer"]) > 0 {
+		return true
+	}
+	for k := range h {
+		if strings.HasPrefix(k, http.TrailerPrefix) {
+			return true
+		}
+	}
+	return false
 }

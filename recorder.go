@@ -9,6 +9,7 @@ import (
 	"maps"
 	"net"
 	"net/http"
+	"strconv"
 )
 
 // recorder is the ResponseWriter the handler of a claimed request writes to. It
@@ -30,13 +31,15 @@ type recorder struct {
 	ref     string
 	written bool
 
-	outer   http.Header // a shallow copy of the writer's header map before the handler ran
-	limited bool        // limit applies
+	outer   http.Header    // a shallow copy of the writer's header map before the handler ran
+	snap    headerSnapshot // the header map as it was when the handler wrote its status
+	limited bool           // limit applies
 	limit   int
 	size    int // bytes the handler wrote
 	mode    recorderMode
 	spill   *request // when set, its spillOutcome stores the outcome early; the recorder then streams
 	unknown bool     // MarkOutcomeUnknown was called
+	head    bool     // the request is a HEAD: a Content-Length describes a body not sent
 }
 
 type recorderMode uint8
@@ -64,6 +67,121 @@ func (rw *recorder) WriteHeader(status int) {
 	}
 	rw.written = true
 	rw.status = status
+	// net/http sends the header map as it is at WriteHeader; what the handler
+	// sets afterwards is not sent (only declared trailers are, after the body).
+	// The real WriteHeader comes later, so what the map holds now is noted.
+	rw.snap.take(rw.w.Header())
+}
+
+// headerSnapshot is a header map as it was at the handler's WriteHeader: its
+// value slices (Set and Add give the map new ones; Add appends past the noted
+// length), inline for up to 8 names, so that the common answer, whose header
+// does not change after WriteHeader, costs no allocation.
+type headerSnapshot struct {
+	taken bool
+	n     int
+	kv    [8]headerEntry
+	all   http.Header // a shallow copy, for more than 8 names
+	built http.Header // the snapshot as a map, once one was needed
+}
+
+type headerEntry struct {
+	k string
+	v []string
+}
+
+func (s *headerSnapshot) take(h http.Header) {
+	s.taken = true
+	if len(h) > len(s.kv) {
+		s.all = maps.Clone(h)
+		return
+	}
+	for k, v := range h {
+		s.kv[s.n] = headerEntry{k, v}
+		s.n++
+	}
+}
+
+// same reports whether h still holds what it held when the snapshot was taken.
+func (s *headerSnapshot) same(h http.Header) bool {
+	if s.built != nil {
+		return false
+	}
+	if s.all != nil {
+		if len(h) != len(s.all) {
+			return false
+		}
+		for k, v := range s.all {
+			if !sameValues(h, k, v) {
+				return false
+			}
+		}
+		return true
+	}
+	if len(h) != s.n {
+		return false
+	}
+	for _, e := range s.kv[:s.n] {
+		if !sameValues(h, e.k, e.v) {
+			return false
+		}
+	}
+	return true
+}
+
+func sameValues(h http.Header, k string, v []string) bool {
+	hv, ok := h[k]
+	return ok && len(hv) == len(v) && (len(v) == 0 || &hv[0] == &v[0])
+}
+
+// header returns the snapshot as a map.
+func (s *headerSnapshot) header() http.Header {
+	if s.built == nil {
+		if s.all != nil {
+			s.built = s.all
+		} else {
+			s.built = make(http.Header, s.n)
+			for _, e := range s.kv[:s.n] {
+				s.built[e.k] = e.v
+			}
+		}
+	}
+	return s.built
+}
+
+// header is the response's header: the map as it was when the handler wrote
+// its status (or as it is, if the handler has not).
+func (rw *recorder) header() http.Header {
+	h := rw.w.Header()
+	if !rw.snap.taken || rw.snap.same(h) {
+		return h
+	}
+	return rw.snap.header()
+}
+
+// settleHeader makes the writer's header map what it was at the handler's
+// WriteHeader, before it is sent. It returns the map as the handler left it
+// (nil: the same), for restoreHeader after the body, so that trailers the
+// handler set after writing reach net/http, which reads them when the handler
+// returns.
+func (rw *recorder) settleHeader() (late http.Header) {
+	h := rw.w.Header()
+	if !rw.snap.taken || rw.snap.same(h) {
+		return nil
+	}
+	late = maps.Clone(h)
+	clear(h)
+	maps.Copy(h, rw.snap.header())
+	return late
+}
+
+// restoreHeader puts back the header map settleHeader replaced.
+func (rw *recorder) restoreHeader(late http.Header) {
+	if late != nil {
+		h := rw.w.Header()
+		clear(h)
+		maps.Copy(h, late)
+	}
 }
 
 // Write buffers p, up to the limit.
@@ -81,8 +199,10 @@ func (rw *recorder) Write(p []byte) (int, error) {
 	if rw.limited && rw.size > rw.limit {
 		if rw.spill != nil {
 			rw.spill.spillOutcome()
+			late := rw.settleHeader()
 			rw.w.WriteHeader(rw.statusOrOK())
 			_, _ = rw.w.Write(rw.body.Bytes())
+			rw.restoreHeader(late)
 			rw.body = bytes.Buffer{}
 			rw.mode = streaming
 			return rw.w.Write(p)
@@ -136,9 +256,23 @@ func (rw *recorder) send() {
 	if rw.mode == streaming {
 		return
 	}
-	setContentLength(rw.w.Header(), rw.body.Len())
+	late := rw.settleHeader()
+	h := rw.w.Header()
+	if cl := h["Content-Length"]; len(cl) > 0 && !rw.head && bodyAllowed(rw.statusOrOK()) && (len(cl) > 1 || cl[0] != strconv.Itoa(rw.body.Len())) {
+		// The handler declared a length its body does not have: net/http would
+		// cut the body short or drop the connection, while the whole body is
+		// what is stored and replayed. The first answer gets what retries get.
+		h.Set("Content-Length", strconv.Itoa(rw.body.Len()))
+	}
+	setContentLength(h, rw.body.Len())
 	rw.w.WriteHeader(rw.statusOrOK())
 	_, _ = rw.w.Write(rw.body.Bytes())
+	rw.restoreHeader(late)
+}
+
+// bodyAllowed reports whether a response with status may have a body.
+func bodyAllowed(status int) bool {
+	return status >= 200 && status != http.StatusNoContent && status != http.StatusNotModified
 }
 
 // snapshotHeaders keeps aside what is in the writer's header map before the

@@ -22,12 +22,12 @@ func (h *handler) replay(w http.ResponseWriter, req *request, rec *Record) {
 			return
 		}
 		rw := req.recorder(w)
+		hdr.Set(ReplayedHeader, "true") // before the ReplayFunc writes its status; discarded with its headers
 		if err := h.ReplayFunc(rw, req.r, rec); err != nil {
 			rw.discardHeaders()
 			h.problem(w, req, EventReplayed, err, CodeReplayFailed, "the operation already completed, but its answer could not be rebuilt: "+err.Error(), 0)
 			return
 		}
-		hdr.Set(ReplayedHeader, "true")
 		h.observe(req, Event{Kind: EventReplayed, Status: rw.statusOrOK()})
 		rw.send()
 		return
