@@ -20,6 +20,15 @@ type txKey struct{}
 //	res, err := tx.ExecContext(r.Context(), "INSERT INTO orders (item) VALUES (?)", item)
 //
 // Do not Commit or Rollback it: the middleware does, after storing the response.
+// A *sql.Tx cannot refuse either, and what follows when a handler ends the
+// transaction itself breaks the one-transaction guarantee: after Rollback (or
+// an error the handler ignores that rolled it back) nothing commits and the key
+// is released, as it should; after Commit the handler's writes are committed
+// but the middleware cannot store the response with them, so the key is
+// released and a retry runs the operation again; after COMMIT or ROLLBACK sent
+// as SQL the response is stored on its own, replayed even when ROLLBACK undid
+// the writes it reports. Use SAVEPOINT, RELEASE and ROLLBACK TO for partial
+// rollbacks instead.
 // Read through it too (a read through the *sql.DB does not see the transaction's
 // writes), and never write through the *sql.DB meanwhile: the transaction holds
 // the database's only write lock, so that write would wait for it and fail after
