@@ -151,6 +151,17 @@
 // usable: MySQL rolls back only that statement, and the handler's answer is
 // stored with its other writes.
 //
+// A handler statement still running when the request's context ends (past
+// Config.HandlerTimeout) is not cancelled on the server: go-sql-driver closes
+// its connection, and the server runs the statement on until it notices (SLEEP
+// checks every few seconds, most statements only when they end), holding the
+// transaction's row locks meanwhile. Nothing of the transaction commits, and in
+// the claim-then-complete flow the key is released at once; in the single
+// transaction the key's lock belongs to that session, so retries get 409
+// idempotency_key_in_use until the server ends it. Bound long statements on the
+// server (max_statement_time on MariaDB, max_execution_time on MySQL) to bound
+// that wait.
+//
 // Each executing request holds one pooled connection for its transaction, and
 // claims, lease renewals and other requests need others: size
 // sql.DB.SetMaxOpenConns (and the server's max_connections) for that. The store
