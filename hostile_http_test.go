@@ -10,15 +10,12 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
-	"path/filepath"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/idemkit/idem"
-	"github.com/idemkit/idem/sqlitestore"
-	"github.com/idemkit/idem/sqlitestore/embedded"
 )
 
 // panicOnce is a ClaimObserver that panics the first time it sees kind.
@@ -59,19 +56,7 @@ func TestObserverPanicOnClaimReleasesTheKey(t *testing.T) {
 			t.Parallel()
 			var store idem.Store
 			if c.flow == idem.FlowSingleTx {
-				db, err := embedded.Open(filepath.Join(t.TempDir(), "obs.db"))
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() { _ = db.Close() })
-				s, err := sqlitestore.New(db, nil)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if err := s.Migrate(context.Background()); err != nil {
-					t.Fatal(err)
-				}
-				store = s
+				store = newSQLiteStore(t)
 			} else {
 				store = newMem(t)
 			}

@@ -1379,18 +1379,7 @@ func (s *plantedStore) Len() int {
 // lock-free read.
 func TestSingleTxConcurrentReplaysAreReplays(t *testing.T) {
 	t.Parallel()
-	db, err := embedded.Open(filepath.Join(t.TempDir(), "replays.db"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = db.Close() })
-	store, err := sqlitestore.New(db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := store.Migrate(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	store := newSQLiteStore(t)
 	mw, err := idem.New(store, &idem.Config{Flow: idem.FlowSingleTx})
 	if err != nil {
 		t.Fatal(err)

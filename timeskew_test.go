@@ -2,12 +2,10 @@ package idem_test
 
 import (
 	"bytes"
-	"context"
 	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"path/filepath"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -17,8 +15,6 @@ import (
 	"github.com/idemkit/idem/internal/expirytest"
 	"github.com/idemkit/idem/internal/racetest"
 	"github.com/idemkit/idem/memstore"
-	"github.com/idemkit/idem/sqlitestore"
-	"github.com/idemkit/idem/sqlitestore/embedded"
 )
 
 // execCounter is a handler that counts its executions and answers with the
@@ -73,34 +69,7 @@ func postOnce(t *testing.T, url, key, body string) racetest.Result {
 // in both flows (the other stores run it in their packages).
 func TestExpiryBoundaryConcurrent(t *testing.T) {
 	t.Parallel()
-	t.Run("memstore", func(t *testing.T) {
-		t.Parallel()
-		expirytest.Boundary(t, func(t *testing.T) idem.Store {
-			s := memstore.New(nil)
-			t.Cleanup(func() { _ = s.Close() })
-			return s
-		}, idem.FlowAuto)
-	})
-	for _, flow := range []idem.Flow{idem.FlowClaimComplete, idem.FlowSingleTx} {
-		t.Run(fmt.Sprintf("sqlite-flow%d", flow), func(t *testing.T) {
-			t.Parallel()
-			expirytest.Boundary(t, func(t *testing.T) idem.Store {
-				db, err := embedded.Open(filepath.Join(t.TempDir(), "expiry.db"))
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() { _ = db.Close() })
-				s, err := sqlitestore.New(db, nil)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if err := s.Migrate(context.Background()); err != nil {
-					t.Fatal(err)
-				}
-				return s
-			}, flow)
-		})
-	}
+	onLocalStores(t, expirytest.Boundary)
 }
 
 // TestClockSkewLimit: two servers share a store, B's clock ahead of A's. A's
