@@ -450,7 +450,7 @@ func TestSlowServerOtherScripts(t *testing.T) {
 				ctx := context.Background()
 				admin := redis.NewClient(&redis.Options{Addr: rs.addr()})
 				defer admin.Close()
-				client := redis.NewClient(&redis.Options{Addr: rs.addr(), ReadTimeout: 100 * time.Millisecond, MaxRetries: 30, PoolSize: 16})
+				client := slowServerClient(rs.addr())
 				defer client.Close()
 				s, err := redisstore.New(client, nil)
 				if err != nil {
@@ -473,24 +473,8 @@ func TestSlowServerOtherScripts(t *testing.T) {
 						t.Fatalf("Claim = %v, %v", claimed, err)
 					}
 				}
-				held := make([]*redis.Conn, 16) // idle, handshaken connections (see TestSlowServer)
-				for i := range held {
-					held[i] = client.Conn()
-					if err := held[i].Ping(ctx).Err(); err != nil {
-						t.Fatal(err)
-					}
-				}
-				for _, c := range held {
-					_ = c.Close()
-				}
-				stalled := make(chan error, 1)
-				switch mode {
-				case "debug-sleep":
-					go func() { stalled <- admin.Do(ctx, "DEBUG", "SLEEP", "0.6").Err() }()
-					time.Sleep(50 * time.Millisecond) // the server is asleep now (if not, the op simply runs at once)
-				case "client-pause":
-					stalled <- admin.Do(ctx, "CLIENT", "PAUSE", "600", "WRITE").Err()
-				}
+				fillPool(t, client)
+				stalled := stallServer(admin, mode)
 				var opErr error
 				switch op {
 				case "claim":

@@ -233,13 +233,7 @@ func TestSlowServer(t *testing.T) {
 			ctx := context.Background()
 			admin := redis.NewClient(&redis.Options{Addr: rs.addr()})
 			defer admin.Close()
-			// A busy service keeps idle, handshaken connections in its pool:
-			// each re-send goes out at once on one of them. A fresh connection
-			// would wait for its handshake, time out and end the retries, so the
-			// pool is filled below and never refilled in the background
-			// (MinIdleConns dials connections whose handshake waits for their
-			// first use, and go-redis hands out the newest idle one first).
-			client := redis.NewClient(&redis.Options{Addr: rs.addr(), ReadTimeout: 100 * time.Millisecond, MaxRetries: 30, PoolSize: 16})
+			client := slowServerClient(rs.addr())
 			defer client.Close()
 			s, err := redisstore.New(client, nil)
 			if err != nil {
@@ -258,32 +252,11 @@ func TestSlowServer(t *testing.T) {
 			if _, claimed, err := s.Claim(ctx, req); err != nil || !claimed {
 				t.Fatalf("Claim = %v, %v", claimed, err)
 			}
-			held := make([]*redis.Conn, 16)
-			for i := range held {
-				held[i] = client.Conn()
-				if err := held[i].Ping(ctx).Err(); err != nil {
-					t.Fatalf("handshaking pool connection %d: %v", i, err)
-				}
-			}
-			for _, c := range held {
-				if err := c.Close(); err != nil {
-					t.Fatal(err)
-				}
-			}
-			if idle := client.PoolStats().IdleConns; idle != 16 {
-				t.Fatalf("the pool has %d idle connections, want 16", idle)
-			}
+			fillPool(t, client)
 			if err := admin.ConfigResetStat(ctx).Err(); err != nil {
 				t.Fatal(err)
 			}
-			stalled := make(chan error, 1)
-			switch mode {
-			case "debug-sleep":
-				go func() { stalled <- admin.Do(ctx, "DEBUG", "SLEEP", "0.6").Err() }()
-				time.Sleep(50 * time.Millisecond) // the server is asleep now
-			case "client-pause":
-				stalled <- admin.Do(ctx, "CLIENT", "PAUSE", "600", "WRITE").Err()
-			}
+			stalled := stallServer(admin, mode)
 			err = s.Complete(ctx, "s", "k", req.Token, &idem.Response{Status: 201, Body: []byte("done")}, now, now.Add(time.Hour))
 			if e := <-stalled; e != nil {
 				t.Fatalf("stalling the server: %v", e)
@@ -308,6 +281,57 @@ func TestSlowServer(t *testing.T) {
 			t.Logf("%s: Complete = %v; the server ran %s", mode, err, evalCalls(stats))
 		})
 	}
+}
+
+// slowServerClient is a client that gives up on an answer after 100 ms and
+// re-sends the command, up to 30 times, on another of its 16 connections. A
+// busy service keeps idle, handshaken connections in its pool: each re-send
+// goes out at once on one of them. A fresh connection would wait for its
+// handshake, time out and end the retries, so fillPool fills the pool and it
+// is never refilled in the background (MinIdleConns dials connections whose
+// handshake waits for their first use, and go-redis hands out the newest idle
+// one first).
+func slowServerClient(addr string) *redis.Client {
+	return redis.NewClient(&redis.Options{Addr: addr, ReadTimeout: 100 * time.Millisecond, MaxRetries: 30, PoolSize: 16})
+}
+
+// fillPool leaves the 16 connections of a slowServerClient idle and handshaken.
+func fillPool(t *testing.T, client *redis.Client) {
+	t.Helper()
+	ctx := context.Background()
+	held := make([]*redis.Conn, 16)
+	for i := range held {
+		held[i] = client.Conn()
+		if err := held[i].Ping(ctx).Err(); err != nil {
+			t.Fatalf("handshaking pool connection %d: %v", i, err)
+		}
+	}
+	for _, c := range held {
+		if err := c.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if idle := client.PoolStats().IdleConns; idle != 16 {
+		t.Fatalf("the pool has %d idle connections, want 16", idle)
+	}
+}
+
+// stallServer stalls the server through admin for 600 ms: "debug-sleep"
+// (DEBUG SLEEP: the server runs what it had read once it wakes up) or
+// "client-pause" (CLIENT PAUSE WRITE: it drops the commands of a client that
+// went away). It returns when the server is stalled, with a channel that
+// carries the stall's error.
+func stallServer(admin *redis.Client, mode string) <-chan error {
+	ctx := context.Background()
+	stalled := make(chan error, 1)
+	switch mode {
+	case "debug-sleep":
+		go func() { stalled <- admin.Do(ctx, "DEBUG", "SLEEP", "0.6").Err() }()
+		time.Sleep(50 * time.Millisecond) // the server is asleep now (if not, the command simply runs at once)
+	case "client-pause":
+		stalled <- admin.Do(ctx, "CLIENT", "PAUSE", "600", "WRITE").Err()
+	}
+	return stalled
 }
 
 // evalCalls extracts the EVALSHA and EVAL call counts from INFO commandstats.
