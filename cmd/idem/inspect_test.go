@@ -14,7 +14,6 @@ import (
 	"github.com/idemkit/idem/mysqlstore"
 	"github.com/idemkit/idem/pgstore"
 	"github.com/idemkit/idem/sqlitestore"
-	"github.com/idemkit/idem/sqlitestore/embedded"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -108,19 +107,7 @@ func TestInspectSummary(t *testing.T) {
 	}{
 		{"sqlite", func(t *testing.T) (string, idem.Store) {
 			path := filepath.Join(t.TempDir(), "sum.db")
-			db, err := embedded.Open(path)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = db.Close() })
-			s, err := sqlitestore.New(db, &sqlitestore.Config{Table: table})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := s.Migrate(ctx); err != nil {
-				t.Fatal(err)
-			}
-			return "sqlite:" + path, s
+			return "sqlite:" + path, sqliteKeyStore(t, path, &sqlitestore.Config{Table: table})
 		}},
 		{"postgres", func(t *testing.T) (string, idem.Store) {
 			url := testenv.PostgresURL(t)

@@ -12,23 +12,31 @@ import (
 	"github.com/idemkit/idem/sqlitestore/embedded"
 )
 
-func TestResolveRefusals(t *testing.T) {
-	t.Parallel()
-	dir := t.TempDir()
-	path := filepath.Join(dir, "keys.db")
+// sqliteKeyStore opens the SQLite database at path and returns its migrated
+// key store, closed when t ends.
+func sqliteKeyStore(t *testing.T, path string, cfg *sqlitestore.Config) *sqlitestore.Store {
+	t.Helper()
 	db, err := embedded.Open(path)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer db.Close()
-	s, err := sqlitestore.New(db, nil)
+	t.Cleanup(func() { _ = db.Close() })
+	s, err := sqlitestore.New(db, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx := context.Background()
-	if err := s.Migrate(ctx); err != nil {
+	if err := s.Migrate(context.Background()); err != nil {
 		t.Fatal(err)
 	}
+	return s
+}
+
+func TestResolveRefusals(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	path := filepath.Join(dir, "keys.db")
+	s := sqliteKeyStore(t, path, nil)
+	ctx := context.Background()
 	now := time.Now()
 	claim := func(key string, lease time.Duration) {
 		if _, ok, err := s.Claim(ctx, idem.ClaimRequest{Scope: "t1", Key: key, Fingerprint: "v2:x", Token: "tok-" + key, Now: now, LeaseUntil: now.Add(lease), ExpiresAt: now.Add(time.Hour)}); !ok || err != nil {
@@ -78,19 +86,8 @@ func TestResolveLongTTL(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
 	path := filepath.Join(dir, "keys.db")
-	db, err := embedded.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer db.Close()
-	s, err := sqlitestore.New(db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := sqliteKeyStore(t, path, nil)
 	ctx := context.Background()
-	if err := s.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
 	for _, ttl := range []string{"2000000h", "2562047h"} {
 		key := "k-" + ttl
 		now := time.Now().Add(-time.Minute)
