@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/idemkit/idem/internal/racetest"
 	"github.com/idemkit/idem/sqlitestore/embedded"
 )
 
@@ -30,36 +29,8 @@ func TestDemoTwoProcessesSQLite(t *testing.T) {
 	const n = 60
 	body := []byte(`{"cart_id":"c_two","total_cents":1900}`)
 	urls := [2]string{a.URL + "/orders", b.URL + "/orders"}
-	hdr := http.Header{"Authorization": {"Bearer t1"}}
 	key := "two-" + cliRandHex(8)
-	results := racetest.Fire(n, func(i int) (*http.Request, error) {
-		return racetest.Post(urls[i%2], key, body, hdr)(i)
-	})
-	var executed, replayed, inFlight int
-	var created []byte
-	for _, r := range results {
-		switch {
-		case r.Err != nil:
-			t.Fatalf("request failed: %v", r.Err)
-		case r.Status == 201 && r.Header.Get("Idempotent-Replayed") == "true":
-			replayed++
-		case r.Status == 201:
-			executed++
-			created = r.Body
-		case r.Status == 409:
-			inFlight++
-		default:
-			t.Fatalf("status %d: %s\ndemo a:\n%s\ndemo b:\n%s", r.Status, r.Body, a.output(), b.output())
-		}
-	}
-	if executed != 1 {
-		t.Fatalf("%d requests executed, want 1 (replayed %d, 409 %d)", executed, replayed, inFlight)
-	}
-	for _, r := range results {
-		if r.Status == 201 && string(r.Body) != string(created) {
-			t.Fatalf("a 201 differs from the executed one:\n%s\n%s", r.Body, created)
-		}
-	}
+	raceOneKey(t, urls, n, key, body, func() string { return "\ndemo a:\n" + a.output() + "\ndemo b:\n" + b.output() })
 	if got := countSQLite(t, filepath.Join(dir, "shared.db"), "c_two"); got != 1 {
 		t.Fatalf("%d orders for the cart, want 1", got)
 	}

@@ -191,37 +191,8 @@ func TestDemoTwoProcessesPostgres(t *testing.T) {
 	const n = 200
 	body := []byte(`{"cart_id":"c_race","total_cents":1900}`)
 	urls := [2]string{a.URL + "/orders", b.URL + "/orders"}
-	hdr := http.Header{"Authorization": {"Bearer t1"}}
 	key := "race-" + cliRandHex(8) // one key for all 200
-	results := racetest.Fire(n, func(i int) (*http.Request, error) {
-		return racetest.Post(urls[i%2], key, body, hdr)(i)
-	})
-	var executed, replayed, inFlight int
-	var created []byte
-	for _, r := range results {
-		if r.Err != nil {
-			t.Fatalf("request failed: %v", r.Err)
-		}
-		switch {
-		case r.Status == 201 && r.Header.Get("Idempotent-Replayed") == "true":
-			replayed++
-		case r.Status == 201:
-			executed++
-			created = r.Body
-		case r.Status == 409:
-			inFlight++
-		default:
-			t.Fatalf("status %d: %s", r.Status, r.Body)
-		}
-	}
-	if executed != 1 {
-		t.Fatalf("%d requests executed (not replayed), want exactly 1 (replayed %d, 409 %d)", executed, replayed, inFlight)
-	}
-	for _, r := range results {
-		if r.Status == 201 && string(r.Body) != string(created) {
-			t.Fatalf("a replay differs from the original:\n%s\n%s", r.Body, created)
-		}
-	}
+	raceOneKey(t, urls, n, key, body, func() string { return "" })
 	var count int
 	pg := pgConnect(t, dbURL)
 	if err := pg.QueryRow(context.Background(), "SELECT count(*) FROM orders WHERE cart_id = 'c_race'").Scan(&count); err != nil {
@@ -230,7 +201,6 @@ func TestDemoTwoProcessesPostgres(t *testing.T) {
 	if count != 1 {
 		t.Fatalf("%d orders in PostgreSQL for the cart, want exactly 1", count)
 	}
-	t.Logf("200 requests over 2 processes: 1 executed, %d replayed, %d answered 409", replayed, inFlight)
 }
 
 // TestDemoMySQL runs the demo on a MySQL database created for the test and
@@ -1192,4 +1162,42 @@ func TestDemoMetrics(t *testing.T) {
 	if c := got["idem_store_duration_seconds{commit}"]; c != 1 {
 		t.Errorf("commits %v, want 1", c)
 	}
+}
+
+// raceOneKey fires n POSTs of body with key (tenant t1) from one barrier,
+// alternating between the two urls, and fails t unless exactly one executed,
+// the others were replays or 409s, and every 201 is the executed one; about
+// adds context to a failure (the servers' logs).
+func raceOneKey(t *testing.T, urls [2]string, n int, key string, body []byte, about func() string) {
+	t.Helper()
+	hdr := http.Header{"Authorization": {"Bearer t1"}}
+	results := racetest.Fire(n, func(i int) (*http.Request, error) {
+		return racetest.Post(urls[i%2], key, body, hdr)(i)
+	})
+	var executed, replayed, inFlight int
+	var created []byte
+	for _, r := range results {
+		switch {
+		case r.Err != nil:
+			t.Fatalf("request failed: %v", r.Err)
+		case r.Status == 201 && r.Header.Get("Idempotent-Replayed") == "true":
+			replayed++
+		case r.Status == 201:
+			executed++
+			created = r.Body
+		case r.Status == 409:
+			inFlight++
+		default:
+			t.Fatalf("status %d: %s%s", r.Status, r.Body, about())
+		}
+	}
+	if executed != 1 {
+		t.Fatalf("%d requests executed (not replayed), want exactly 1 (replayed %d, 409 %d)", executed, replayed, inFlight)
+	}
+	for _, r := range results {
+		if r.Status == 201 && string(r.Body) != string(created) {
+			t.Fatalf("a 201 differs from the executed one:\n%s\n%s", r.Body, created)
+		}
+	}
+	t.Logf("%d requests over 2 processes: 1 executed, %d replayed, %d answered 409", n, replayed, inFlight)
 }
