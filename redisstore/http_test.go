@@ -44,6 +44,24 @@ type orderHandler struct {
 
 func newOrderHandler() *orderHandler { return &orderHandler{runs: map[string]int{}} }
 
+// serveOrders serves an orderHandler behind idem with cfg, keys in Redis
+// through client, on a loopback server closed when t ends.
+func serveOrders(t *testing.T, client *redis.Client, cfg *idem.Config) (*redisstore.Store, *orderHandler, *httptest.Server) {
+	t.Helper()
+	store, err := redisstore.New(client, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := newOrderHandler()
+	mw, err := idem.New(store, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(mw(h))
+	t.Cleanup(srv.Close)
+	return store, h, srv
+}
+
 func (h *orderHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	key := r.Header.Get("Idempotency-Key")
 	h.mu.Lock()
@@ -262,17 +280,7 @@ func TestStoreUnreachable(t *testing.T) {
 	t.Parallel()
 	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:" + strconv.Itoa(freePort(t)), DialTimeout: time.Second, DialerRetries: 1})
 	defer client.Close()
-	store, err := redisstore.New(client, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := newOrderHandler()
-	mw, err := idem.New(store, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := httptest.NewServer(mw(h))
-	defer srv.Close()
+	_, h, srv := serveOrders(t, client, nil)
 	for i := range 3 {
 		status, hdr, body := post(t, srv.URL, "down-"+strconv.Itoa(i))
 		wantUnavailable(t, status, hdr, body)
@@ -379,18 +387,8 @@ func TestRedisOutage(t *testing.T) {
 	rs := startPrivateRedis(t, 0)
 	client := redis.NewClient(&redis.Options{Addr: rs.addr(), DialTimeout: time.Second, DialerRetries: 1, ReadTimeout: 2 * time.Second})
 	defer client.Close()
-	store, err := redisstore.New(client, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := newOrderHandler()
+	_, h, srv := serveOrders(t, client, nil)
 	h.gateKey, h.gate, h.started = "midway", make(chan struct{}), make(chan struct{}, 1)
-	mw, err := idem.New(store, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := httptest.NewServer(mw(h))
-	defer srv.Close()
 
 	// Up: a request executes, its retry replays.
 	if status, hdr, body := post(t, srv.URL, "before"); status != http.StatusCreated || hdr.Get(idem.ReplayedHeader) != "" {

@@ -234,18 +234,8 @@ func TestRestartLosesInFlight(t *testing.T) {
 	rs := startPrivateRedis(t, 0)
 	client := redis.NewClient(&redis.Options{Addr: rs.addr(), DialTimeout: time.Second, ReadTimeout: 5 * time.Second})
 	defer client.Close()
-	store, err := redisstore.New(client, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := newOrderHandler()
+	_, h, srv := serveOrders(t, client, nil)
 	h.gateKey, h.gate, h.started = "lost", make(chan struct{}), make(chan struct{}, 1)
-	mw, err := idem.New(store, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := httptest.NewServer(mw(h))
-	defer srv.Close()
 	// Warm the pool's connections' view of the server, then run the request.
 	if status, _, body := post(t, srv.URL, "warm"); status != http.StatusCreated {
 		t.Fatalf("warm-up: %d %s", status, body)
@@ -298,17 +288,7 @@ func TestOutOfMemory(t *testing.T) {
 	rs := startPrivateRedis(t, 0, "--maxmemory-policy", "noeviction")
 	client := redis.NewClient(&redis.Options{Addr: rs.addr(), DialTimeout: time.Second, ReadTimeout: 5 * time.Second})
 	defer client.Close()
-	store, err := redisstore.New(client, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := newOrderHandler()
-	mw, err := idem.New(store, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := httptest.NewServer(mw(h))
-	defer srv.Close()
+	store, h, srv := serveOrders(t, client, nil)
 	if status, _, body := post(t, srv.URL, "before"); status != http.StatusCreated {
 		t.Fatalf("before filling Redis: %d %s", status, body)
 	}
@@ -329,7 +309,7 @@ func TestOutOfMemory(t *testing.T) {
 	if err := client.Set(ctx, "probe", "x", 0).Err(); err == nil || !strings.HasPrefix(err.Error(), "OOM ") {
 		t.Fatalf("SET on the full Redis = %v, want OOM", err)
 	}
-	_, _, err = store.Claim(ctx, idem.ClaimRequest{Scope: "", Key: "oom", Fingerprint: "v1:x", Token: "tok-" + randomHex(8), Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)})
+	_, _, err := store.Claim(ctx, idem.ClaimRequest{Scope: "", Key: "oom", Fingerprint: "v1:x", Token: "tok-" + randomHex(8), Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)})
 	if err == nil || !strings.Contains(err.Error(), "maxmemory") || !strings.Contains(err.Error(), "noeviction") {
 		t.Fatalf("Claim on a full Redis = %v; want an error naming maxmemory and noeviction", err)
 	}
