@@ -176,18 +176,34 @@ func (m *multi) ObservesClaims() bool {
 	return false
 }
 
-// Observe passes e on.
+// Observe passes e on. Each observer is told whatever the others do: a panic
+// of one is held until every other one has been told, then goes on (the first
+// one, when several panic), so that a buggy exporter cannot keep the event
+// from the others (idem_in_flight would stay raised).
 func (m *multi) Observe(ctx context.Context, e idem.Event) {
+	var p any
 	for i, o := range m.all {
 		if e.Kind == idem.EventClaimed && !m.claims[i] {
 			continue
 		}
-		o.Observe(ctx, e)
+		if v := observeOne(ctx, o, e); v != nil && p == nil {
+			p = v
+		}
+	}
+	if p != nil {
+		panic(p)
 	}
 }
 
+func observeOne(ctx context.Context, o idem.Observer, e idem.Event) (p any) {
+	defer func() { p = recover() }()
+	o.Observe(ctx, e)
+	return nil
+}
+
 // MultiStore returns a StoreObserver that passes every operation to each of
-// obs, in order (StoreStart's contexts are chained).
+// obs, in order (StoreStart's contexts are chained). Like Multi, it tells each
+// observer whatever the others do and lets the first panic go on afterwards.
 func MultiStore(obs ...StoreObserver) StoreObserver {
 	var m multiStore
 	for _, o := range obs {
@@ -201,14 +217,42 @@ func MultiStore(obs ...StoreObserver) StoreObserver {
 type multiStore []StoreObserver
 
 func (m multiStore) StoreStart(ctx context.Context, op Op) context.Context {
+	var p any
 	for _, o := range m {
-		ctx = o.StoreStart(ctx, op)
+		next, v := startOne(ctx, o, op)
+		if v != nil {
+			if p == nil {
+				p = v
+			}
+			continue
+		}
+		ctx = next
+	}
+	if p != nil {
+		panic(p)
 	}
 	return ctx
 }
 
+func startOne(ctx context.Context, o StoreObserver, op Op) (next context.Context, p any) {
+	defer func() { p = recover() }()
+	return o.StoreStart(ctx, op), nil
+}
+
 func (m multiStore) StoreDone(ctx context.Context, op Op, took time.Duration, err error) {
+	var p any
 	for i := len(m) - 1; i >= 0; i-- {
-		m[i].StoreDone(ctx, op, took, err)
+		if v := doneOne(ctx, m[i], op, took, err); v != nil && p == nil {
+			p = v
+		}
 	}
+	if p != nil {
+		panic(p)
+	}
+}
+
+func doneOne(ctx context.Context, o StoreObserver, op Op, took time.Duration, err error) (p any) {
+	defer func() { p = recover() }()
+	o.StoreDone(ctx, op, took, err)
+	return nil
 }
