@@ -3,6 +3,7 @@ package idemobs
 import (
 	"context"
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"strconv"
@@ -72,15 +73,34 @@ func Hash(s string) string {
 	return hex.EncodeToString(sum[:8])
 }
 
+// KeyHash returns the stand-in for key in scope that logs and spans carry
+// (idem.key_hash): like Hash, but over the scope and the key together, so that
+// the same key sent by two tenants (keys are chosen by clients) gives two
+// hashes, and one tenant's key hash says nothing about another's. A key drawn
+// from a small, guessable set (an order number rather than a random UUID) can
+// still be recovered by trying each with the scope: treat key hashes as
+// pseudonyms too.
+func KeyHash(scope, key string) string {
+	h := sha256.New()
+	var n [8]byte
+	binary.BigEndian.PutUint64(n[:], uint64(len(scope)))
+	h.Write([]byte("idem key\x00"))
+	h.Write(n[:])
+	h.Write([]byte(scope))
+	h.Write([]byte(key))
+	var sum [sha256.Size]byte
+	return hex.EncodeToString(h.Sum(sum[:0])[:8])
+}
+
 // Redact returns msg, an error's message, with the key and the scope replaced
-// by "key#"+Hash(key) and "scope#"+Hash(scope) wherever it names them: raw,
+// by "key#"+KeyHash(scope, key) and "scope#"+Hash(scope) wherever it names them: raw,
 // Go-quoted (as %q writes them: a key may hold '"' and '\', a scope any byte),
 // or cut short (a store that quotes only the first bytes of a long key). Store
 // errors name the key; observers that pass an error on use Redact to keep
 // hashes only.
 func Redact(msg, key, scope string) string {
 	if key != "" {
-		msg = redactOne(msg, key, "key#"+Hash(key))
+		msg = redactOne(msg, key, "key#"+KeyHash(scope, key))
 	}
 	if scope != "" {
 		msg = redactOne(msg, scope, "scope#"+Hash(scope))

@@ -16,8 +16,9 @@
 // context (an otelhttp server span, for example).
 //
 // Span attributes: idem.outcome (executed, replayed, in_flight, mismatch,
-// rejected, store_error, lease_lost, released), idem.key_hash and
-// idem.scope_hash (idemobs.Hash: never the raw key or scope),
+// rejected, store_error, lease_lost, released), idem.key_hash
+// (idemobs.KeyHash of the scope and key) and idem.scope_hash (idemobs.Hash:
+// never the raw key or scope),
 // http.response.status_code; the events idem.claimed and idem.taken_over. A
 // store_error or lease_lost outcome, and a failed store operation, set the
 // span's status to Error.
@@ -207,7 +208,7 @@ func (t *Telemetry) Observe(ctx context.Context, e idem.Event) {
 	attrs := make([]attribute.KeyValue, 0, 4)
 	attrs = append(attrs, attribute.String("idem.outcome", e.Kind.String()))
 	if e.Key != "" {
-		attrs = append(attrs, attribute.String("idem.key_hash", idemobs.Hash(e.Key)))
+		attrs = append(attrs, attribute.String("idem.key_hash", idemobs.KeyHash(e.Scope, e.Key)))
 	}
 	if e.Scope != "" {
 		attrs = append(attrs, attribute.String("idem.scope_hash", idemobs.Hash(e.Scope)))
