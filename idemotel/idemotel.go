@@ -23,6 +23,12 @@
 // store_error or lease_lost outcome, and a failed store operation, set the
 // span's status to Error.
 //
+// With idemgrpc the Observer (without Middleware) records the span as a child
+// of the gRPC server span in the call's context (otelgrpc's, which carries
+// rpc.grpc.status_code); its http.response.status_code is then the HTTP
+// status idemgrpc stores the call's outcome under (idemgrpc.HTTPStatus), not
+// what the client heard: read the gRPC code from the parent span.
+//
 // Metrics: idem.requests {outcome}, idem.request.duration (s) {outcome},
 // idem.store.duration (s) {op}, idem.store.errors {op}, idem.in_flight,
 // idem.janitor.deleted, idem.janitor.errors, idem.janitor.last_sweep_timestamp
