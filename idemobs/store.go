@@ -18,6 +18,12 @@ import (
 // LockedTx.Insert, LockedTx.Commit), and the context a transaction's BeginTx
 // or BeginLocked returns is the store's own, so its package's accessor
 // (sqlitestore.Tx, pgstore.Tx, …) finds the transaction. Unwrap returns s.
+//
+// An observer's panic never leaves a transaction open or a key claimed: the
+// operation runs and is reported, what its caller will never learn of is given
+// back (rolled back, released), and the panic goes on; on idem's own
+// goroutines (Extend for the lease renewal, DeleteExpired for the janitor) it
+// is logged and stopped.
 func Store(s idem.Store, o StoreObserver) idem.Store {
 	b := &base{s: s, o: o}
 	tx, isTx := s.(idem.TxStore)
