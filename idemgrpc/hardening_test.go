@@ -37,9 +37,12 @@ type rawCodec struct{}
 
 type rawMsg struct{ b []byte }
 
-func (rawCodec) Marshal(v any) ([]byte, error)      { return v.(*rawMsg).b, nil }
-func (rawCodec) Unmarshal(data []byte, v any) error { v.(*rawMsg).b = append([]byte(nil), data...); return nil }
-func (rawCodec) Name() string                       { return "proto" }
+func (rawCodec) Marshal(v any) ([]byte, error) { return v.(*rawMsg).b, nil }
+func (rawCodec) Unmarshal(data []byte, v any) error {
+	v.(*rawMsg).b = append([]byte(nil), data...)
+	return nil
+}
+func (rawCodec) Name() string { return "proto" }
 
 // invokeRaw calls method with the request bytes b and the key.
 func invokeRaw(cc *grpc.ClientConn, method, key string, b []byte) (replayed bool, err error) {
