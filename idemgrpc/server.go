@@ -56,7 +56,8 @@ var marshalOptions = proto.MarshalOptions{Deterministic: true}
 // Config configures a Server. The zero value keys every unary call that carries
 // a key, with idem's defaults.
 type Config struct {
-	// Idem configures the state machine: Lease, TTL, KeepFunc, Flow, Observer,
+	// Idem configures the state machine: Lease, TTL, KeepFunc (see also
+	// KeepCode), Flow, Observer,
 	// ScopeFunc, MaxKeyLength, MaxRequestBody (the largest request message),
 	// MaxStoredBody, HandlerTimeout, CleanupTimeout, NowFunc, LapsedLease.
 	// HeaderName and Methods are set by idemgrpc (the key comes from MetadataKey);
