@@ -73,7 +73,8 @@ type Message struct {
 	// only deliveries that ran or may have ran the handler. 0 means the broker
 	// counts nothing (Watermill): the Processor then reads its own attempt count
 	// from the store on every delivery. The attempt number MaxDeliveries bounds
-	// is the larger of Delivery and the store's count.
+	// is the larger of Delivery and the store's count. Process sets Delivery to
+	// that attempt number before the handler runs.
 	Delivery int
 	// Header holds the message's headers, for the handler and Config.Scope; only
 	// the ones named in Config.FingerprintHeaders are part of the fingerprint.
@@ -723,6 +724,7 @@ func (p *Processor) release(ctx context.Context, r run) error {
 
 // execute runs the handler of a claimed message and settles its outcome.
 func (p *Processor) execute(ctx context.Context, msg *Message, r run, h Handler) (out Outcome) {
+	msg.Delivery = r.attempt
 	hctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
 	defer cancel(nil)
 	if p.cfg.HandlerTimeout > 0 {

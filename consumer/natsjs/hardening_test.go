@@ -1,0 +1,207 @@
+package natsjs_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/consumer/internal/prooftest"
+	"github.com/idemkit/idem/consumer/natsjs"
+	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/memstore"
+)
+
+// Item 1: message IDs that are not HTTP header tokens — padded base64, the
+// AMQP/e-mail <id@host> form, order=42, {…}, (…) — are processed, not
+// dead-lettered as invalid_id.
+func TestMessageIDsOverJetStream(t *testing.T) {
+	ctx := context.Background()
+	env, err := prooftest.Open(ctx, prooftest.NewTarget(t, "sqlite"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer env.Close(true)
+	b := newBroker(t)
+	cons := b.consumer(t, "ids", 5*time.Second)
+	p, _ := consumer.New(env.Store, consumer.Config{Name: "ids"})
+	all := []string{"q83vEjRWeJA=", "<id@host>", "order=42", "{order:42}", "(42)", `"q"`}
+	var settled atomic.Int32
+	stopc, err := consumeG(cons, func(msg jetstream.Msg) {
+		_, _ = natsjs.Handle(ctx, p, msg, env.Insert, nil)
+		settled.Add(1)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.publish(t, jetstream.MsgIDHeader, all, payload)
+	drained(t, cons, 20*time.Second, func() bool { return settled.Load() == int32(len(all)) })
+	stopc()
+	rows, distinct, _ := env.Count(ctx)
+	if st := p.Stats(); rows != len(all) || distinct != len(all) || st.InvalidID != 0 {
+		t.Fatalf("%d rows, %d distinct, stats %+v; want %d executed and no invalid_id", rows, distinct, st, len(all))
+	}
+}
+
+// Item 4: a store outage several AckWaits long spends no JetStream delivery:
+// the message is kept in progress and retried in process, and no message is
+// dead-lettered unrun. The store is real PostgreSQL behind a proxy that cuts
+// and refuses every connection while it is down.
+func TestStoreOutageSpendsNoDelivery(t *testing.T) {
+	ctx := context.Background()
+	tg := prooftest.NewTarget(t, "postgres")
+	direct, err := prooftest.Open(ctx, tg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer direct.Close(true)
+	out := prooftest.NewOutage(t, hostPort(t, tg.URL))
+	ptg := tg
+	ptg.URL = out.URL(t, tg.URL)
+	env, err := prooftest.Open(ctx, ptg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer env.Close(false)
+	b := newBroker(t)
+	const ackWait = time.Second
+	cons := b.consumer(t, "outage", ackWait)
+	p, _ := consumer.New(env.Store, consumer.Config{Name: "outage", MaxDeliveries: 2, Lease: 3 * time.Second, CleanupTimeout: time.Second,
+		Backoff: func(int) time.Duration { return 200 * time.Millisecond }})
+	const n = 20
+	var mu sync.Mutex
+	acked, maxDelivered := map[string]bool{}, 0
+	var dead atomic.Int32
+	cfg := &natsjs.Config{AckWait: ackWait, MaxWait: time.Minute}
+	out.SetDown(true)
+	stopc, err := consumeG(cons, func(msg jetstream.Msg) {
+		o, _ := natsjs.Handle(ctx, p, msg, env.Insert, cfg)
+		md, _ := msg.Metadata()
+		mu.Lock()
+		defer mu.Unlock()
+		maxDelivered = max(maxDelivered, int(md.NumDelivered))
+		switch o.Action {
+		case consumer.Ack:
+			acked[natsjs.Message(msg, "").ID] = true
+		case consumer.DeadLetter:
+			dead.Add(1)
+		}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.publish(t, jetstream.MsgIDHeader, ids(n, "o"), payload)
+	time.Sleep(4 * ackWait) // down for four AckWaits, twenty backoffs
+	out.SetDown(false)
+	drained(t, cons, 60*time.Second, func() bool { mu.Lock(); defer mu.Unlock(); return len(acked) == n })
+	stopc()
+	rows, distinct, _ := direct.Count(ctx)
+	st := p.Stats()
+	t.Logf("stats %+v; most deliveries of a message %d", st, maxDelivered)
+	if dead.Load() != 0 || st.Poison != 0 || rows != n || distinct != n {
+		t.Fatalf("%d dead-lettered, %d rows (%d distinct); want 0 dead-lettered and %d rows", dead.Load(), rows, distinct, n)
+	}
+	if st.Failed != 0 || st.Executed != n {
+		t.Fatalf("stats %+v: the outage counted as failed deliveries, or a message ran twice", st)
+	}
+}
+
+func hostPort(t *testing.T, raw string) string {
+	t.Helper()
+	// postgres://user@host:port/db
+	s := raw[strings.Index(raw, "://")+3:]
+	if i := strings.Index(s, "@"); i >= 0 {
+		s = s[i+1:]
+	}
+	if i := strings.IndexAny(s, "/?"); i >= 0 {
+		s = s[:i]
+	}
+	if !strings.Contains(s, ":") {
+		s += ":5432"
+	}
+	return s
+}
+
+// Items 9 and 10: a dead-letter stream whose max_msg_size is smaller than the
+// message still gets a copy (without the payload, saying so) instead of the
+// message being naked forever; the copy keeps the message ID, and republished
+// as it is, it is processed normally.
+func TestDeadLetterKeepsTheIDAndFits(t *testing.T) {
+	ctx := context.Background()
+	b := newBroker(t)
+	dlStream := b.stream + "_DEAD"
+	if _, err := b.js.CreateStream(ctx, jetstream.StreamConfig{Name: dlStream, Subjects: []string{b.subj + "dead"}, Storage: jetstream.MemoryStorage, MaxMsgSize: 2048}); err != nil {
+		t.Fatal(err)
+	}
+	defer b.js.DeleteStream(context.Background(), dlStream)
+	cons := b.consumer(t, "dl", 30*time.Second)
+	s := memstore.New(nil)
+	defer s.Close()
+	p, _ := consumer.New(s, consumer.Config{Name: "dl"})
+	var runs atomic.Int32
+	var fail atomic.Bool
+	fail.Store(true)
+	h := func(ctx context.Context, m *consumer.Message) ([]byte, error) {
+		runs.Add(1)
+		if fail.Load() {
+			return nil, consumer.Permanent(errors.New("cannot parse the order"))
+		}
+		return nil, nil
+	}
+	m := nats.NewMsg(b.subj + ".orders")
+	m.Header.Set(jetstream.MsgIDHeader, "<big-1@host>")
+	m.Data = bytes.Repeat([]byte("x"), 4096)
+	if _, err := b.js.PublishMsg(ctx, m); err != nil {
+		t.Fatal(err)
+	}
+	cfg := &natsjs.Config{JetStream: b.js, DeadLetterSubject: b.subj + "dead"}
+	batch, err := cons.Fetch(1, jetstream.FetchMaxWait(10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for msg := range batch.Messages() {
+		out, err := natsjs.Handle(ctx, p, msg, h, cfg)
+		if err != nil || out.Action != consumer.DeadLetter {
+			t.Fatalf("Handle = %+v, %v; want the message dead-lettered (its copy without the payload)", out, err)
+		}
+	}
+	ds, _ := b.js.Stream(ctx, dlStream)
+	raw, err := ds.GetLastMsgForSubject(ctx, b.subj+"dead")
+	if err != nil {
+		t.Fatalf("nothing on the dead-letter subject: %v", err)
+	}
+	if raw.Header.Get(natsjs.HeaderDeadTruncated) == "" || raw.Header.Get(natsjs.HeaderDeadMsgID) != "<big-1@host>" {
+		t.Fatalf("dead-letter copy headers %v; want it truncated, with the message ID", raw.Header)
+	}
+	drained(t, cons, 10*time.Second, nil)
+
+	// Republished as it is (an operator's replay, once the handler is fixed).
+	fail.Store(false)
+	re := nats.NewMsg(b.subj + ".orders")
+	re.Header, re.Data = raw.Header, raw.Data
+	if _, err := b.js.PublishMsg(ctx, re); err != nil {
+		t.Fatal(err)
+	}
+	batch, err = cons.Fetch(1, jetstream.FetchMaxWait(10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for msg := range batch.Messages() {
+		if out, err := natsjs.Handle(ctx, p, msg, h, cfg); err != nil || out.Reason != consumer.Executed {
+			t.Fatalf("the republished copy: %+v, %v; want it executed", out, err)
+		}
+	}
+	if runs.Load() != 2 {
+		t.Fatalf("handler ran %d times; want 2 (the first delivery and the replay)", runs.Load())
+	}
+}
+
+var _ = testenv.NATSURL
