@@ -130,7 +130,7 @@ func newBroker(t *testing.T) *broker {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		for _, q := range []string{b.queue, b.queue + ".retry", b.queue + ".dead"} {
+		for _, q := range append([]string{b.queue, b.queue + ".retry", b.queue + ".dead"}, idemamqp.RetryQueues(b.queue)...) {
 			_, _ = ch.QueueDelete(q, false, false, false)
 		}
 	})
