@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -63,7 +62,7 @@ func TestStoreOutageSpendsNoDelivery(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer direct.Close(true)
-	out := prooftest.NewOutage(t, hostPort(t, tg.URL))
+	out := prooftest.NewOutage(t, prooftest.HostPort(t, tg.URL))
 	ptg := tg
 	ptg.URL = out.URL(t, tg.URL)
 	env, err := prooftest.Open(ctx, ptg)
@@ -112,22 +111,6 @@ func TestStoreOutageSpendsNoDelivery(t *testing.T) {
 	if st.Failed != 0 || st.Executed != n {
 		t.Fatalf("stats %+v: the outage counted as failed deliveries, or a message ran twice", st)
 	}
-}
-
-func hostPort(t *testing.T, raw string) string {
-	t.Helper()
-	// postgres://user@host:port/db
-	s := raw[strings.Index(raw, "://")+3:]
-	if i := strings.Index(s, "@"); i >= 0 {
-		s = s[i+1:]
-	}
-	if i := strings.IndexAny(s, "/?"); i >= 0 {
-		s = s[:i]
-	}
-	if !strings.Contains(s, ":") {
-		s += ":5432"
-	}
-	return s
 }
 
 // Items 9 and 10: a dead-letter stream whose max_msg_size is smaller than the

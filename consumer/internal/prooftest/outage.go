@@ -111,3 +111,16 @@ func (o *Outage) pipe(dst, src net.Conn) {
 	delete(o.conns, src)
 	o.mu.Unlock()
 }
+
+// HostPort returns the "host:port" of a database URL.
+func HostPort(t testing.TB, raw string) string {
+	t.Helper()
+	u, err := url.Parse(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if u.Port() == "" {
+		return u.Hostname() + ":5432"
+	}
+	return u.Host
+}
