@@ -38,6 +38,8 @@ type child struct {
 	Consumer string
 	N        int
 	Sleep    time.Duration
+	Crash    bool // the crash-loop proof's consumer (runCrashChild)
+	Max      int  // its MaxDeliveries
 }
 
 // runChild consumes with dedupe and never acknowledges; it exits (closing the
@@ -48,6 +50,9 @@ func runChild() int {
 	var c child
 	if err := json.Unmarshal([]byte(os.Getenv(prooftest.ChildEnv)), &c); err != nil {
 		return fail(err)
+	}
+	if c.Crash {
+		return runCrashChild(c)
 	}
 	ctx := context.Background()
 	tg, _ := prooftest.Decode(c.Target)
