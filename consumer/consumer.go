@@ -850,7 +850,9 @@ func (p *Processor) commitFailed(ctx context.Context, r run, cerr error) Outcome
 	case err == nil || errors.Is(err, idem.ErrNotFound):
 		return p.leaseLost(cerr, true)
 	default:
-		return Outcome{Action: Retry, Reason: StoreFailed, Delay: p.cfg.Backoff(r.attempt), Err: fmt.Errorf("consumer %s: the commit's outcome is unknown (the store answered neither the commit nor a read-back); the redelivery finds out: acked as a duplicate if it committed, run again if not: %w", p.cfg.Name, errors.Join(cerr, err))}
+		// If it committed, the record is complete and the fenced release changes
+		// nothing; if not, the redelivery runs afresh.
+		return Outcome{Action: Retry, Reason: StoreFailed, Delay: p.cfg.Backoff(r.attempt), Err: fmt.Errorf("consumer %s: the commit's outcome is unknown (the store answered neither the commit nor a read-back); the redelivery finds out: acked as a duplicate if it committed, run again if not: %w", p.cfg.Name, errors.Join(cerr, err, p.release(ctx, r)))}
 	}
 }
 

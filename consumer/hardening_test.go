@@ -401,3 +401,69 @@ func TestPanicPermanentKeepsTheMark(t *testing.T) {
 		t.Fatalf("%+v; want dead-lettered as permanent", out)
 	}
 }
+
+// lostAnswer wraps a store whose Commit answers with an error: after
+// committing (the answer lost on the way back), or without committing while
+// the store is also unreadable.
+type lostAnswer struct {
+	*sqlitestore.Store
+	commit   bool // commit, then report an error
+	readable bool
+}
+
+type lostTx struct {
+	idem.Tx
+	s *lostAnswer
+}
+
+func (s *lostAnswer) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
+	ctx, tx, err := s.Store.BeginTx(ctx)
+	if err != nil {
+		return ctx, tx, err
+	}
+	return ctx, &lostTx{tx, s}, nil
+}
+
+func (t *lostTx) Commit(ctx context.Context) error {
+	if t.s.commit {
+		if err := t.Tx.Commit(ctx); err != nil {
+			return err
+		}
+	} else {
+		_ = t.Tx.Rollback(ctx)
+	}
+	return errors.New("read tcp 127.0.0.1:5432: connection reset by peer")
+}
+
+func (s *lostAnswer) Get(ctx context.Context, scope, key string, now time.Time) (*idem.Record, error) {
+	if !s.readable {
+		return nil, errors.New("dial tcp 127.0.0.1:5432: connection refused")
+	}
+	return s.Store.Get(ctx, scope, key, now)
+}
+
+// Item 11: a commit whose answer is lost is read back: committed, it is acked
+// as executed (not reported as "nothing was committed"); unreadable, the
+// outcome says it is unknown.
+func TestCommitAnswerLost(t *testing.T) {
+	db, s := sqliteOrders(t)
+	ctx := context.Background()
+	h := func(ctx context.Context, m *consumer.Message) ([]byte, error) {
+		_, err := sqlitestore.Tx(ctx).ExecContext(ctx, `INSERT INTO orders VALUES (?)`, m.ID)
+		return []byte("r"), err
+	}
+	p, _ := consumer.New(&lostAnswer{Store: s, commit: true, readable: true}, consumer.Config{Name: "lost"})
+	if out := p.Process(ctx, &consumer.Message{ID: "m1", Payload: []byte("x"), Delivery: 1}, h); out.Action != consumer.Ack || out.Reason != consumer.Executed || string(out.Result) != "r" {
+		t.Fatalf("committed, answer lost: %+v; want it acked as executed", out)
+	}
+	p, _ = consumer.New(&lostAnswer{Store: s, commit: false, readable: false}, consumer.Config{Name: "lost"})
+	out := p.Process(ctx, &consumer.Message{ID: "m2", Payload: []byte("x"), Delivery: 1}, h)
+	if out.Reason != consumer.StoreFailed || !strings.Contains(out.Err.Error(), "unknown") || strings.Contains(out.Err.Error(), "nothing was committed") {
+		t.Fatalf("unknown outcome: %+v; want store_failed saying the outcome is unknown", out)
+	}
+	var n int
+	_ = db.QueryRowContext(ctx, `SELECT count(*) FROM orders`).Scan(&n)
+	if n != 1 {
+		t.Fatalf("%d rows; want 1", n)
+	}
+}
