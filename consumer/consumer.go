@@ -634,6 +634,22 @@ func (p *Processor) markAttempt(ctx context.Context, r run, now time.Time) (int,
 	}
 }
 
+// fillAttempts makes sure there are MaxDeliveries markers.
+func (p *Processor) fillAttempts(ctx context.Context, r run, now time.Time) error {
+	cctx, cancel := p.cleanup(ctx)
+	defer cancel()
+	scope := p.markerScope(r)
+	for n := 1; n <= p.cfg.MaxDeliveries; n++ {
+		if _, _, err := p.store.Claim(cctx, idem.ClaimRequest{
+			Scope: scope, Key: markerKey(r.key, n), Fingerprint: "m1:attempt", Token: newToken(),
+			Now: now, LeaseUntil: now.Add(p.cfg.TTL), ExpiresAt: now.Add(p.cfg.TTL),
+		}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // countAttempts returns how many markers there are.
 func (p *Processor) countAttempts(ctx context.Context, r run, now time.Time) (int, error) {
 	scope := p.markerScope(r)
@@ -690,15 +706,21 @@ func (p *Processor) storeFailed(delivery int, err error) Outcome {
 // nothing: it is marked as an attempt, the key is released, and the message is
 // retried or, at MaxDeliveries or when err is Permanent, dead-lettered.
 func (p *Processor) failed(ctx context.Context, r run, err error) Outcome {
+	poison := IsPermanent(err) || r.attempt >= p.cfg.MaxDeliveries
 	var merr error
-	if !IsPermanent(err) && r.attempt < p.cfg.MaxDeliveries {
+	if poison {
+		// Until the adapter has the message in its dead-letter destination
+		// (DeadLettered), a redelivery — its dead-lettering failed — finds the
+		// attempts used up and is dead-lettered again without running.
+		merr = p.fillAttempts(ctx, r, p.cfg.NowFunc())
+	} else {
 		_, merr = p.markAttempt(ctx, r, p.cfg.NowFunc())
-		if merr != nil {
-			merr = fmt.Errorf("mark the attempt (the broker's count still applies): %w", merr)
-		}
+	}
+	if merr != nil {
+		merr = fmt.Errorf("mark the attempt (the broker's count still applies): %w", merr)
 	}
 	err = errors.Join(err, merr, p.release(ctx, r))
-	if IsPermanent(err) || r.attempt >= p.cfg.MaxDeliveries {
+	if poison {
 		return Outcome{Action: DeadLetter, Reason: Poison, Err: err}
 	}
 	return Outcome{Action: Retry, Reason: Failed, Delay: p.cfg.Backoff(r.attempt), Err: err}

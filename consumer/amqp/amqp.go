@@ -250,7 +250,10 @@ func Handle(ctx context.Context, p *consumer.Processor, d *amqp091.Delivery, h c
 	default:
 		if err := deadLetter(ctx, cfg, d, m, out); err != nil {
 			// RabbitMQ's dead-lettering still puts it in q.dead, without our headers.
-			return out, errors.Join(err, d.Nack(false, false))
+			if nerr := d.Nack(false, false); nerr != nil {
+				return out, errors.Join(err, nerr)
+			}
+			return out, errors.Join(err, p.DeadLettered(ctx, m))
 		}
 		if err := d.Ack(false); err != nil {
 			return out, err

@@ -3,6 +3,7 @@ package natsjs_test
 import (
 	"bytes"
 	"context"
+	"strings"
 	"errors"
 	"sync"
 	"sync/atomic"
@@ -188,3 +189,40 @@ func TestDeadLetterKeepsTheIDAndFits(t *testing.T) {
 }
 
 var _ = testenv.NATSURL
+
+// Item 10: a message whose dead-letter copy is refused every time (no stream
+// captures the subject) is not redelivered forever, and its handler does not
+// run again on each redelivery: after MaxDeliveries + DeadLetterRetries
+// deliveries it is terminated, and OnError says where it stays.
+func TestDeadLetteringFailsBounded(t *testing.T) {
+	ctx := context.Background()
+	b := newBroker(t)
+	cons := b.consumer(t, "dlfail", 30*time.Second)
+	s := memstore.New(nil)
+	defer s.Close()
+	p, _ := consumer.New(s, consumer.Config{Name: "dlfail", MaxDeliveries: 2, Backoff: func(int) time.Duration { return 10 * time.Millisecond }})
+	var runs, handled atomic.Int32
+	var lastErr atomic.Value
+	cfg := &natsjs.Config{JetStream: b.js, DeadLetterSubject: "nobody.listens." + prooftest.Rand(), DeadLetterRetries: 2}
+	stopc, err := consumeG(cons, func(msg jetstream.Msg) {
+		_, err := natsjs.Handle(ctx, p, msg, func(context.Context, *consumer.Message) ([]byte, error) {
+			runs.Add(1)
+			return nil, consumer.Permanent(errors.New("bad order"))
+		}, cfg)
+		if err != nil {
+			lastErr.Store(err.Error())
+		}
+		handled.Add(1)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.publish(t, jetstream.MsgIDHeader, []string{"dl-1"}, payload)
+	drained(t, cons, 30*time.Second, func() bool { return handled.Load() >= 4 })
+	time.Sleep(200 * time.Millisecond) // no further delivery comes
+	stopc()
+	e, _ := lastErr.Load().(string)
+	if handled.Load() != 4 || runs.Load() != 1 || !strings.Contains(e, "sequence") {
+		t.Fatalf("handled %d deliveries, ran the handler %d times, last error %q; want 4 (MaxDeliveries + DeadLetterRetries), 1 run, and where the message stays", handled.Load(), runs.Load(), e)
+	}
+}
