@@ -3,8 +3,8 @@ package natsjs_test
 import (
 	"bytes"
 	"context"
-	"strings"
 	"errors"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
