@@ -467,3 +467,39 @@ func TestCommitAnswerLost(t *testing.T) {
 		t.Fatalf("%d rows; want 1", n)
 	}
 }
+
+// Item 2, the upgrade: with LegacyScope a message processed by an earlier
+// version (its record under the bare Name) is acked as a duplicate, not run
+// again; an HTTP record under that scope never matches.
+func TestLegacyScopeUpgrade(t *testing.T) {
+	_, s := sqliteOrders(t)
+	ctx := context.Background()
+	now := time.Now()
+	old := func(key, fp string) {
+		tok := "legacy-" + key + "-xxxxxxxxxxxx"
+		if _, ok, err := s.Claim(ctx, idem.ClaimRequest{Scope: "orders", Key: key, Fingerprint: fp, Token: tok, Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)}); err != nil || !ok {
+			t.Fatal(ok, err)
+		}
+		if err := s.Complete(ctx, "orders", key, tok, &idem.Response{Status: 200, Body: []byte("old result")}, now, now.Add(time.Hour)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	old("m1", consumer.Fingerprint([]byte("x")))
+	old("h1", "v1:an-http-request")
+	runs := 0
+	h := func(context.Context, *consumer.Message) ([]byte, error) { runs++; return []byte("new"), nil }
+	p, _ := consumer.New(s, consumer.Config{Name: "orders", LegacyScope: true})
+	if out := p.Process(ctx, &consumer.Message{ID: "m1", Payload: []byte("x"), Delivery: 2}, h); out.Reason != consumer.Duplicate || string(out.Result) != "old result" || runs != 0 {
+		t.Fatalf("message processed before the upgrade: %+v, %d runs; want a duplicate of the old record", out, runs)
+	}
+	if out := p.Process(ctx, &consumer.Message{ID: "m1", Payload: []byte("x"), Delivery: 3}, h); out.Reason != consumer.Duplicate || runs != 0 {
+		t.Fatalf("again: %+v", out)
+	}
+	if out := p.Process(ctx, &consumer.Message{ID: "h1", Payload: []byte("x"), Delivery: 1}, h); out.Reason != consumer.Executed || runs != 1 {
+		t.Fatalf("message whose ID an HTTP request used under the old scope: %+v; want it executed", out)
+	}
+	p2, _ := consumer.New(s, consumer.Config{Name: "orders"})
+	if out := p2.Process(ctx, &consumer.Message{ID: "m1", Payload: []byte("x"), Delivery: 2}, h); out.Reason != consumer.Duplicate {
+		t.Fatalf("after the copy forward, without LegacyScope: %+v; want a duplicate (the record was copied into the namespace)", out)
+	}
+}
