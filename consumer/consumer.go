@@ -665,11 +665,18 @@ func (p *Processor) countAttempts(ctx context.Context, r run, now time.Time) (in
 	return p.cfg.MaxDeliveries + 1, nil
 }
 
-// DeadLettered deletes the attempt markers of msg once the adapter has put it
-// in the dead-letter destination, so that the message, republished from
-// there, gets its MaxDeliveries again. Adapters call it; an error only means
-// the markers stay until their TTL.
-func (p *Processor) DeadLettered(ctx context.Context, msg *Message) error {
+// DeadLettered tells the Processor that the adapter has put msg, dead-lettered
+// with out, in its dead-letter destination. For a Poison outcome it deletes
+// the message's attempt markers, so that the message, republished from there,
+// gets its MaxDeliveries again (until then a redelivery is dead-lettered
+// again without running); for other reasons it does nothing, so that a
+// mismatched copy never resets the attempts of the message whose ID it
+// reuses. Adapters call it; an error only means the markers stay until their
+// TTL.
+func (p *Processor) DeadLettered(ctx context.Context, msg *Message, out Outcome) error {
+	if out.Reason != Poison {
+		return nil
+	}
 	key, ok := Key(msg.ID)
 	if !ok {
 		return nil

@@ -382,7 +382,7 @@ func TestCrashLoopCountedInTheStore(t *testing.T) {
 		t.Fatalf("attempt 4: %+v after %d runs; want it dead-lettered unrun (attempts 1 and 3 crashed, 2 failed)", out, runs.Load())
 	}
 	// Once dead-lettered, a republished copy gets its attempts again.
-	if err := p.DeadLettered(ctx, &consumer.Message{ID: "m1", Payload: payload}); err != nil {
+	if err := p.DeadLettered(ctx, &consumer.Message{ID: "m1", Payload: payload}, out); err != nil {
 		t.Fatal(err)
 	}
 	if out := p.Process(ctx, &consumer.Message{ID: "m1", Payload: payload}, func(context.Context, *consumer.Message) ([]byte, error) { return nil, nil }); out.Reason != consumer.Executed {
@@ -501,5 +501,41 @@ func TestLegacyScopeUpgrade(t *testing.T) {
 	p2, _ := consumer.New(s, consumer.Config{Name: "orders"})
 	if out := p2.Process(ctx, &consumer.Message{ID: "m1", Payload: []byte("x"), Delivery: 2}, h); out.Reason != consumer.Duplicate {
 		t.Fatalf("after the copy forward, without LegacyScope: %+v; want a duplicate (the record was copied into the namespace)", out)
+	}
+}
+
+// A mismatched copy (one ID, another payload), dead-lettered, does not reset
+// the attempts of the message whose ID it reuses.
+func TestMismatchKeepsTheAttempts(t *testing.T) {
+	p := newMem(t, consumer.Config{MaxDeliveries: 3})
+	ctx := context.Background()
+	bad := func(context.Context, *consumer.Message) ([]byte, error) { return nil, errors.New("boom") }
+	for i := 0; i < 2; i++ {
+		if out := p.Process(ctx, &consumer.Message{ID: "x", Payload: []byte("a")}, bad); out.Reason != consumer.Failed {
+			t.Fatalf("attempt %d: %+v", i+1, out)
+		}
+	}
+	// Keep x in flight while the copy comes, so that the copy is a mismatch.
+	started, release := make(chan struct{}), make(chan struct{})
+	done := make(chan consumer.Outcome)
+	go func() {
+		done <- p.Process(ctx, &consumer.Message{ID: "x", Payload: []byte("a")}, func(context.Context, *consumer.Message) ([]byte, error) {
+			close(started)
+			<-release
+			return nil, errors.New("boom")
+		})
+	}()
+	<-started
+	copyMsg := &consumer.Message{ID: "x", Payload: []byte("b")}
+	out := p.Process(ctx, copyMsg, bad)
+	if out.Reason != consumer.Mismatch {
+		t.Fatalf("copy: %+v", out)
+	}
+	if err := p.DeadLettered(ctx, copyMsg, out); err != nil {
+		t.Fatal(err)
+	}
+	close(release)
+	if out := <-done; out.Action != consumer.DeadLetter || out.Reason != consumer.Poison {
+		t.Fatalf("attempt 3: %+v; want it dead-lettered at MaxDeliveries", out)
 	}
 }

@@ -253,12 +253,12 @@ func Handle(ctx context.Context, p *consumer.Processor, d *amqp091.Delivery, h c
 			if nerr := d.Nack(false, false); nerr != nil {
 				return out, errors.Join(err, nerr)
 			}
-			return out, errors.Join(err, p.DeadLettered(ctx, m))
+			return out, errors.Join(err, p.DeadLettered(ctx, m, out))
 		}
 		if err := d.Ack(false); err != nil {
 			return out, err
 		}
-		return out, p.DeadLettered(ctx, m)
+		return out, p.DeadLettered(ctx, m, out)
 	}
 }
 

@@ -199,7 +199,7 @@ func Handle(ctx context.Context, p *consumer.Processor, msg jetstream.Msg, h con
 		if err := msg.Term(); err != nil {
 			return out, err
 		}
-		return out, p.DeadLettered(ctx, m)
+		return out, p.DeadLettered(ctx, m, out)
 	}
 }
 

@@ -144,7 +144,7 @@ func handle(p *consumer.Processor, cfg *Config, h message.HandlerFunc, msg *mess
 			if err := poison(cfg, msg, o, m.Delivery); err != nil {
 				return nil, err
 			}
-			return nil, p.DeadLettered(ctx, m)
+			return nil, p.DeadLettered(ctx, m, o)
 		}
 		wait := o.Delay
 		switch o.Reason {
