@@ -6,7 +6,7 @@
 //		Durable: "orders-worker", AckPolicy: jetstream.AckExplicitPolicy,
 //		AckWait: 30 * time.Second, MaxDeliver: -1, // the Processor dead-letters
 //	})
-//	cc, _ := cons.Consume(natsjs.Handler(proc, handle, &natsjs.Config{JetStream: js, DeadLetterSubject: "orders.dead"}))
+//	cc, _ := cons.Consume(natsjs.Handler(proc, handle, &natsjs.Config{JetStream: js, DeadLetterSubject: "orders.dead", AckWait: 30 * time.Second}))
 //	defer cc.Stop()
 //
 // The key is the Nats-Msg-Id header (Config.KeyHeader names another; a
