@@ -74,7 +74,8 @@ type Message struct {
 	// counts nothing (Watermill): the Processor then reads its own attempt count
 	// from the store on every delivery. The attempt number MaxDeliveries bounds
 	// is the larger of Delivery and the store's count. Process sets Delivery to
-	// that attempt number before the handler runs.
+	// that attempt number once it has claimed the message (before the handler
+	// runs).
 	Delivery int
 	// Header holds the message's headers, for the handler and Config.Scope; only
 	// the ones named in Config.FingerprintHeaders are part of the fingerprint.
@@ -523,6 +524,7 @@ func (p *Processor) process(ctx context.Context, msg *Message, h Handler) Outcom
 		return p.storeFailed(delivery, errors.Join(fmt.Errorf("count attempts: %w", err), p.release(ctx, r)))
 	}
 	r.attempt = max(delivery, n+1)
+	msg.Delivery = r.attempt
 	if p.cfg.LegacyScope {
 		if out, done := p.legacy(ctx, r, claim); done {
 			return out
@@ -753,7 +755,6 @@ func (p *Processor) release(ctx context.Context, r run) error {
 
 // execute runs the handler of a claimed message and settles its outcome.
 func (p *Processor) execute(ctx context.Context, msg *Message, r run, h Handler) (out Outcome) {
-	msg.Delivery = r.attempt
 	hctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
 	defer cancel(nil)
 	if p.cfg.HandlerTimeout > 0 {

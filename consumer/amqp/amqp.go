@@ -5,9 +5,9 @@
 //
 // Declare sets up three queues for a queue named q:
 //
-//   - q, a quorum queue whose dead-letter exchange routes to q.dead (and which
-//     counts redeliveries in x-delivery-count, so that a message that crashes
-//     its consumer every time still reaches MaxDeliveries);
+//   - q, a quorum queue whose dead-letter exchange routes to q.dead (a message
+//     that crashes its consumer every time reaches MaxDeliveries because the
+//     Processor counts each takeover of its lapsed claim as an attempt);
 //   - one delay queue per delay bucket, q.retry.10ms to q.retry.1h (see
 //     RetryQueues), where a message waits out its delay (the queue's
 //     x-message-ttl) before RabbitMQ's dead-lettering routes it back to q.
@@ -44,12 +44,14 @@ import (
 )
 
 // RetriesHeader counts the failed deliveries of a message republished through
-// q.retry: the ones whose handler failed, which MaxDeliveries bounds.
+// a delay queue: the ones whose handler failed. It is for operators: the
+// attempts MaxDeliveries bounds are counted in the store.
 const RetriesHeader = "x-idem-retries"
 
-// OutagesHeader counts the retries of a message republished through q.retry
-// because the store failed (or the lease was lost): its handler did not fail,
-// so they do not count toward MaxDeliveries; they only lengthen the backoff.
+// OutagesHeader counts the retries of a message republished through a delay
+// queue because the store failed (or the lease was lost): its handler did not
+// fail, so they do not count toward MaxDeliveries; they only lengthen the
+// backoff.
 const OutagesHeader = "x-idem-outages"
 
 // Headers set on a dead letter published to q.dead.
@@ -145,18 +147,24 @@ type Config struct {
 }
 
 // Message converts a delivery into a consumer.Message. The delivery number is
-// 1 + the x-idem-retries header + RabbitMQ's x-delivery-count (quorum queues),
-// and at least 2 for a delivery flagged Redelivered. A message that RabbitMQ
-// dead-lettered (x-first-death-reason "rejected") and that was shovelled back
-// starts again at 1 + x-delivery-count.
+// 1 for a first delivery (no x-idem-retries, no x-delivery-count, not flagged
+// Redelivered) and 0 otherwise: the Processor then counts the attempts in the
+// store, where a crash cannot lose them and a producer cannot forge them. A
+// message that RabbitMQ dead-lettered (x-first-death-reason "rejected") and
+// that was shovelled back counts as a first delivery.
 func Message(d *amqp091.Delivery, keyHeader string) *consumer.Message {
 	m := &consumer.Message{Payload: d.Body, ID: d.MessageId}
 	if keyHeader != "" {
 		m.ID = headerString(d.Headers[keyHeader])
 	}
-	m.Delivery = 1 + retriesOf(d) + headerInt(d.Headers, "x-delivery-count")
-	if d.Redelivered && m.Delivery < 2 {
-		m.Delivery = 2
+	if retriesOf(d) == 0 && headerInt(d.Headers, "x-delivery-count") == 0 && !d.Redelivered {
+		m.Delivery = 1
+	} else {
+		// A retry or a redelivery: RabbitMQ's x-delivery-count also counts
+		// messages that were only prefetched by a consumer that crashed, and
+		// headers can be set by anyone who publishes, so the Processor counts
+		// the attempts itself, in the store (0).
+		m.Delivery = 0
 	}
 	if len(d.Headers) > 0 {
 		m.Header = make(map[string][]string, len(d.Headers))

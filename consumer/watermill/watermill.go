@@ -53,8 +53,8 @@ const (
 	MetaDeadReason = "idem_dead_reason"
 	// MetaDeadError holds the error text.
 	MetaDeadError = "idem_dead_error"
-	// MetaDeadAttempts holds the attempt number it was dead-lettered at (0 when
-	// it was not run: a mismatch, no ID).
+	// MetaDeadAttempts holds the attempt number it was dead-lettered at (0 for
+	// a mismatch or a message without an ID, which never got one).
 	MetaDeadAttempts = "idem_dead_attempts"
 )
 
