@@ -226,3 +226,44 @@ func TestDeadLetteringFailsBounded(t *testing.T) {
 		t.Fatalf("handled %d deliveries, ran the handler %d times, last error %q; want 4 (MaxDeliveries + DeadLetterRetries), 1 run, and where the message stays", handled.Load(), runs.Load(), e)
 	}
 }
+
+// Item 5: a COMMIT the database always refuses (a deferred constraint) is a
+// failed attempt on JetStream too: the message is dead-lettered after
+// MaxDeliveries runs, not naked forever.
+func TestRefusedCommitIsPoison(t *testing.T) {
+	for _, kind := range prooftest.Kinds {
+		t.Run(kind, func(t *testing.T) {
+			ctx := context.Background()
+			env, err := prooftest.Open(ctx, prooftest.NewTarget(t, kind))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer env.Close(true)
+			if err := env.CreateRefusedAtCommit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			b := newBroker(t)
+			cons := b.consumer(t, "refused", 5*time.Second)
+			p, _ := consumer.New(env.Store, consumer.Config{Name: "refused", MaxDeliveries: 3, Backoff: func(int) time.Duration { return 10 * time.Millisecond }})
+			var runs, dead atomic.Int32
+			stopc, err := consumeG(cons, func(msg jetstream.Msg) {
+				out, _ := natsjs.Handle(ctx, p, msg, func(ctx context.Context, m *consumer.Message) ([]byte, error) {
+					runs.Add(1)
+					return env.InsertRefusedAtCommit(ctx, m)
+				}, nil)
+				if out.Action == consumer.DeadLetter {
+					dead.Add(1)
+				}
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			b.publish(t, jetstream.MsgIDHeader, []string{"refused-1"}, payload)
+			drained(t, cons, 30*time.Second, func() bool { return dead.Load() == 1 })
+			stopc()
+			if runs.Load() != 3 {
+				t.Fatalf("the handler ran %d times; want MaxDeliveries (3)", runs.Load())
+			}
+		})
+	}
+}
