@@ -8,11 +8,13 @@
 //	go run ./examples/orders-worker -publish -id o-1 '{"cart_id":"c_1","total_cents":500}'
 //	go run ./examples/orders-worker -count               # 1 order
 //	go run ./examples/orders-worker -publish -tenant t2 -id o-1 '{"cart_id":"c_9","total_cents":900}'
-//	go run ./examples/orders-worker -count               # 2 orders: t2's o-1 is not t1's
+//	go run ./examples/orders-worker -count               # 2 orders (past JetStream's window): t2's o-1 is not t1's
 //
 // Each order is filed under its Tenant header (default "demo"), and dedupe is
 // per tenant (consumer.Config.Scope): two tenants' message o-1 are two
-// orders. The worker's records share the demo's idem_records table but never
+// orders. (JetStream's own duplicate window, 2 min by default, knows no
+// tenants: within it, it drops t2's o-1 at publish, and the publisher is told
+// so in the ack's Duplicate flag.) The worker's records share the demo's idem_records table but never
 // an HTTP tenant's scope (consumer.StoredScope).
 //
 // -db takes a SQLite file (default orders.db) or a postgres:// URL; -nats the
