@@ -29,6 +29,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -172,6 +173,7 @@ func Handle(ctx context.Context, p *consumer.Processor, msg jetstream.Msg, h con
 		}
 		out = p.Process(ctx, m, h)
 	}
+	stop() // no progress report after the settlement below
 	switch out.Action {
 	case consumer.Ack:
 		return out, msg.Ack()
@@ -220,7 +222,8 @@ func heartbeat(msg jetstream.Msg, interval time.Duration) (stop func()) {
 			}
 		}
 	}()
-	return func() { close(done); <-finished }
+	var once sync.Once
+	return func() { once.Do(func() { close(done); <-finished }) }
 }
 
 func deadLetter(ctx context.Context, cfg *Config, msg jetstream.Msg, m *consumer.Message, out consumer.Outcome) error {
