@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -56,6 +57,15 @@ func TestMessageIDsOverJetStream(t *testing.T) {
 // dead-lettered unrun. The store is real PostgreSQL behind a proxy that cuts
 // and refuses every connection while it is down.
 func TestStoreOutageSpendsNoDelivery(t *testing.T) {
+	// MaxWait past the outage: kept in progress in process. MaxWait -1: naked at
+	// once on every store failure, which JetStream counts in NumDelivered and
+	// the Processor does not.
+	for _, maxWait := range []time.Duration{time.Minute, -1} {
+		t.Run(fmt.Sprint("MaxWait=", maxWait), func(t *testing.T) { storeOutage(t, maxWait) })
+	}
+}
+
+func storeOutage(t *testing.T, maxWait time.Duration) {
 	ctx := context.Background()
 	tg := prooftest.NewTarget(t, "postgres")
 	direct, err := prooftest.Open(ctx, tg)
@@ -80,7 +90,7 @@ func TestStoreOutageSpendsNoDelivery(t *testing.T) {
 	var mu sync.Mutex
 	acked, maxDelivered := map[string]bool{}, 0
 	var dead atomic.Int32
-	cfg := &natsjs.Config{AckWait: ackWait, MaxWait: time.Minute}
+	cfg := &natsjs.Config{AckWait: ackWait, MaxWait: maxWait}
 	out.SetDown(true)
 	stopc, err := consumeG(cons, func(msg jetstream.Msg) {
 		o, _ := natsjs.Handle(ctx, p, msg, env.Insert, cfg)
