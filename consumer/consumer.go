@@ -483,6 +483,14 @@ type run struct {
 }
 
 func (p *Processor) process(ctx context.Context, msg *Message, h Handler) Outcome {
+	if msg == nil {
+		return Outcome{Action: DeadLetter, Reason: InvalidID, Err: fmt.Errorf("consumer %s: Process was given a nil *Message", p.cfg.Name)}
+	}
+	if h == nil {
+		// Nothing is claimed: the message is retried, untouched, until the
+		// program is fixed.
+		return Outcome{Action: Retry, Reason: Failed, Delay: p.cfg.Backoff(1), Err: fmt.Errorf("consumer %s: Process was given a nil Handler; pass the function that processes the message", p.cfg.Name)}
+	}
 	key, ok := Key(msg.ID)
 	if !ok {
 		return Outcome{Action: DeadLetter, Reason: InvalidID, Err: fmt.Errorf("consumer %s: the message has no usable ID (%s); producers must give every message an ID of 1 to 255 visible ASCII characters (a UUID, \"order-42\") in Nats-Msg-Id, AMQP message_id or the key header, and keep it across retries", p.cfg.Name, describeID(msg.ID))}

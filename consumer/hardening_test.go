@@ -539,3 +539,14 @@ func TestMismatchKeepsTheAttempts(t *testing.T) {
 		t.Fatalf("attempt 3: %+v; want it dead-lettered at MaxDeliveries", out)
 	}
 }
+
+// Neighbouring code: a nil message or handler is reported, not a panic.
+func TestNilMessageOrHandler(t *testing.T) {
+	p := newMem(t, consumer.Config{})
+	if out := p.Process(context.Background(), nil, func(context.Context, *consumer.Message) ([]byte, error) { return nil, nil }); out.Action != consumer.DeadLetter || out.Err == nil {
+		t.Fatalf("nil message: %+v", out)
+	}
+	if out := p.Process(context.Background(), &consumer.Message{ID: "m", Delivery: 1}, nil); out.Action != consumer.Retry || !strings.Contains(out.Err.Error(), "nil Handler") {
+		t.Fatalf("nil handler: %+v", out)
+	}
+}

@@ -169,7 +169,11 @@ func Message(d *amqp091.Delivery, keyHeader string) *consumer.Message {
 	if len(d.Headers) > 0 {
 		m.Header = make(map[string][]string, len(d.Headers))
 		for k, v := range d.Headers {
-			m.Header[k] = []string{fmt.Sprint(v)}
+			if t := headerString(v); t != "" {
+				m.Header[k] = []string{t}
+			} else {
+				m.Header[k] = []string{fmt.Sprint(v)}
+			}
 		}
 	}
 	return m
@@ -227,6 +231,9 @@ const maxCount = 1 << 24
 // Processor's outcome and the error of settling it (the delivery then stays
 // unacknowledged, and RabbitMQ redelivers it when the channel closes).
 func Handle(ctx context.Context, p *consumer.Processor, d *amqp091.Delivery, h consumer.Handler, cfg *Config) (consumer.Outcome, error) {
+	if p == nil || d == nil {
+		return consumer.Outcome{}, errors.New("amqp: the Processor or the delivery is nil; make the Processor with consumer.New (the delivery is left unacknowledged)")
+	}
 	if cfg == nil {
 		cfg = &Config{}
 	}

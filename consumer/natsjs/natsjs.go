@@ -141,6 +141,9 @@ func numDelivered(msg jetstream.Msg) int {
 // Handle processes one message and settles it with JetStream; it returns the
 // Processor's outcome and the error of acknowledging, naking or terminating.
 func Handle(ctx context.Context, p *consumer.Processor, msg jetstream.Msg, h consumer.Handler, cfg *Config) (consumer.Outcome, error) {
+	if p == nil {
+		return consumer.Outcome{}, errors.New("natsjs: the Processor is nil; make one with consumer.New (the message is left unacknowledged)")
+	}
 	if cfg == nil {
 		cfg = &Config{}
 	}
