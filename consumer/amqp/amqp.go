@@ -259,6 +259,12 @@ func Handle(ctx context.Context, p *consumer.Processor, d *amqp091.Delivery, h c
 			delay = p.Backoff(outages)
 		}
 		if err := retry(ctx, cfg, d, retries, outages, delay); err != nil {
+			// Requeued for an immediate redelivery: wait a little first, so that a
+			// broken publisher does not make the message spin.
+			select {
+			case <-ctx.Done():
+			case <-time.After(min(delay, time.Second)):
+			}
 			return out, errors.Join(err, d.Nack(false, true))
 		}
 		return out, d.Ack(false)
