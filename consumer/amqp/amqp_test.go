@@ -605,17 +605,21 @@ func TestStoreOutageIsNotPoison(t *testing.T) {
 	}
 }
 
-// brokerDeliveries is RabbitMQ's count of a delivery: 1 + the quorum queue's
-// x-delivery-count, at least 2 when flagged Redelivered.
+// brokerDeliveries is the count of a delivery as RabbitMQ and the retry
+// copies carry it: 1 + x-idem-retries (a copy carries the deliveries before it
+// there) + the quorum queue's x-delivery-count, at least 2 when flagged
+// Redelivered.
 func brokerDeliveries(d *amqp091.Delivery) int {
 	n := 1
-	switch v := d.Headers["x-delivery-count"].(type) {
-	case int64:
-		n += int(v)
-	case int32:
-		n += int(v)
-	case int:
-		n += v
+	for _, h := range []string{idemamqp.RetriesHeader, "x-delivery-count"} {
+		switch v := d.Headers[h].(type) {
+		case int64:
+			n += int(v)
+		case int32:
+			n += int(v)
+		case int:
+			n += v
+		}
 	}
 	if d.Redelivered && n < 2 {
 		n = 2
