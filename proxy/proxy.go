@@ -405,7 +405,11 @@ func transports(cfg Config) (pooled, fresh http.RoundTripper) {
 		return &countConn{Conn: c}, nil
 	}
 	k := t.Clone()
-	k.DisableKeepAlives = true
+	// No idle connection is kept (a negative MaxIdleConnsPerHost), yet the
+	// request does not say "Connection: close" (DisableKeepAlives would): an
+	// upstream that then stops reading the request, and closes, could reset
+	// the connection under its own answer.
+	k.MaxIdleConnsPerHost = -1
 	return t, k
 }
 
@@ -887,7 +891,7 @@ func (f *forwarding) rewrite(pr *httputil.ProxyRequest) {
 			host = strings.TrimSpace(strings.Split(v[len(v)-1], ",")[0])
 		}
 		if v := in.Header.Values("Forwarded"); len(v) > 0 {
-			out.Header["Forwarded"] = append(slices.Clone(v), forwardedFor(in.RemoteAddr))
+			out.Header.Set("Forwarded", strings.Join(append(slices.Clone(v), forwardedFor(in.RemoteAddr)), ", "))
 		}
 	} else {
 		out.Header.Del("Forwarded")
