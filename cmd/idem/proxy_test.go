@@ -41,8 +41,14 @@ func startProxyCmd(t *testing.T, args ...string) string {
 // banner.
 func startProxyProc(t *testing.T, args ...string) *proxyProc {
 	t.Helper()
+	return startProxyProcEnv(t, nil, args...)
+}
+
+// startProxyProcEnv is startProxyProc with more environment variables.
+func startProxyProcEnv(t *testing.T, env []string, args ...string) *proxyProc {
+	t.Helper()
 	cmd := exec.Command(idemBin, append([]string{"proxy", "--listen", "127.0.0.1:0"}, args...)...)
-	cmd.Env = cliEnv()
+	cmd.Env = cliEnv(env...)
 	errb := &syncBuffer{}
 	cmd.Stderr = errb
 	out, err := cmd.StdoutPipe()
