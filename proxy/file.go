@@ -91,13 +91,13 @@ type FileScope struct {
 func (s *FileScope) UnmarshalYAML(n *yaml.Node) error {
 	if n.Kind == yaml.ScalarNode {
 		if n.Value != "none" {
-			return fmt.Errorf("line %d: scope %q: write none, or one of header:, bearer: and jwt:", n.Line, n.Value)
+			return fmt.Errorf("line %d: scope %q: write none, or a mapping with one of header, bearer and jwt", n.Line, n.Value)
 		}
 		s.None = true
 		return nil
 	}
 	if n.Kind != yaml.MappingNode {
-		return fmt.Errorf("line %d: scope: write none, or a mapping with one of header:, bearer: and jwt:", n.Line)
+		return fmt.Errorf("line %d: scope: write none, or a mapping with one of header, bearer and jwt", n.Line)
 	}
 	for i := 0; i+1 < len(n.Content); i += 2 {
 		switch k := n.Content[i].Value; k {

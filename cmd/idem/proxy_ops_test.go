@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"encoding/pem"
 	"fmt"
 	"io"
 	"net"
@@ -118,6 +119,10 @@ func TestProxyScopeAndAdmin(t *testing.T) {
 	if e := pp.stderr.String(); !strings.Contains(e, "WARNING: --scope none") || !strings.Contains(e, "--route replaces the 1 route(s)") {
 		t.Errorf("stderr has no warnings:\n%s", e)
 	}
+	// A keyed request on no route is counted.
+	if a := proxyPost(t, pp.URL+"/headers", "unrouted", `{}`); a.status != 200 {
+		t.Errorf("POST /headers: %d %s", a.status, a.body)
+	}
 	for _, path := range []string{"/healthz", "/metrics"} {
 		resp, err := http.Get(pp.URL + path)
 		if err != nil {
@@ -132,9 +137,13 @@ func TestProxyScopeAndAdmin(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		b, _ = io.ReadAll(resp.Body)
 		resp.Body.Close()
 		if resp.StatusCode != 200 {
 			t.Errorf("admin %s: %d", path, resp.StatusCode)
+		}
+		if path == "/metrics" && !strings.Contains(string(b), "idem_proxy_unrouted_keyed_requests_total 1") {
+			t.Errorf("/metrics does not count the unrouted keyed request:\n%.3000s", b)
 		}
 	}
 }
@@ -299,5 +308,37 @@ func TestProxyDrainOutlastsThirtySeconds(t *testing.T) {
 	}
 	if err := pp.Cmd.Wait(); err != nil {
 		t.Errorf("exit: %v, want 0\n%s", err, pp.stderr.String())
+	}
+}
+
+// TestProxyUpstreamTLSFlags (issue 23 item 2): --upstream-ca and
+// --upstream-server-name reach an https upstream with a private CA; without
+// them the request never reaches it, and the key is released.
+func TestProxyUpstreamTLSFlags(t *testing.T) {
+	t.Parallel()
+	var runs atomic.Int64
+	up := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		w.WriteHeader(201)
+	}))
+	t.Cleanup(up.Close)
+	dir := t.TempDir()
+	ca := filepath.Join(dir, "ca.pem")
+	if err := os.WriteFile(ca, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: up.Certificate().Raw}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	db := "sqlite:" + filepath.Join(dir, "keys.db")
+	plain := startProxyProc(t, "--upstream", up.URL, "--db", db, "--scope-header", "X-Tenant-ID")
+	for range 2 {
+		if a := proxyPost(t, plain.URL+"/orders", "tls", `{}`); a.status != 502 || a.code != "upstream_unreachable" {
+			t.Fatalf("untrusted upstream: %d %s, want 502 upstream_unreachable (the key released)", a.status, a.body)
+		}
+	}
+	trusted := startProxyProc(t, "--upstream", up.URL, "--db", db, "--scope-header", "X-Tenant-ID", "--upstream-ca", ca, "--upstream-server-name", "example.com")
+	if a := proxyPost(t, trusted.URL+"/orders", "tls", `{}`); a.status != 201 || runs.Load() != 1 {
+		t.Fatalf("with --upstream-ca: %d %s after %d runs", a.status, a.body, runs.Load())
+	}
+	if code, _, errOut := runIdem(t, dir, nil, "proxy", "--upstream", up.URL, "--db", db, "--scope", "none", "--upstream-ca", db[len("sqlite:"):]); code != exitUsage || !strings.Contains(errOut, "no PEM certificate") {
+		t.Errorf("--upstream-ca with no certificate: exit %d %s", code, errOut)
 	}
 }

@@ -31,12 +31,6 @@ type proxyProc struct {
 	stdout     *bufio.Reader
 }
 
-// startProxyCmd runs `idem proxy --listen 127.0.0.1:0 args…` and returns its URL.
-func startProxyCmd(t *testing.T, args ...string) string {
-	t.Helper()
-	return startProxyProc(t, args...).URL
-}
-
 // startProxyProc runs `idem proxy --listen 127.0.0.1:0 args…` and reads its
 // banner.
 func startProxyProc(t *testing.T, args ...string) *proxyProc {
