@@ -14,6 +14,7 @@ import (
 	"net/http/httputil"
 	"net/netip"
 	"net/url"
+	"path"
 	"slices"
 	"sort"
 	"strings"
@@ -505,8 +506,12 @@ func matchPaths(p string) (string, string) {
 		}
 		p = strings.Join(segs, "/")
 	}
-	for strings.Contains(p, "//") {
-		p = strings.ReplaceAll(p, "//", "/")
+	// Dot segments and doubled slashes resolved, as routers that clean the
+	// path do (ServeMux would otherwise answer with a redirect, not a route).
+	slash := strings.HasSuffix(p, "/") || strings.HasSuffix(p, "/.") || strings.HasSuffix(p, "/..")
+	p = path.Clean("/" + p)
+	if slash && p != "/" {
+		p += "/"
 	}
 	if p == "/" {
 		return p, ""

@@ -14,6 +14,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"path"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -283,7 +284,7 @@ func (l *looseRouter) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if i := strings.IndexByte(p, ';'); i >= 0 {
 		p = p[:i]
 	}
-	p = strings.TrimSuffix(p, "/")
+	p = strings.TrimSuffix(path.Clean(p), "/")
 	if strings.ToUpper(r.Method) == "POST" && (p == "/orders" || p == "/other") {
 		l.runs.Add(1)
 		w.WriteHeader(201)
@@ -310,7 +311,7 @@ func TestRouteMatchingDoesNotFailOpen(t *testing.T) {
 		ErrorLog:   log.New(writerFunc(func(b []byte) (int, error) { logMu.Lock(); defer logMu.Unlock(); return logs.Write(b) }), "", 0),
 		OnUnrouted: func(method, path string) { unrouted.Add(1) },
 	})
-	variants := [][2]string{{"post", "/orders"}, {"POST", "/orders/"}, {"POST", "/Orders"}, {"POST", "/orders;jsessionid=1"}, {"Post", "/ORDERS/;x=y"}}
+	variants := [][2]string{{"post", "/orders"}, {"POST", "/orders/"}, {"POST", "/Orders"}, {"POST", "/orders;jsessionid=1"}, {"Post", "/ORDERS/;x=y"}, {"POST", "/orders/."}, {"POST", "//api/../orders//"}}
 	for i, v := range variants {
 		for range 2 {
 			if a := send(t, v[0], px.url+v[1], `{}`, "Idempotency-Key", fmt.Sprint("loose-", i)); a.status != 201 {
