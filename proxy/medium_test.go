@@ -365,3 +365,47 @@ func TestJWTKeySetChecks(t *testing.T) {
 		}
 	}
 }
+
+// TestUnkeyedWebsocketOutlivesUpstreamTimeout (issue 23 item 7): an upgraded
+// (websocket-like) connection is not cut when UpstreamTimeout passes. Before,
+// the proxy closed it at UpstreamTimeout (every websocket died at 30 s).
+func TestUnkeyedWebsocketOutlivesUpstreamTimeout(t *testing.T) {
+	t.Parallel()
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("Upgrade") != "echo" {
+			w.WriteHeader(400)
+			return
+		}
+		c, brw, err := http.NewResponseController(w).Hijack()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		fmt.Fprint(brw, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+		_ = brw.Flush()
+		_, _ = io.Copy(c, brw) // echo until the client closes
+	}))
+	t.Cleanup(up.Close)
+	px := startProxy(t, up.URL, proxy.Config{UpstreamTimeout: 200 * time.Millisecond})
+	u, _ := url.Parse(px.url)
+	c, err := net.Dial("tcp", u.Host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	fmt.Fprintf(c, "GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+	_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+	br := bufio.NewReader(c)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil || resp.StatusCode != 101 {
+		t.Fatalf("upgrade: %v %v", resp, err)
+	}
+	time.Sleep(700 * time.Millisecond) // past UpstreamTimeout
+	if _, err := fmt.Fprint(c, "ping\n"); err != nil {
+		t.Fatal(err)
+	}
+	line, err := br.ReadString('\n')
+	if err != nil || line != "ping\n" {
+		t.Fatalf("after UpstreamTimeout the upgraded connection answered %q, %v; want the echo", line, err)
+	}
+}
