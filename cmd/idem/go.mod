@@ -90,3 +90,5 @@ replace github.com/idemkit/idem/internal/dbopen => ../../internal/dbopen
 replace github.com/idemkit/idem/internal/orders => ../../internal/orders
 
 replace github.com/idemkit/idem/internal/checker => ../../internal/checker
+
+replace github.com/idemkit/idem/idemgrpc => ../../idemgrpc
