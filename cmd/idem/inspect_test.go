@@ -190,7 +190,7 @@ func TestInspectMissingDatabase(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(dir, "missing.db")); !os.IsNotExist(err) {
 		t.Errorf("inspect created the SQLite file (stat: %v)", err)
 	}
-	if code, out, stderr := runIdem(t, dir, nil, "migrate", "--db", "sqlite:app.db", "--orders=false"); code != 0 {
+	if code, out, stderr := runIdem(t, dir, nil, "migrate", "--db", "sqlite:app.db"); code != 0 {
 		t.Fatalf("migrate: exit %d %s%s", code, out, stderr)
 	}
 	code, _, stderr = runIdem(t, dir, nil, "inspect", "--db", "sqlite:app.db", "--table", "nosuch", "--scope", "t1", "k")

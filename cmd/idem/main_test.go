@@ -176,15 +176,15 @@ func pgTables(t *testing.T, dbURL string) []string {
 	return names
 }
 
-// TestMigrateAsDemo: `idem migrate` with the demo's --prefix and --schema
-// creates exactly the tables `idem demo` with the same flags creates, and the
-// demo then serves on them.
+// TestMigrateAsDemo: `idem migrate --with-demo-orders` with the demo's --prefix
+// and --schema creates exactly the tables `idem demo` with the same flags
+// creates, and the demo then serves on them.
 func TestMigrateAsDemo(t *testing.T) {
 	t.Parallel()
 	t.Run("postgres", func(t *testing.T) {
 		t.Parallel()
 		migrated, demoed := newPostgresDatabase(t), newPostgresDatabase(t)
-		code, out, stderr := runIdem(t, t.TempDir(), []string{"IDEM_SCHEMA=shop"}, "migrate", "--db", migrated, "--prefix", "p_")
+		code, out, stderr := runIdem(t, t.TempDir(), []string{"IDEM_SCHEMA=shop"}, "migrate", "--db", migrated, "--prefix", "p_", "--with-demo-orders")
 		if code != exitOK || !strings.Contains(out, "table shop.p_orders") {
 			t.Fatalf("migrate: exit %d\n%s%s", code, out, stderr)
 		}
@@ -206,7 +206,7 @@ func TestMigrateAsDemo(t *testing.T) {
 		t.Parallel()
 		dir := t.TempDir()
 		migrated, demoed := filepath.Join(dir, "m.db"), filepath.Join(dir, "d.db")
-		if code, out, stderr := runIdem(t, dir, nil, "migrate", "--db", "sqlite:"+migrated, "--prefix", "demo_"); code != exitOK {
+		if code, out, stderr := runIdem(t, dir, nil, "migrate", "--db", "sqlite:"+migrated, "--prefix", "demo_", "--with-demo-orders"); code != exitOK {
 			t.Fatalf("migrate: exit %d\n%s%s", code, out, stderr)
 		}
 		d := startDemo(t, dir, nil, "--db", "sqlite:"+demoed, "--prefix", "demo_")
