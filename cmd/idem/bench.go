@@ -26,7 +26,7 @@ func init() {
 
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("idem bench", flag.ContinueOnError)
-	stores := fs.String("stores", strings.Join(bench.Stores, ","), "comma-separated stores to benchmark: "+strings.Join(bench.Stores, ", "))
+	stores := fs.String("stores", strings.Join(bench.Stores, ","), "comma-separated stores to benchmark: "+strings.Join(bench.Stores, ", ")+" (or the store packages' names: memstore, sqlitestore, pgstore, mysqlstore, redisstore)")
 	duration := fs.Duration("duration", 3*time.Second, "measured time per cell (store × variant × clients), split over the rounds")
 	rounds := fs.Int("rounds", 3, "interleaved rounds per cell: each round runs every variant once, so drift hits all alike")
 	concurrency := fs.String("concurrency", "1,8,64", "comma-separated numbers of concurrent closed-loop clients")
@@ -111,14 +111,11 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		if s == "" {
 			continue
 		}
-		known := false
-		for _, k := range bench.Stores {
-			known = known || k == s
-		}
+		name, known := benchStoreName(s)
 		if !known {
 			return storeUsageError(stderr, fs, fmt.Sprintf("--stores: unknown store %q; use some of %s", s, strings.Join(bench.Stores, ",")))
 		}
-		cfg.Stores = append(cfg.Stores, s)
+		cfg.Stores = append(cfg.Stores, name)
 	}
 	if len(cfg.Stores) == 0 && !cfg.Fiber && !cfg.Growth {
 		return storeUsageError(stderr, fs, "nothing to run; name at least one store with --stores")
@@ -150,6 +147,28 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return exitFailure
 	}
 	return exitOK
+}
+
+// benchStoreAliases are the other names --stores takes for bench.Stores: the
+// store packages' names (memstore, pgstore, …) and the databases' own.
+var benchStoreAliases = map[string]string{
+	"memstore": "memory", "sqlitestore": "sqlite", "pgstore": "postgres", "postgresql": "postgres",
+	"mysqlstore": "mysql", "mariadb": "mysql", "redisstore": "redis",
+}
+
+// benchStoreName returns the bench.Stores name of s, a name or an alias of one
+// in any letter case, and whether there is one.
+func benchStoreName(s string) (string, bool) {
+	s = strings.ToLower(s)
+	if a, ok := benchStoreAliases[s]; ok {
+		s = a
+	}
+	for _, k := range bench.Stores {
+		if k == s {
+			return s, true
+		}
+	}
+	return "", false
 }
 
 // writeBenchOutputs prints the markdown table and writes results.md,
@@ -223,7 +242,7 @@ The servers are named by URL, in the forms idem demo --db and --keys take; the
 environment variables in brackets set them too (a flag wins).
 
 Example:
-  idem bench --stores memstore,postgres --concurrency 1,8 --duration 2s
+  idem bench --stores memory,postgres --concurrency 1,8 --duration 2s
   idem bench --stores mysql --mysql mysql://root@127.0.0.1:3306/test
 
 Exit codes: 0 done, 1 a cell's counts are inconsistent (a replay that executed, a
