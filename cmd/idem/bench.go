@@ -14,7 +14,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/go-sql-driver/mysql"
 	"github.com/idemkit/idem/internal/bench"
 	"github.com/idemkit/idem/internal/dbopen"
 	"github.com/idemkit/idem/internal/orders"
@@ -53,12 +52,9 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	if len(pos) > 0 {
 		return storeUsageError(stderr, fs, fmt.Sprintf("unexpected argument %q; all options are flags", pos[0]))
 	}
-	myDSN, note, err := benchMySQL(*myURL)
+	myDSN, err := benchMySQL(*myURL)
 	if err != nil {
 		return storeUsageError(stderr, fs, err.Error())
-	}
-	if note != "" {
-		fmt.Fprintf(stderr, "idem bench: %s\n", note)
 	}
 	if _, err := benchURL("--postgres", *pgURL, orders.Postgres, "postgres://USER[:PASS]@HOST:PORT/DB?sslmode=disable"); err != nil {
 		return storeUsageError(stderr, fs, err.Error())
@@ -259,17 +255,11 @@ Flags:
 // so both get them.
 const benchMySQLDefault = "mysql://root@127.0.0.1:3306/test?multiStatements=true&interpolateParams=true"
 
-// benchMySQL turns --mysql into a go-sql-driver DSN. It takes the mysql:// URL
-// of idem demo --db and, for scripts written before, the DSN form
-// (root@tcp(127.0.0.1:3306)/test), with a note saying how to write it now.
-func benchMySQL(raw string) (dsn, note string, err error) {
-	if u, ok := dbopen.MySQLURLFromDSN(raw); ok {
-		if _, err := mysql.ParseDSN(raw); err == nil {
-			return raw, fmt.Sprintf("--mysql: the go-sql-driver DSN form is deprecated; write the URL %s, as idem demo --db takes it", u), nil
-		}
-	}
+// benchMySQL turns --mysql into a go-sql-driver DSN. It takes what idem demo
+// --db takes: the mysql:// URL or the DSN form (root@tcp(127.0.0.1:3306)/test).
+func benchMySQL(raw string) (dsn string, err error) {
 	t, err := benchURL("--mysql", raw, orders.MySQL, "mysql://USER[:PASS]@HOST:PORT/DB, such as mysql://root@127.0.0.1:3306/test")
-	return t.DSN, "", err
+	return t.DSN, err
 }
 
 // benchURL parses the URL of a server flag, which must be of dialect d; use
