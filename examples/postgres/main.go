@@ -80,6 +80,8 @@ func newServer(ctx context.Context, pool *pgxpool.Pool) (http.Handler, error) {
 		w.WriteHeader(http.StatusCreated)
 		fmt.Fprintf(w, `{"id":%d}`, id) // sent only after the commit
 	})
+	mux := http.NewServeMux()
+	mux.Handle("POST /orders", protect(orders))
 	// Expired key records stay in the table until they are deleted: the janitor
 	// sweeps them in bounded batches, in the background, until ctx ends.
 	janitor := &idem.Janitor{Store: store, Interval: janitorEvery, OnSweep: func(_ int, err error) {
@@ -88,7 +90,5 @@ func newServer(ctx context.Context, pool *pgxpool.Pool) (http.Handler, error) {
 		}
 	}}
 	go func() { _ = janitor.Run(ctx) }()
-	mux := http.NewServeMux()
-	mux.Handle("POST /orders", protect(orders))
 	return mux, nil
 }

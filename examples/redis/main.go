@@ -86,6 +86,8 @@ func newServer(ctx context.Context, rdb redis.UniversalClient, prefix string) (h
 		w.WriteHeader(http.StatusCreated)
 		fmt.Fprintf(w, `{"id":%d}`, id) // stored in Redis, then sent
 	})
+	mux := http.NewServeMux()
+	mux.Handle("POST /orders", protect(orders))
 	// The janitor deletes expired key records in bounded batches, in the
 	// background, until ctx ends. Redis expires records by itself, so here it
 	// finds none; it stays so that a switch to a SQL store keeps the sweep.
@@ -95,7 +97,5 @@ func newServer(ctx context.Context, rdb redis.UniversalClient, prefix string) (h
 		}
 	}}
 	go func() { _ = janitor.Run(ctx) }()
-	mux := http.NewServeMux()
-	mux.Handle("POST /orders", protect(orders))
 	return mux, nil
 }
