@@ -21,7 +21,7 @@ import (
 )
 
 // listening is the line every example logs once it accepts connections.
-var listening = regexp.MustCompile(`listening on (http://\S+)`)
+var listening = regexp.MustCompile(`listening on ((?:http|grpc)://\S+)`)
 
 // RunMain builds the example in the working directory (the test's package)
 // and runs it with args, as `go run . ARGS` would, until the test ends. It
@@ -29,12 +29,26 @@ var listening = regexp.MustCompile(`listening on (http://\S+)`)
 // connections.
 func RunMain(t *testing.T, args ...string) string {
 	t.Helper()
-	dir := t.TempDir()
-	bin := filepath.Join(dir, "example")
+	return Start(t, Build(t), args...)
+}
+
+// Build builds the example in the working directory (the test's package) and
+// returns the binary's path.
+func Build(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "example")
 	build := exec.Command("go", "build", "-o", bin, ".")
 	if out, err := build.CombinedOutput(); err != nil {
 		t.Fatalf("go build: %v\n%s", err, out)
 	}
+	return bin
+}
+
+// Start runs bin with args until the test ends, and returns the URL of the
+// "listening on" line it logs once it accepts connections.
+func Start(t *testing.T, bin string, args ...string) string {
+	t.Helper()
+	dir := t.TempDir()
 	ctx, cancel := context.WithCancel(context.Background())
 	cmd := exec.CommandContext(ctx, bin, args...)
 	cmd.Dir = dir
