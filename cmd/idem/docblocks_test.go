@@ -75,9 +75,9 @@ type docBlockPlan struct {
 
 var docBlockPlans = []docBlockPlan{
 	{match: "go run ./cmd/idem demo          # run the reference orders service", skip: "the two commands, run one at a time: the demo in the foreground until Ctrl-C, then the whole test suite"},
-	{match: "# Run this twice: the 2nd answer is the stored 201", demo: []string{},
-		want:      []string{"HTTP/1.1 201 Created", "idempotency_key_reused", "state:       complete"},
-		wantCount: map[string]int{`"cart_id":`: 1 + 1}}, // the 201's body and the one order listed
+	{match: `for i in 1 2; do   # the 2nd answer is the stored 201, with "Idempotent-Replayed: true"`, demo: []string{},
+		want:      []string{"Idempotent-Replayed: true", "idempotency_key_reused", "state:       complete"},
+		wantCount: map[string]int{"HTTP/1.1 201 Created": 2, `"cart_id":`: 2 + 1}}, // the two 201s' bodies and the one order listed
 	{match: "wait            # → 201 and 409 (or a replayed 201)", demo: []string{"--handler-delay", "1s"},
 		want: []string{"201\n"}, wantCount: map[string]int{`{"orders":[{"id":`: 1, `"cart_id":`: 1}},
 	{match: "curl -X POST localhost:8080/orders \\", example: "quickstart", exampleAddr: "127.0.0.1:8080",
