@@ -305,7 +305,20 @@ func inspectOtherScopes(ctx context.Context, w io.Writer, h *dbopen.Handle, scop
 	if more {
 		list += ", …"
 	}
-	fmt.Fprintf(w, "but the key has a record under scope %s: the scope is the tenant the service put the request under (idem demo: the bearer token); run again with --scope %s\n", list, shellQuote(scopes[0]))
+	// A stored scope that is a digest (a scope too long or not printable, or a
+	// message consumer's) cannot be typed back: --scope takes the original.
+	plain := ""
+	for _, s := range scopes {
+		if !strings.HasPrefix(s, "sha256:") {
+			plain = s
+			break
+		}
+	}
+	if plain != "" {
+		fmt.Fprintf(w, "but the key has a record under scope %s (as stored): the scope is the tenant the service put the request under (idem demo: the bearer token); run again with --scope %s\n", list, shellQuote(plain))
+	} else {
+		fmt.Fprintf(w, "but the key has a record under scope %s (as stored): a digest of a scope longer than %d bytes or not printable (or a message consumer's); run again with --scope and the original value\n", list, idem.MaxStoredScopeLength)
+	}
 	if scope == "" {
 		fmt.Fprintln(w, "(no --scope was given: the empty scope is only for services that do not scope their keys)")
 	}

@@ -83,12 +83,22 @@ func TestInspectHintsOtherScopes(t *testing.T) {
 				return code, out + stderr
 			}
 			code, out := inspect("k-shared") // no --scope
-			if code != exitFailure || !strings.Contains(out, `but the key has a record under scope "acme", "globex"`) || !strings.Contains(out, "--scope acme") || !strings.Contains(out, "no --scope was given") {
+			if code != exitFailure || !strings.Contains(out, `but the key has a record under scope "acme", "globex" (as stored)`) || !strings.Contains(out, "--scope acme") || !strings.Contains(out, "no --scope was given") {
 				t.Errorf("inspect without --scope: exit %d; want 1 and the scopes acme and globex named:\n%s", code, out)
 			}
 			code, out = inspect("--scope", "umbrella", "k-other")
 			if code != exitFailure || !strings.Contains(out, `under scope "acme"`) || strings.Contains(out, "no --scope was given") {
 				t.Errorf("inspect --scope umbrella: exit %d; want 1 and the scope acme named:\n%s", code, out)
+			}
+			// A scope kept as a digest is named as stored, with what to type instead.
+			long := strings.Repeat("tenant-", 30)
+			claimIn(t, s, idem.StoredScope(long), "k-long", true)
+			code, out = inspect("k-long")
+			if code != exitFailure || !strings.Contains(out, `under scope "`+idem.StoredScope(long)+`" (as stored): a digest`) || !strings.Contains(out, "the original value") {
+				t.Errorf("inspect of a key under a digested scope: exit %d\n%s", code, out)
+			}
+			if code, out = inspect("--scope", long, "k-long"); code != exitOK {
+				t.Errorf("inspect --scope <the long scope>: exit %d\n%s", code, out)
 			}
 			for _, k := range []string{"k-nowhere", "k-expired"} {
 				if code, out = inspect("--scope", "acme", k); code != exitFailure || strings.Contains(out, "under scope") {
