@@ -71,7 +71,8 @@ func storeNameFlags(fs *flag.FlagSet) (prefix, schema *string) {
 // storeFailure reports err of a store command that opened h, adding the advice
 // to migrate unless the error already gives it.
 func storeFailure(stderr io.Writer, name string, err error, h *dbopen.Handle) {
-	fmt.Fprintf(stderr, "%s: %v\n", name, err)
+	// The library's errors start with "idem: "; after "idem gc: " it is noise.
+	fmt.Fprintf(stderr, "%s: %s\n", name, strings.TrimPrefix(err.Error(), "idem: "))
 	if h != nil && h.Redis == nil && !strings.Contains(err.Error(), "idem migrate") {
 		fmt.Fprintf(stderr, "%s: if the table does not exist, run `idem migrate` with the same --db (and --prefix, --schema, --table) first\n", name)
 	}
