@@ -7,11 +7,13 @@ require (
 	github.com/gin-gonic/gin v1.12.0
 	github.com/go-chi/chi/v5 v5.5.0
 	github.com/go-sql-driver/mysql v1.10.1
+	github.com/google/uuid v1.6.0
 	github.com/gorilla/mux v1.8.1
 	github.com/idemkit/idem v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/client v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/consumer v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/consumer/natsjs v0.0.0-00010101000000-000000000000
+	github.com/idemkit/idem/idemgrpc v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/internal/checker v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/mysqlstore v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/pgstore v0.0.0-00010101000000-000000000000
@@ -21,6 +23,7 @@ require (
 	github.com/labstack/echo/v4 v4.16.0
 	github.com/nats-io/nats.go v1.55.0
 	github.com/redis/go-redis/v9 v9.23.0
+	google.golang.org/grpc v1.85.0
 	google.golang.org/protobuf v1.36.12
 )
 
@@ -39,7 +42,6 @@ require (
 	github.com/go-playground/validator/v10 v10.30.1 // indirect
 	github.com/goccy/go-json v0.10.5 // indirect
 	github.com/goccy/go-yaml v1.19.2 // indirect
-	github.com/google/uuid v1.6.0 // indirect
 	github.com/jackc/pgpassfile v1.0.0 // indirect
 	github.com/jackc/pgservicefile v0.0.0-20240606120523-5a60cdf6a761 // indirect
 	github.com/jackc/puddle/v2 v2.2.3 // indirect
@@ -67,10 +69,11 @@ require (
 	go.uber.org/atomic v1.12.0 // indirect
 	golang.org/x/arch v0.22.0 // indirect
 	golang.org/x/crypto v0.57.0 // indirect
-	golang.org/x/net v0.58.0 // indirect
+	golang.org/x/net v0.60.0 // indirect
 	golang.org/x/sync v0.24.0 // indirect
 	golang.org/x/sys v0.49.0 // indirect
 	golang.org/x/text v0.42.0 // indirect
+	google.golang.org/genproto/googleapis/rpc v0.0.0-20260817212433-ac3dfec99bb1 // indirect
 	modernc.org/libc v1.80.1 // indirect
 	modernc.org/mathutil v1.7.1 // indirect
 	modernc.org/memory v1.12.1 // indirect
@@ -98,3 +101,5 @@ replace github.com/idemkit/idem/consumer/internal/prooftest => ../consumer/inter
 replace github.com/idemkit/idem/consumer/natsjs => ../consumer/natsjs
 
 replace github.com/idemkit/idem/internal/checker => ../internal/checker
+
+replace github.com/idemkit/idem/idemgrpc => ../idemgrpc
