@@ -29,6 +29,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -54,7 +55,10 @@ const (
 	// is: "N bytes; stream S sequence Q".
 	HeaderDeadTruncated = "Idem-Dead-Truncated"
 	// HeaderDeadMsgID holds the message ID (the copy leaves Nats-Msg-Id out, so
-	// that the dead-letter stream's duplicate window keeps every copy). A copy
+	// that the dead-letter stream's duplicate window keeps every copy, and the
+	// other Nats-* headers, instructions to the stream the original was
+	// published to: Nats-Expected-Stream would make the dead-letter stream
+	// refuse the copy, Nats-Rollup purge it). A copy
 	// republished as it is is processed under this ID.
 	HeaderDeadMsgID = "Idem-Dead-Msg-Id"
 )
@@ -65,7 +69,8 @@ type Config struct {
 	// (which JetStream also uses for its own duplicate window).
 	KeyHeader string
 	// DeadLetterSubject, when set, receives a copy of every dead-lettered message
-	// (payload and headers, plus the Idem-Dead-* headers) before it is
+	// (payload and headers but JetStream's own, Nats-*, plus the Idem-Dead-*
+	// headers) before it is
 	// terminated; when the payload leaves no room for those headers under the
 	// server's max_payload, the copy leaves the payload out and says so in
 	// Idem-Dead-Truncated. Make a stream capture it. Requires JetStream.
@@ -236,8 +241,12 @@ func deadLetter(ctx context.Context, cfg *Config, msg jetstream.Msg, m *consumer
 	dl := nats.NewMsg(cfg.DeadLetterSubject)
 	dl.Data = msg.Data()
 	for k, v := range msg.Headers() {
-		if k == jetstream.MsgIDHeader {
-			continue // not deduplicated away by the dead-letter stream's window
+		if jetStreamHeader(k) {
+			// JetStream's own headers are instructions to the stream they are
+			// published to: Nats-Msg-Id would let the dead-letter stream's window
+			// drop a copy, Nats-Expected-Stream / -Last-Sequence would make it
+			// refuse every copy, Nats-Rollup would purge it, Nats-TTL expire it.
+			continue
 		}
 		dl.Header[k] = v
 	}
@@ -272,6 +281,12 @@ func deadLetter(ctx context.Context, cfg *Config, msg jetstream.Msg, m *consumer
 		return fmt.Errorf("natsjs: publish to dead-letter subject %s: %w", cfg.DeadLetterSubject, err)
 	}
 	return nil
+}
+
+// jetStreamHeader reports whether a header is one of JetStream's own
+// (Nats-Msg-Id, Nats-Expected-*, Nats-Rollup, Nats-TTL, …).
+func jetStreamHeader(k string) bool {
+	return len(k) >= 5 && strings.EqualFold(k[:5], "Nats-")
 }
 
 // tooLarge reports whether err refuses a message for its size: the server's

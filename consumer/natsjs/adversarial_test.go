@@ -1,0 +1,98 @@
+package natsjs_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/consumer/natsjs"
+	"github.com/idemkit/idem/memstore"
+)
+
+// deadLetterOne publishes one message with the given headers, dead-letters it
+// with handler error herr and returns the copy on the dead-letter subject.
+func deadLetterOne(t *testing.T, hdrOf func(b *broker) nats.Header, herr error) (*jetstream.RawStreamMsg, error) {
+	t.Helper()
+	ctx := context.Background()
+	b := newBroker(t)
+	dlStream := b.stream + "_DEAD"
+	if _, err := b.js.CreateStream(ctx, jetstream.StreamConfig{Name: dlStream, Subjects: []string{b.subj + "dead"}, Storage: jetstream.MemoryStorage, AllowRollup: true}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = b.js.DeleteStream(context.Background(), dlStream) })
+	cons := b.consumer(t, "dlh", 30*time.Second)
+	s := memstore.New(nil)
+	t.Cleanup(func() { s.Close() })
+	p, _ := consumer.New(s, consumer.Config{Name: "dlh"})
+	m := nats.NewMsg(b.subj + ".orders")
+	for k, v := range hdrOf(b) {
+		m.Header[k] = v
+	}
+	m.Data = []byte(`{"order":1}`)
+	if _, err := b.js.PublishMsg(ctx, m); err != nil {
+		t.Fatal(err)
+	}
+	cfg := &natsjs.Config{JetStream: b.js, DeadLetterSubject: b.subj + "dead", DeadLetterRetries: 1}
+	batch, err := cons.Fetch(1, jetstream.FetchMaxWait(10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var herrOut error
+	for msg := range batch.Messages() {
+		out, err := natsjs.Handle(ctx, p, msg, func(context.Context, *consumer.Message) ([]byte, error) {
+			return nil, consumer.Permanent(herr)
+		}, cfg)
+		if out.Action != consumer.DeadLetter {
+			t.Fatalf("Handle = %+v; want dead-letter", out)
+		}
+		herrOut = err
+	}
+	ds, _ := b.js.Stream(ctx, dlStream)
+	raw, err := ds.GetLastMsgForSubject(ctx, b.subj+"dead")
+	if err != nil {
+		return nil, errors.Join(err, herrOut)
+	}
+	return raw, herrOut
+}
+
+// A message published with JetStream's own headers for its stream (an
+// expected stream, an expected last sequence) is dead-lettered into the
+// dead-letter stream: the copy must not carry them, or that stream refuses
+// it (or, Nats-Rollup, purges what it holds).
+func TestDeadLetterDropsJetStreamControlHeaders(t *testing.T) {
+	raw, err := deadLetterOne(t, func(b *broker) nats.Header {
+		hdr := nats.Header{}
+		hdr.Set(jetstream.MsgIDHeader, "ctl-1")
+		hdr.Set("Nats-Expected-Stream", b.stream)
+		return hdr
+	}, errors.New("bad order"))
+	if err != nil {
+		t.Fatalf("the dead-letter copy was refused: %v", err)
+	}
+	if raw.Header.Get(natsjs.HeaderDeadMsgID) != "ctl-1" || raw.Header.Get("Nats-Expected-Stream") != "" {
+		t.Fatalf("copy headers %v", raw.Header)
+	}
+}
+
+// A handler error of several lines (errors.Join, a database's DETAIL line)
+// goes into Idem-Dead-Error without breaking the copy's headers.
+func TestDeadLetterErrorOfSeveralLines(t *testing.T) {
+	raw, err := deadLetterOne(t, func(*broker) nats.Header {
+		hdr := nats.Header{}
+		hdr.Set(jetstream.MsgIDHeader, "nl-1")
+		hdr.Set("Tenant", "t1")
+		return hdr
+	}, errors.New("line one\r\nFake-Header: injected\nline three"))
+	if err != nil {
+		t.Fatalf("the dead-letter copy was refused: %v", err)
+	}
+	t.Logf("%q", raw.Header)
+	if raw.Header.Get("Fake-Header") != "" || raw.Header.Get("Tenant") != "t1" || raw.Header.Get(natsjs.HeaderDeadMsgID) != "nl-1" {
+		t.Fatalf("copy headers %q", raw.Header)
+	}
+}
