@@ -137,7 +137,8 @@ const (
 	// Mismatch: the ID was first processed with a different payload; the handler
 	// did not run (DeadLetter).
 	Mismatch
-	// InvalidID: the message has no usable ID (DeadLetter).
+	// InvalidID: the message has no usable ID, or Config.Scope panicked on it
+	// (DeadLetter).
 	InvalidID
 	// StoreFailed: the store failed (Retry after Backoff; not a failed delivery).
 	// Outcome.Err says which of three cases it was: nothing was committed (the
@@ -192,7 +193,10 @@ type Config struct {
 	// token, a routing key): messages of different tenants dedupe
 	// independently, so that two tenants' message "o-1" are two messages. The
 	// tenant is part of the record's scope and of its fingerprint. List the
-	// headers it reads in FingerprintHeaders. Default: one scope per consumer.
+	// headers it reads in FingerprintHeaders. "" is the consumer's own scope,
+	// the one without Scope. A message it panics on is dead-lettered unrun
+	// (InvalidID), not a crash of the consumer. Default: one scope per
+	// consumer.
 	Scope func(msg *Message) string
 	// FingerprintHeaders names the headers that are part of the fingerprint,
 	// besides the payload: the ones Scope and the handler read (a tenant
@@ -202,8 +206,11 @@ type Config struct {
 	// LegacyScope, when true, also honours records written by versions before
 	// the consumers' namespace (scope = the bare Name, shared with HTTP): a
 	// message that has no record in the namespace but a complete one there,
-	// with the same payload fingerprint, is acked as a duplicate without
-	// running; one in flight there is retried. It costs one read per message:
+	// with the same payload fingerprint (the payload's hash, as earlier
+	// versions had it, whatever FingerprintHeaders says), is acked as a
+	// duplicate without running; one in flight there is retried. Only messages
+	// whose tenant is "" are looked up: a tenant's message never takes
+	// another's old record for its own. It costs one read per message:
 	// turn it on for one TTL after upgrading, then off. Default false.
 	LegacyScope bool
 	// Lease is how long a claim holds the key before another delivery may take it
@@ -444,17 +451,29 @@ func (p *Processor) fingerprint(msg *Message, tenant string) string {
 	return "m2:" + hex.EncodeToString(h.Sum(nil))
 }
 
-// headerValues reads a header by its exact name, else case-insensitively.
+// headerValues reads a header by its exact name, else case-insensitively:
+// the values of every header whose name matches, in the order of the names
+// (never the map's order, which would change the fingerprint between two
+// deliveries of one message).
 func headerValues(h map[string][]string, name string) []string {
 	if vs, ok := h[name]; ok {
 		return vs
 	}
-	for k, vs := range h {
+	var keys []string
+	for k := range h {
 		if strings.EqualFold(k, name) {
-			return vs
+			keys = append(keys, k)
 		}
 	}
-	return nil
+	if len(keys) == 1 {
+		return h[keys[0]]
+	}
+	sort.Strings(keys)
+	var vs []string
+	for _, k := range keys {
+		vs = append(vs, h[k]...)
+	}
+	return vs
 }
 
 func newToken() string {
@@ -495,9 +514,9 @@ func (p *Processor) process(ctx context.Context, msg *Message, h Handler) Outcom
 	if !ok {
 		return Outcome{Action: DeadLetter, Reason: InvalidID, Err: fmt.Errorf("consumer %s: the message has no usable ID (%s); producers must give every message an ID of 1 to 255 visible ASCII characters (a UUID, \"order-42\") in Nats-Msg-Id, AMQP message_id or the key header, and keep it across retries", p.cfg.Name, describeID(msg.ID))}
 	}
-	var tenant string
-	if p.cfg.Scope != nil {
-		tenant = p.cfg.Scope(msg)
+	tenant, err := p.tenantOf(msg)
+	if err != nil {
+		return Outcome{Action: DeadLetter, Reason: InvalidID, Err: err}
 	}
 	r := run{scope: p.scope, key: key, token: newToken(), tenant: tenant}
 	if tenant != "" {
@@ -534,7 +553,7 @@ func (p *Processor) process(ctx context.Context, msg *Message, h Handler) Outcom
 	r.attempt = max(delivery, n+1)
 	msg.Delivery = r.attempt
 	if p.cfg.LegacyScope {
-		if out, done := p.legacy(ctx, r, claim); done {
+		if out, done := p.legacy(ctx, msg, r, claim); done {
 			return out
 		}
 	}
@@ -545,6 +564,20 @@ func (p *Processor) process(ctx context.Context, msg *Message, h Handler) Outcom
 		return Outcome{Action: DeadLetter, Reason: Poison, Err: errors.Join(fmt.Errorf("consumer %s: message %q came for attempt %d, past MaxDeliveries (%d), without being processed (earlier attempts failed or crashed their consumer); the handler did not run", p.cfg.Name, msg.ID, r.attempt, p.cfg.MaxDeliveries), err)}
 	}
 	return p.execute(ctx, msg, r, h)
+}
+
+// tenantOf runs Config.Scope. A panic in the hook is an error, not the
+// consumer's crash: a redelivery would crash every process it reaches, forever.
+func (p *Processor) tenantOf(msg *Message) (tenant string, err error) {
+	if p.cfg.Scope == nil {
+		return "", nil
+	}
+	defer func() {
+		if v := recover(); v != nil {
+			err = fmt.Errorf("consumer %s: Config.Scope panicked on message %q, so it has no tenant to be deduplicated under; the handler did not run (make the hook return a tenant, or \"\" for none, for every message): %v", p.cfg.Name, msg.ID, v)
+		}
+	}()
+	return p.cfg.Scope(msg), nil
 }
 
 func describeID(id string) string {
@@ -577,7 +610,7 @@ func (p *Processor) notClaimed(msg *Message, key string, rec *idem.Record, claim
 
 // legacy looks the message up under the scope of versions before the
 // consumers' namespace (Config.LegacyScope).
-func (p *Processor) legacy(ctx context.Context, r run, claim idem.ClaimRequest) (Outcome, bool) {
+func (p *Processor) legacy(ctx context.Context, msg *Message, r run, claim idem.ClaimRequest) (Outcome, bool) {
 	if r.tenant != "" {
 		return Outcome{}, false // earlier versions had no tenants
 	}
@@ -587,9 +620,10 @@ func (p *Processor) legacy(ctx context.Context, r run, claim idem.ClaimRequest) 
 		return Outcome{}, false
 	case err != nil:
 		return p.storeFailed(r.attempt, errors.Join(fmt.Errorf("read the legacy record: %w", err), p.release(ctx, r))), true
-	case rec.Fingerprint != claim.Fingerprint:
+	case rec.Fingerprint != Fingerprint(msg.Payload):
 		// Not this message's record: an HTTP request's (its fingerprint is "v1:…"),
-		// or another payload. The namespace decides.
+		// or another payload. The namespace decides. (Earlier versions
+		// fingerprinted the payload only, whatever FingerprintHeaders says now.)
 		return Outcome{}, false
 	case rec.State == idem.StateComplete:
 		var result []byte
@@ -691,10 +725,11 @@ func (p *Processor) DeadLettered(ctx context.Context, msg *Message, out Outcome)
 	if !ok {
 		return nil
 	}
-	r := run{key: key}
-	if p.cfg.Scope != nil {
-		r.tenant = p.cfg.Scope(msg)
+	tenant, err := p.tenantOf(msg)
+	if err != nil {
+		return nil // no attempt was marked under a tenant the hook cannot name
 	}
+	r := run{key: key, tenant: tenant}
 	cctx, cancel := p.cleanup(ctx)
 	defer cancel()
 	scope := p.markerScope(r)

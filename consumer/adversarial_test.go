@@ -1,0 +1,116 @@
+package consumer_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/sqlitestore"
+)
+
+// A Config.Scope hook that panics on a message does not take the consumer
+// down with it (every redelivery would crash the next process, forever): the
+// message is dead-lettered unrun, saying why, and the next one is processed.
+func TestScopeHookPanics(t *testing.T) {
+	p, _, db := newSQLite(t, consumer.Config{Scope: func(m *consumer.Message) string {
+		t := m.Header["Tenant"]
+		return t[0] // panics without the header
+	}, FingerprintHeaders: []string{"Tenant"}})
+	ctx := context.Background()
+	runs := 0
+	h := func(ctx context.Context, m *consumer.Message) ([]byte, error) {
+		runs++
+		_, err := sqlitestore.Tx(ctx).ExecContext(ctx, `INSERT INTO orders VALUES (?)`, m.ID)
+		return nil, err
+	}
+	var out consumer.Outcome
+	func() {
+		defer func() {
+			if v := recover(); v != nil {
+				t.Fatalf("Process panicked with the Scope hook: %v", v)
+			}
+		}()
+		msg := &consumer.Message{ID: "o-1", Payload: []byte("{}"), Delivery: 1}
+		out = p.Process(ctx, msg, h)
+		if err := p.DeadLettered(ctx, msg, out); err != nil {
+			t.Fatalf("DeadLettered: %v", err)
+		}
+	}()
+	if out.Action != consumer.DeadLetter || runs != 0 || out.Err == nil || !strings.Contains(out.Err.Error(), "Config.Scope") {
+		t.Fatalf("message the Scope hook panics on: %+v, %d runs; want it dead-lettered unrun, the error naming Config.Scope", out, runs)
+	}
+	if out := p.Process(ctx, &consumer.Message{ID: "o-2", Payload: []byte("{}"), Delivery: 1, Header: map[string][]string{"Tenant": {"t1"}}}, h); out.Reason != consumer.Executed {
+		t.Fatalf("next message: %+v", out)
+	}
+	var n int
+	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM orders`).Scan(&n); err != nil || n != 1 {
+		t.Fatalf("%d rows (%v); want 1", n, err)
+	}
+}
+
+// A fingerprinted header whose name matches several headers only
+// case-insensitively (Tenant and tenant, FingerprintHeaders {"TENANT"}) gives
+// one fingerprint every time: a redelivery is a duplicate, never a mismatch
+// picked by map order.
+func TestFingerprintHeaderCaseVariants(t *testing.T) {
+	p, _, _ := newSQLite(t, consumer.Config{FingerprintHeaders: []string{"TENANT"}})
+	ctx := context.Background()
+	h := func(context.Context, *consumer.Message) ([]byte, error) { return nil, nil }
+	hdr := func() map[string][]string {
+		return map[string][]string{"Tenant": {"a"}, "tenant": {"b"}, "TeNaNt": {"c"}, "Other": {"x"}}
+	}
+	if out := p.Process(ctx, &consumer.Message{ID: "m", Payload: []byte("p"), Delivery: 1, Header: hdr()}, h); out.Reason != consumer.Executed {
+		t.Fatalf("first: %+v", out)
+	}
+	for i := 0; i < 30; i++ {
+		if out := p.Process(ctx, &consumer.Message{ID: "m", Payload: []byte("p"), Delivery: 2, Header: hdr()}, h); out.Reason != consumer.Duplicate {
+			t.Fatalf("redelivery %d: %+v; want a duplicate", i+1, out)
+		}
+	}
+	// And what they hold still counts: another value is a mismatch.
+	other := hdr()
+	other["tenant"] = []string{"z"}
+	if out := p.Process(ctx, &consumer.Message{ID: "m", Payload: []byte("p"), Delivery: 2, Header: other}, h); out.Reason != consumer.Mismatch {
+		t.Fatalf("other value: %+v; want a mismatch", out)
+	}
+}
+
+// LegacyScope honours the records of earlier versions also when the
+// Processor now fingerprints headers or names tenants: earlier versions
+// fingerprinted the payload only ("m1:"), so that is what the legacy record
+// is compared with.
+func TestLegacyScopeWithFingerprintHeaders(t *testing.T) {
+	_, s := sqliteOrders(t)
+	ctx := context.Background()
+	now := time.Now()
+	tok := "legacy-token-xxxxxxxxxxxxxx"
+	if _, ok, err := s.Claim(ctx, idem.ClaimRequest{Scope: "orders", Key: "m1", Fingerprint: consumer.Fingerprint([]byte("x")), Token: tok, Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)}); err != nil || !ok {
+		t.Fatal(ok, err)
+	}
+	if err := s.Complete(ctx, "orders", "m1", tok, &idem.Response{Status: 200, Body: []byte("old")}, now, now.Add(time.Hour)); err != nil {
+		t.Fatal(err)
+	}
+	runs := 0
+	h := func(context.Context, *consumer.Message) ([]byte, error) { runs++; return nil, nil }
+	p, err := consumer.New(s, consumer.Config{Name: "orders", LegacyScope: true, FingerprintHeaders: []string{"Source"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := &consumer.Message{ID: "m1", Payload: []byte("x"), Delivery: 2, Header: map[string][]string{"Source": {"web"}}}
+	if out := p.Process(ctx, msg, h); out.Reason != consumer.Duplicate || string(out.Result) != "old" || runs != 0 {
+		t.Fatalf("message processed before the upgrade, FingerprintHeaders now set: %+v, %d runs; want a duplicate of the old record", out, runs)
+	}
+	// Copied forward under the new fingerprint: the next redelivery is a
+	// duplicate in the namespace, another header value a mismatch.
+	if out := p.Process(ctx, msg, h); out.Reason != consumer.Duplicate || runs != 0 {
+		t.Fatalf("again: %+v", out)
+	}
+	if out := p.Process(ctx, &consumer.Message{ID: "m1", Payload: []byte("y"), Delivery: 2}, h); out.Reason != consumer.Mismatch {
+		t.Fatalf("another payload: %+v; want a mismatch", out)
+	}
+	_ = errors.New
+}
