@@ -9,6 +9,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/consumer/natsjs"
 	"github.com/idemkit/idem/memstore"
@@ -94,5 +95,67 @@ func TestDeadLetterErrorOfSeveralLines(t *testing.T) {
 	t.Logf("%q", raw.Header)
 	if raw.Header.Get("Fake-Header") != "" || raw.Header.Get("Tenant") != "t1" || raw.Header.Get(natsjs.HeaderDeadMsgID) != "nl-1" {
 		t.Fatalf("copy headers %q", raw.Header)
+	}
+}
+
+// hangingStore never answers a claim: a store behind a network that drops
+// packets, where no call fails, it just does not return.
+type hangingStore struct {
+	idem.Store
+	gone chan struct{}
+}
+
+func (s *hangingStore) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record, bool, error) {
+	select {
+	case <-ctx.Done():
+		return nil, false, ctx.Err()
+	case <-s.gone:
+		return nil, false, errors.New("test over")
+	}
+}
+
+// MaxWait bounds a delivery also when the store does not answer at all: the
+// message is naked for redelivery (to an instance whose store answers)
+// instead of being reported in progress forever, holding up every message
+// behind it in the serial Consume callback.
+func TestMaxWaitBoundsAStoreThatDoesNotAnswer(t *testing.T) {
+	ctx := context.Background()
+	b := newBroker(t)
+	cons := b.consumer(t, "hang", 30*time.Second)
+	s := &hangingStore{Store: memstore.New(nil), gone: make(chan struct{})}
+	defer close(s.gone)
+	p, _ := consumer.New(s, consumer.Config{Name: "hang"})
+	b.publish(t, jetstream.MsgIDHeader, []string{"h-1"}, payload)
+	batch, err := cons.Fetch(1, jetstream.FetchMaxWait(10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for msg := range batch.Messages() {
+		done := make(chan consumer.Outcome, 1)
+		go func() {
+			out, _ := natsjs.Handle(ctx, p, msg, func(context.Context, *consumer.Message) ([]byte, error) { return nil, nil }, &natsjs.Config{MaxWait: 200 * time.Millisecond, AckWait: 3 * time.Second})
+			done <- out
+		}()
+		select {
+		case out := <-done:
+			if out.Action != consumer.Retry || out.Reason != consumer.StoreFailed {
+				t.Fatalf("Handle = %+v; want a retry after a store failure", out)
+			}
+		case <-time.After(15 * time.Second):
+			t.Fatal("Handle still waits for a store that does not answer, 15 s past a MaxWait of 200 ms")
+		}
+	}
+	// Naked: JetStream redelivers it.
+	batch, err = cons.Fetch(1, jetstream.FetchMaxWait(10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for msg := range batch.Messages() {
+		n++
+		_ = msg.Term()
+	}
+	if n != 1 {
+		t.Fatal("the message was not redelivered after the nak")
 	}
 }

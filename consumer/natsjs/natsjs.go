@@ -85,7 +85,8 @@ type Config struct {
 	AckWait time.Duration
 	// MaxWait bounds how long one delivery waits in process, reporting
 	// progress, for the store to answer again (StoreFailed) before it is naked
-	// for redelivery. Neither spends one of MaxDeliveries: the Processor counts
+	// for redelivery; it also bounds a store call before the handler that does
+	// not answer at all (not the handler, nor the commit after it). Neither spends one of MaxDeliveries: the Processor counts
 	// attempts in the store, not JetStream's NumDelivered. Default 2 min (a
 	// database failover takes ~30 s); a negative value naks at once.
 	MaxWait time.Duration
@@ -163,8 +164,18 @@ func Handle(ctx context.Context, p *consumer.Processor, msg jetstream.Msg, h con
 	stop := heartbeat(msg, ackWait/3)
 	defer stop()
 	m := Message(msg, cfg.KeyHeader)
-	out := p.Process(ctx, m, h)
 	deadline := time.Now().Add(maxWait)
+	// The store calls before the handler (claim, attempt count) are bounded
+	// by MaxWait too: a store that does not answer at all (a network that
+	// drops packets) must not keep the message in progress forever. A running
+	// handler and the commit after it are not cut short by this deadline.
+	pctx := ctx
+	if maxWait > 0 {
+		var cancel context.CancelFunc
+		pctx, cancel = context.WithDeadline(ctx, deadline)
+		defer cancel()
+	}
+	out := p.Process(pctx, m, h)
 	for out.Action == consumer.Retry && out.Reason == consumer.StoreFailed {
 		// Not a failed delivery: wait in process, reporting progress, rather
 		// than nak and come back through JetStream's redelivery. (A message in
@@ -179,7 +190,7 @@ func Handle(ctx context.Context, p *consumer.Processor, msg jetstream.Msg, h con
 			return out, msg.NakWithDelay(out.Delay)
 		case <-time.After(wait):
 		}
-		out = p.Process(ctx, m, h)
+		out = p.Process(pctx, m, h)
 	}
 	stop() // no progress report after the settlement below
 	switch out.Action {
