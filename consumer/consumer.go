@@ -512,7 +512,7 @@ func (p *Processor) process(ctx context.Context, msg *Message, h Handler) Outcom
 	}
 	key, ok := Key(msg.ID)
 	if !ok {
-		return Outcome{Action: DeadLetter, Reason: InvalidID, Err: fmt.Errorf("consumer %s: the message has no usable ID (%s); producers must give every message an ID of 1 to 255 visible ASCII characters (a UUID, \"order-42\") in Nats-Msg-Id, AMQP message_id or the key header, and keep it across retries", p.cfg.Name, describeID(msg.ID))}
+		return Outcome{Action: DeadLetter, Reason: InvalidID, Err: fmt.Errorf("consumer %s: the message has no usable ID (%s); producers must give every message an ID of visible ASCII characters, without spaces (a UUID, \"order-42\"; one longer than 255 bytes is keyed by its digest), in Nats-Msg-Id, AMQP message_id or the key header, and keep it across retries", p.cfg.Name, describeID(msg.ID))}
 	}
 	tenant, err := p.tenantOf(msg)
 	if err != nil {

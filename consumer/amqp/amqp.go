@@ -19,7 +19,8 @@
 //   - q.dead, the dead letters.
 //
 // The key is the message_id property (Config.KeyHeader names a header
-// instead; a numeric or byte-string header value counts as its text).
+// instead; a numeric — integer, float, decimal — or byte-string header value
+// counts as its text).
 // Outcomes map to RabbitMQ as follows: Ack → Ack; Retry → a copy is published
 // to the delay bucket with the retry count in the x-idem-retries header,
 // confirmed, and the delivery is then acknowledged (a copy lost to a crash in
@@ -188,7 +189,8 @@ func retriesOf(d *amqp091.Delivery) int {
 }
 
 // headerString is the text of a header value: a string, a byte string or a
-// number; "" for anything else.
+// number (an integer, a float in its shortest form, a decimal); "" for
+// anything else.
 func headerString(v any) string {
 	switch v := v.(type) {
 	case string:
@@ -197,8 +199,33 @@ func headerString(v any) string {
 		return string(v)
 	case int, int8, int16, int32, int64, uint8, uint16, uint32, uint64:
 		return fmt.Sprint(v)
+	case float32:
+		return strconv.FormatFloat(float64(v), 'g', -1, 32)
+	case float64:
+		return strconv.FormatFloat(v, 'g', -1, 64)
+	case amqp091.Decimal:
+		return decimalString(v)
 	}
 	return ""
+}
+
+// decimalString writes Value × 10^-Scale in decimal notation ("123.45").
+func decimalString(d amqp091.Decimal) string {
+	neg := d.Value < 0
+	digits := strconv.FormatInt(int64(d.Value), 10)
+	if neg {
+		digits = digits[1:]
+	}
+	if sc := int(d.Scale); sc > 0 {
+		for len(digits) <= sc {
+			digits = "0" + digits
+		}
+		digits = digits[:len(digits)-sc] + "." + digits[len(digits)-sc:]
+	}
+	if neg {
+		return "-" + digits
+	}
+	return digits
 }
 
 func headerInt(h amqp091.Table, name string) int {
