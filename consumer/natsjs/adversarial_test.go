@@ -3,6 +3,7 @@ package natsjs_test
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -157,5 +158,41 @@ func TestMaxWaitBoundsAStoreThatDoesNotAnswer(t *testing.T) {
 	}
 	if n != 1 {
 		t.Fatal("the message was not redelivered after the nak")
+	}
+}
+
+// failingStore refuses every claim at once and counts them.
+type failingStore struct {
+	idem.Store
+	claims atomic.Int32
+}
+
+func (s *failingStore) Claim(context.Context, idem.ClaimRequest) (*idem.Record, bool, error) {
+	s.claims.Add(1)
+	return nil, false, errors.New("connection refused")
+}
+
+// A Backoff of 0 ("retry at once") does not make the in-process wait for a
+// store that is down a busy loop hammering the store.
+func TestOutageWaitDoesNotSpinWithZeroBackoff(t *testing.T) {
+	ctx := context.Background()
+	b := newBroker(t)
+	cons := b.consumer(t, "spin", 30*time.Second)
+	s := &failingStore{Store: memstore.New(nil)}
+	p, _ := consumer.New(s, consumer.Config{Name: "spin", Backoff: func(int) time.Duration { return 0 }})
+	b.publish(t, jetstream.MsgIDHeader, []string{"s-1"}, payload)
+	batch, err := cons.Fetch(1, jetstream.FetchMaxWait(10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for msg := range batch.Messages() {
+		out, _ := natsjs.Handle(ctx, p, msg, func(context.Context, *consumer.Message) ([]byte, error) { return nil, nil }, &natsjs.Config{MaxWait: 300 * time.Millisecond})
+		if out.Reason != consumer.StoreFailed {
+			t.Fatalf("Handle = %+v", out)
+		}
+	}
+	// 300 ms at one claim per 10 ms at most is 31 claims.
+	if n := s.claims.Load(); n > 40 {
+		t.Fatalf("%d claims in a MaxWait of 300 ms: the wait spins against the store", n)
 	}
 }

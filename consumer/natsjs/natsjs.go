@@ -181,7 +181,9 @@ func Handle(ctx context.Context, p *consumer.Processor, msg jetstream.Msg, h con
 		// than nak and come back through JetStream's redelivery. (A message in
 		// flight elsewhere is naked at once: waiting for it here would hold up
 		// every message behind it.)
-		wait := min(out.Delay, 5*time.Second)
+		// At least 10 ms: a Backoff of 0 ("retry at once") must not make
+		// this loop spin against a store that is down.
+		wait := min(max(out.Delay, 10*time.Millisecond), 5*time.Second)
 		if time.Now().Add(wait).After(deadline) {
 			break
 		}
