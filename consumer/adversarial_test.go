@@ -114,3 +114,29 @@ func TestLegacyScopeWithFingerprintHeaders(t *testing.T) {
 	}
 	_ = errors.New
 }
+
+// Attempt markers of a message whose ID is close to 255 bytes fit the
+// store's key column at every attempt number: on MariaDB (VARBINARY(255),
+// checked by mysqlstore) marker 1000 of a 251-byte ID was 256 bytes and
+// refused, so a Permanent failure with MaxDeliveries 1000 could not mark its
+// attempts used up.
+func TestAttemptMarkersFitTheKeyColumn(t *testing.T) {
+	s := newMySQL(t)
+	p, err := consumer.New(s, consumer.Config{Name: "long-ids", MaxDeliveries: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	id := strings.Repeat("k", 251)
+	out := p.Process(ctx, &consumer.Message{ID: id, Payload: []byte("p"), Delivery: 1}, func(context.Context, *consumer.Message) ([]byte, error) {
+		return nil, consumer.Permanent(errors.New("bad"))
+	})
+	if out.Reason != consumer.Poison || strings.Contains(out.Err.Error(), "mark the attempt") {
+		t.Fatalf("%+v; want it dead-lettered with its attempts marked", out)
+	}
+	// Until DeadLettered, a redelivery finds the attempts used up.
+	runs := 0
+	if out := p.Process(ctx, &consumer.Message{ID: id, Payload: []byte("p")}, func(context.Context, *consumer.Message) ([]byte, error) { runs++; return nil, nil }); out.Reason != consumer.Poison || runs != 0 {
+		t.Fatalf("redelivery: %+v, %d runs; want it dead-lettered again unrun", out, runs)
+	}
+}

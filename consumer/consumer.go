@@ -652,11 +652,14 @@ func (p *Processor) markerScope(r run) string {
 }
 
 func markerKey(key string, n int) string {
-	if len(key)+4 > idem.DefaultMaxKeyLength {
+	suffix := "#" + strconv.Itoa(n)
+	if len(key)+len(suffix) > idem.DefaultMaxKeyLength {
+		// Keys longer than 255 bytes are refused by stores that index 255
+		// (mysqlstore) and truncated by others.
 		sum := sha256.Sum256([]byte(key))
 		key = keyDigestPrefix + hex.EncodeToString(sum[:])
 	}
-	return key + "#" + strconv.Itoa(n)
+	return key + suffix
 }
 
 // markAttempt adds a marker and returns how many there are.
@@ -769,7 +772,7 @@ func (p *Processor) failed(ctx context.Context, r run, err error) Outcome {
 		_, merr = p.markAttempt(ctx, r, p.cfg.NowFunc())
 	}
 	if merr != nil {
-		merr = fmt.Errorf("mark the attempt (the broker's count still applies): %w", merr)
+		merr = fmt.Errorf("mark the attempt (unmarked, it does not count toward MaxDeliveries): %w", merr)
 	}
 	err = errors.Join(err, merr, p.release(ctx, r))
 	if poison {
