@@ -140,3 +140,45 @@ func TestAttemptMarkersFitTheKeyColumn(t *testing.T) {
 		t.Fatalf("redelivery: %+v, %d runs; want it dead-lettered again unrun", out, runs)
 	}
 }
+
+// Setting FingerprintHeaders on a running consumer: a message processed (or
+// in flight, its holder crashed) just before, redelivered just after, has a
+// record with the payload-only fingerprint. It is the same message — acked as
+// a duplicate, or run once its claim lapsed — not dead-lettered as a mismatch.
+func TestFingerprintHeadersAddedToARunningConsumer(t *testing.T) {
+	_, s := sqliteOrders(t)
+	ctx := context.Background()
+	now := time.Now()
+	scope := consumer.StoredScope("orders", "")
+	fp := consumer.Fingerprint([]byte("x"))
+	if _, ok, err := s.Claim(ctx, idem.ClaimRequest{Scope: scope, Key: "done", Fingerprint: fp, Token: "before-done-xxxxxxxxxxx", Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)}); err != nil || !ok {
+		t.Fatal(ok, err)
+	}
+	if err := s.Complete(ctx, scope, "done", "before-done-xxxxxxxxxxx", &idem.Response{Status: 200, Body: []byte("r")}, now, now.Add(time.Hour)); err != nil {
+		t.Fatal(err)
+	}
+	// Claimed a minute ago with a 30 s lease by a process that crashed.
+	if _, ok, err := s.Claim(ctx, idem.ClaimRequest{Scope: scope, Key: "crashed", Fingerprint: fp, Token: "before-crash-xxxxxxxxxx", Now: now.Add(-time.Minute), LeaseUntil: now.Add(-30 * time.Second), ExpiresAt: now.Add(time.Hour)}); err != nil || !ok {
+		t.Fatal(ok, err)
+	}
+	p, _ := consumer.New(s, consumer.Config{Name: "orders", FingerprintHeaders: []string{"Source"}})
+	runs := 0
+	h := func(context.Context, *consumer.Message) ([]byte, error) { runs++; return nil, nil }
+	msg := func(id string) *consumer.Message {
+		return &consumer.Message{ID: id, Payload: []byte("x"), Header: map[string][]string{"Source": {"web"}}}
+	}
+	if out := p.Process(ctx, msg("done"), h); out.Reason != consumer.Duplicate || string(out.Result) != "r" || runs != 0 {
+		t.Fatalf("processed before the change: %+v, %d runs; want a duplicate", out, runs)
+	}
+	out := p.Process(ctx, msg("crashed"), h)
+	if out.Action != consumer.Retry || runs != 0 {
+		t.Fatalf("in flight before the change, holder crashed: %+v; want a retry, not a dead letter", out)
+	}
+	if out := p.Process(ctx, msg("crashed"), h); out.Reason != consumer.Executed || runs != 1 {
+		t.Fatalf("its redelivery: %+v, %d runs; want it executed once", out, runs)
+	}
+	// Another payload under the ID is still a mismatch.
+	if out := p.Process(ctx, &consumer.Message{ID: "done", Payload: []byte("y")}, h); out.Reason != consumer.Mismatch {
+		t.Fatalf("another payload: %+v; want a mismatch", out)
+	}
+}

@@ -532,7 +532,7 @@ func (p *Processor) process(ctx context.Context, msg *Message, h Handler) Outcom
 		return p.storeFailed(max(msg.Delivery, 1), fmt.Errorf("claim: %w", err))
 	}
 	if !claimed {
-		return p.notClaimed(msg, key, rec, claim)
+		return p.notClaimed(ctx, msg, rec, claim)
 	}
 	// Count the attempt. A takeover means the claim's earlier holder crashed or
 	// stalled: that attempt did not finish, and is marked as one.
@@ -592,9 +592,25 @@ func describeID(id string) string {
 	return fmt.Sprintf("%q", id)
 }
 
-func (p *Processor) notClaimed(msg *Message, key string, rec *idem.Record, claim idem.ClaimRequest) Outcome {
+func (p *Processor) notClaimed(ctx context.Context, msg *Message, rec *idem.Record, claim idem.ClaimRequest) Outcome {
+	// A record written before Scope or FingerprintHeaders were set has the
+	// payload-only fingerprint: for the consumer's own scope that is the same
+	// message, not a mismatch (it was processed, or is in flight, under the
+	// configuration of that moment).
+	before := rec.Fingerprint != claim.Fingerprint && rec.Fingerprint == Fingerprint(msg.Payload)
 	switch {
-	case rec.Fingerprint != claim.Fingerprint:
+	case before && rec.State != idem.StateComplete && !rec.LeaseUntil.After(claim.Now):
+		// Its holder crashed; the store takes a claim over only under the same
+		// fingerprint, so give the lapsed claim up (fenced by its token) and let
+		// the redelivery claim the message afresh.
+		cctx, cancel := p.cleanup(ctx)
+		defer cancel()
+		err := p.store.Release(cctx, claim.Scope, claim.Key, rec.Token)
+		if errors.Is(err, idem.ErrLockLost) {
+			err = nil
+		}
+		return Outcome{Action: Retry, Reason: InFlight, Delay: 10 * time.Millisecond, Err: err}
+	case rec.Fingerprint != claim.Fingerprint && !before:
 		return Outcome{Action: DeadLetter, Reason: Mismatch, Err: fmt.Errorf("consumer %s: message %q was first processed with a different payload or fingerprinted headers (a %s record); the handler did not run; a message ID names one message, so the producer must give a new message a new ID", p.cfg.Name, msg.ID, rec.State)}
 	case rec.State == idem.StateComplete:
 		var result []byte
