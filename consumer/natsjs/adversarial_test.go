@@ -196,3 +196,16 @@ func TestOutageWaitDoesNotSpinWithZeroBackoff(t *testing.T) {
 		t.Fatalf("%d claims in a MaxWait of 300 ms: the wait spins against the store", n)
 	}
 }
+
+// A nil message is reported, not a panic in the progress reporter.
+func TestHandleNilMessage(t *testing.T) {
+	p, _ := consumer.New(memstore.New(nil), consumer.Config{Name: "nilmsg"})
+	defer func() {
+		if v := recover(); v != nil {
+			t.Fatalf("Handle panicked on a nil message: %v", v)
+		}
+	}()
+	if _, err := natsjs.Handle(context.Background(), p, nil, func(context.Context, *consumer.Message) ([]byte, error) { return nil, nil }, nil); err == nil {
+		t.Fatal("no error for a nil message")
+	}
+}

@@ -150,6 +150,9 @@ func Handle(ctx context.Context, p *consumer.Processor, msg jetstream.Msg, h con
 	if p == nil {
 		return consumer.Outcome{}, errors.New("natsjs: the Processor is nil; make one with consumer.New (the message is left unacknowledged)")
 	}
+	if msg == nil {
+		return consumer.Outcome{}, errors.New("natsjs: the message is nil; pass the jetstream.Msg the consumer delivered")
+	}
 	if cfg == nil {
 		cfg = &Config{}
 	}
