@@ -80,6 +80,13 @@ type Message struct {
 	// Header holds the message's headers, for the handler and Config.Scope; only
 	// the ones named in Config.FingerprintHeaders are part of the fingerprint.
 	Header map[string][]string
+
+	// held is the token of the last claim Process made for this delivery. If
+	// the store failed and the key could not be released, the next Process of
+	// the same *Message (an adapter retrying in process) finds its own claim
+	// and takes it back, instead of waiting out the lease and counting the
+	// takeover as an attempt.
+	held string
 }
 
 // Handler processes one message. With a transactional store it writes through
@@ -528,8 +535,18 @@ func (p *Processor) process(ctx context.Context, msg *Message, h Handler) Outcom
 		Now: now, LeaseUntil: now.Add(p.cfg.Lease), ExpiresAt: now.Add(p.cfg.TTL),
 	}
 	rec, claimed, err := p.store.Claim(ctx, claim)
+	if err == nil && !claimed && msg.held != "" && rec.State != idem.StateComplete && rec.Token == msg.held {
+		// This delivery's own claim, left by a store failure that also failed
+		// its release: give it back and claim again (no attempt was made).
+		if err = p.store.Release(ctx, claim.Scope, claim.Key, msg.held); err == nil || errors.Is(err, idem.ErrLockLost) {
+			rec, claimed, err = p.store.Claim(ctx, claim)
+		}
+	}
 	if err != nil {
 		return p.storeFailed(max(msg.Delivery, 1), fmt.Errorf("claim: %w", err))
+	}
+	if claimed {
+		msg.held = r.token
 	}
 	if !claimed {
 		return p.notClaimed(ctx, msg, rec, claim)

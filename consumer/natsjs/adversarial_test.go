@@ -12,6 +12,7 @@ import (
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/consumer/internal/prooftest"
 	"github.com/idemkit/idem/consumer/natsjs"
 	"github.com/idemkit/idem/memstore"
 )
@@ -207,5 +208,70 @@ func TestHandleNilMessage(t *testing.T) {
 	}()
 	if _, err := natsjs.Handle(context.Background(), p, nil, func(context.Context, *consumer.Message) ([]byte, error) { return nil, nil }, nil); err == nil {
 		t.Fatal("no error for a nil message")
+	}
+}
+
+// outageStart is a store whose outage begins between a claim and the
+// transaction: BeginTx fails once, and the release after it fails too, so
+// the claim is left in flight.
+type outageStart struct {
+	idem.TxStore
+	beginFails, releaseFails atomic.Int32
+}
+
+func (s *outageStart) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
+	if s.beginFails.Add(-1) >= 0 {
+		return nil, nil, errors.New("connection reset by peer")
+	}
+	return s.TxStore.BeginTx(ctx)
+}
+
+func (s *outageStart) Release(ctx context.Context, scope, key, token string) error {
+	if s.releaseFails.Add(-1) >= 0 {
+		return errors.New("connection refused")
+	}
+	return s.TxStore.Release(ctx, scope, key, token)
+}
+
+// An outage that begins between the claim and the transaction, and leaves
+// the claim in flight because its release fails too, costs the message no
+// attempt: the in-process retry takes its own claim back instead of naking,
+// waiting out the lease and counting the takeover as a crash. With
+// MaxDeliveries 1 the message used to be dead-lettered unrun.
+func TestOutageLeavingOurClaimSpendsNoAttempt(t *testing.T) {
+	ctx := context.Background()
+	env, err := prooftest.Open(ctx, prooftest.NewTarget(t, "sqlite"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer env.Close(true)
+	s := &outageStart{TxStore: env.Store.(idem.TxStore)}
+	s.beginFails.Store(1)
+	s.releaseFails.Store(1)
+	p, _ := consumer.New(s, consumer.Config{Name: "ours", MaxDeliveries: 1, Lease: 300 * time.Millisecond, Backoff: func(int) time.Duration { return 10 * time.Millisecond }})
+	b := newBroker(t)
+	cons := b.consumer(t, "ours", 30*time.Second)
+	b.publish(t, jetstream.MsgIDHeader, []string{"o-1"}, payload)
+	cfg := &natsjs.Config{MaxWait: 20 * time.Second}
+	var outs []consumer.Outcome
+	for len(outs) < 5 {
+		batch, err := cons.Fetch(1, jetstream.FetchMaxWait(5*time.Second))
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := false
+		for msg := range batch.Messages() {
+			got = true
+			out, _ := natsjs.Handle(ctx, p, msg, env.Insert, cfg)
+			outs = append(outs, out)
+		}
+		if !got || outs[len(outs)-1].Action != consumer.Retry {
+			break
+		}
+	}
+	rows, _, _ := env.Count(ctx)
+	last := outs[len(outs)-1]
+	if last.Reason != consumer.Executed || rows != 1 || p.Stats().Poison != 0 {
+		t.Fatalf("outcomes %+v, %d rows, stats %+v; want the message executed once, nothing dead-lettered", outs, rows, p.Stats())
 	}
 }
