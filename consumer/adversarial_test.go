@@ -182,3 +182,36 @@ func TestFingerprintHeadersAddedToARunningConsumer(t *testing.T) {
 		t.Fatalf("another payload: %+v; want a mismatch", out)
 	}
 }
+
+// LegacyScope and a message an earlier version was processing when it was
+// stopped for the upgrade (its claim in flight, lease lapsed): the message
+// runs now, once, instead of being retried until that record's TTL; one
+// still under a live lease is retried.
+func TestLegacyScopeInFlightWhenStopped(t *testing.T) {
+	_, s := sqliteOrders(t)
+	ctx := context.Background()
+	now := time.Now()
+	fp := consumer.Fingerprint([]byte("x"))
+	if _, ok, err := s.Claim(ctx, idem.ClaimRequest{Scope: "orders", Key: "stopped", Fingerprint: fp, Token: "old-version-stopped-xxxx", Now: now.Add(-time.Minute), LeaseUntil: now.Add(-30 * time.Second), ExpiresAt: now.Add(time.Hour)}); err != nil || !ok {
+		t.Fatal(ok, err)
+	}
+	if _, ok, err := s.Claim(ctx, idem.ClaimRequest{Scope: "orders", Key: "running", Fingerprint: fp, Token: "old-version-running-xxxx", Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)}); err != nil || !ok {
+		t.Fatal(ok, err)
+	}
+	p, _ := consumer.New(s, consumer.Config{Name: "orders", LegacyScope: true})
+	runs := 0
+	h := func(context.Context, *consumer.Message) ([]byte, error) { runs++; return nil, nil }
+	if out := p.Process(ctx, &consumer.Message{ID: "running", Payload: []byte("x"), Delivery: 2}, h); out.Reason != consumer.InFlight || runs != 0 {
+		t.Fatalf("in flight under a live legacy lease: %+v; want a retry", out)
+	}
+	if out := p.Process(ctx, &consumer.Message{ID: "stopped", Payload: []byte("x"), Delivery: 2}, h); out.Reason != consumer.Executed || runs != 1 {
+		t.Fatalf("in flight under a lapsed legacy lease: %+v, %d runs; want it executed", out, runs)
+	}
+	// The stopped process's late completion is fenced out.
+	if err := s.Complete(ctx, "orders", "stopped", "old-version-stopped-xxxx", &idem.Response{Status: 200}, now, now.Add(time.Hour)); !errors.Is(err, idem.ErrLockLost) {
+		t.Fatalf("late completion of the legacy claim: %v; want ErrLockLost", err)
+	}
+	if out := p.Process(ctx, &consumer.Message{ID: "stopped", Payload: []byte("x"), Delivery: 3}, h); out.Reason != consumer.Duplicate || runs != 1 {
+		t.Fatalf("again: %+v; want a duplicate", out)
+	}
+}

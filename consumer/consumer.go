@@ -215,7 +215,8 @@ type Config struct {
 	// message that has no record in the namespace but a complete one there,
 	// with the same payload fingerprint (the payload's hash, as earlier
 	// versions had it, whatever FingerprintHeaders says), is acked as a
-	// duplicate without running; one in flight there is retried. Only messages
+	// duplicate without running; one in flight there is retried while its
+	// lease lasts, and run once it lapsed (its claim taken over). Only messages
 	// whose tenant is "" are looked up: a tenant's message never takes
 	// another's old record for its own. It costs one read per message:
 	// turn it on for one TTL after upgrading, then off. Default false.
@@ -670,6 +671,26 @@ func (p *Processor) legacy(ctx context.Context, msg *Message, r run, claim idem.
 			_ = p.release(ctx, r)
 		}
 		return Outcome{Action: Ack, Reason: Duplicate, Result: result}, true
+	case !rec.LeaseUntil.After(claim.Now):
+		// In flight under an earlier version whose lease lapsed: that process
+		// crashed or was stopped for the upgrade. Take its claim over, so that a
+		// late completion of it is fenced out, drop it, and run the message
+		// under the namespace; else it would wait for that record's TTL.
+		legacyScope := idem.StoredScope(p.cfg.Name)
+		_, took, err := p.store.Claim(ctx, idem.ClaimRequest{Scope: legacyScope, Key: r.key, Fingerprint: rec.Fingerprint, Token: r.token,
+			Now: claim.Now, LeaseUntil: claim.Now.Add(p.cfg.Lease), ExpiresAt: rec.ExpiresAt})
+		if err == nil && took {
+			cctx, cancel := p.cleanup(ctx)
+			err = p.store.Release(cctx, legacyScope, r.key, r.token)
+			cancel()
+			if err == nil || errors.Is(err, idem.ErrLockLost) {
+				return Outcome{}, false
+			}
+		}
+		if err != nil {
+			return p.storeFailed(r.attempt, errors.Join(fmt.Errorf("take over the legacy record: %w", err), p.release(ctx, r))), true
+		}
+		fallthrough
 	default:
 		err := p.release(ctx, r)
 		return Outcome{Action: Retry, Reason: InFlight, Delay: max(rec.LeaseUntil.Sub(claim.Now), 10*time.Millisecond), Err: err}, true
