@@ -215,3 +215,16 @@ func TestLegacyScopeInFlightWhenStopped(t *testing.T) {
 		t.Fatalf("again: %+v; want a duplicate", out)
 	}
 }
+
+// A Process whose context has ended (the consumer stopping) says so, instead
+// of blaming the store.
+func TestEndedContextIsNotAStoreFailure(t *testing.T) {
+	p, _, _ := newSQLite(t, consumer.Config{})
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	runs := 0
+	out := p.Process(ctx, &consumer.Message{ID: "m", Payload: []byte("p"), Delivery: 1}, func(context.Context, *consumer.Message) ([]byte, error) { runs++; return nil, nil })
+	if out.Action != consumer.Retry || runs != 0 || out.Err == nil || strings.Contains(out.Err.Error(), "store failed") || !strings.Contains(out.Err.Error(), "context ended") {
+		t.Fatalf("%+v, %d runs; want a retry whose error says the context ended, not that the store failed", out, runs)
+	}
+}

@@ -147,7 +147,9 @@ const (
 	// InvalidID: the message has no usable ID, or Config.Scope panicked on it
 	// (DeadLetter).
 	InvalidID
-	// StoreFailed: the store failed (Retry after Backoff; not a failed delivery).
+	// StoreFailed: the store failed, or the context given to Process ended
+	// before the message was claimed (Retry after Backoff; not a failed
+	// delivery).
 	// Outcome.Err says which of three cases it was: nothing was committed (the
 	// claim or the transaction could not start); the commit's outcome is unknown
 	// (the store did not answer it nor a read-back; the redelivery finds out:
@@ -544,6 +546,10 @@ func (p *Processor) process(ctx context.Context, msg *Message, h Handler) Outcom
 		}
 	}
 	if err != nil {
+		if cerr := ctx.Err(); cerr != nil {
+			// Not the store's fault: the caller gave up (the consumer is stopping).
+			return Outcome{Action: Retry, Reason: StoreFailed, Delay: p.cfg.Backoff(max(msg.Delivery, 1)), Err: fmt.Errorf("consumer %s: the context ended (%v) before message %q was claimed, so nothing ran and nothing was committed; the message will be redelivered: %w", p.cfg.Name, context.Cause(ctx), msg.ID, err)}
+		}
 		return p.storeFailed(max(msg.Delivery, 1), fmt.Errorf("claim: %w", err))
 	}
 	if claimed {
