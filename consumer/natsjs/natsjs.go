@@ -51,7 +51,7 @@ const (
 	HeaderDeadDeliveries = "Idem-Dead-Deliveries"
 	// HeaderDeadTruncated is set on a copy that leaves the payload out because
 	// the payload and the Idem-Dead-* headers together exceed the server's
-	// max_payload. It says how many bytes were left out and where the original
+	// max_payload or the dead-letter stream's max_msg_size. It says how many bytes were left out and where the original
 	// is: "N bytes; stream S sequence Q".
 	HeaderDeadTruncated = "Idem-Dead-Truncated"
 	// HeaderDeadMsgID holds the message ID (the copy leaves Nats-Msg-Id out, so
