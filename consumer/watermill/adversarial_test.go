@@ -74,3 +74,41 @@ func TestMiddlewareNilHandler(t *testing.T) {
 		t.Fatalf("stats %+v: the message was counted as failing, or dead-lettered, for a nil handler", st)
 	}
 }
+
+// releaseFails fails every Release: the store goes down right after the
+// message was dead-lettered.
+type releaseFails struct{ idem.Store }
+
+func (releaseFails) Release(context.Context, string, string, string) error {
+	return errors.New("connection refused")
+}
+
+// A message in the poison topic is acknowledged even when deleting its
+// attempt markers fails: a nack would bring it back and put a second copy in
+// the poison topic.
+func TestPoisonAckedWhenMarkersStay(t *testing.T) {
+	s := memstore.New(nil)
+	defer s.Close()
+	p, _ := consumer.New(releaseFails{s}, consumer.Config{Name: "pm"})
+	ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 10}, wm.NopLogger{})
+	defer ps.Close()
+	dead, err := ps.Subscribe(context.Background(), "dead")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := idemwm.Handler(p, idemwm.Config{Poison: ps, PoisonTopic: "dead"}, func(*message.Message) ([]*message.Message, error) {
+		return nil, consumer.Permanent(errors.New("bad order"))
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h(message.NewMessage("o-1", []byte("x"))); err != nil {
+		t.Fatalf("the dead-lettered message is nacked: %v", err)
+	}
+	select {
+	case m := <-dead:
+		m.Ack()
+	case <-time.After(5 * time.Second):
+		t.Fatal("nothing in the poison topic")
+	}
+}

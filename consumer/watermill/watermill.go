@@ -151,7 +151,12 @@ func handle(p *consumer.Processor, cfg *Config, h message.HandlerFunc, msg *mess
 			if err := poison(cfg, msg, o, m.Delivery); err != nil {
 				return nil, err
 			}
-			return nil, p.DeadLettered(ctx, m, o)
+			// The message is in the poison topic: acknowledge it whatever
+			// DeadLettered says (its error only means the attempt markers stay
+			// until their TTL). Returning it would nack the message, and its
+			// redelivery would put a second copy in the poison topic.
+			_ = p.DeadLettered(ctx, m, o)
+			return nil, nil
 		}
 		wait := o.Delay
 		switch o.Reason {
