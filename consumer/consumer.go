@@ -89,6 +89,19 @@ type Message struct {
 	held string
 }
 
+// HeldClaim returns the token of the claim Process last made for this
+// delivery, "" if none. An adapter that retries a message through a copy
+// (consumer/amqp) carries it over to the copy with ResumeClaim, so that a
+// claim a store failure left behind is taken back instead of waited out.
+func (m *Message) HeldClaim() string { return m.held }
+
+// ResumeClaim tells Process that token is the claim an earlier delivery of
+// this message made and left in flight when the store failed (HeldClaim of
+// that delivery). If the record is still in flight under that token, Process
+// gives it back and claims the message again, spending no attempt; any other
+// token changes nothing.
+func (m *Message) ResumeClaim(token string) { m.held = token }
+
 // Handler processes one message. With a transactional store it writes through
 // the transaction in ctx (for example sqlitestore.Tx(ctx)) and must not commit
 // it. The result, if any, is stored with the record and returned as

@@ -55,6 +55,12 @@ const RetriesHeader = "x-idem-retries"
 // backoff.
 const OutagesHeader = "x-idem-outages"
 
+// ClaimHeader carries, on a retry copy, the claim the failed delivery may
+// have left in flight (consumer.Message.HeldClaim): a store failure that also
+// failed the release leaves it there, and the copy takes it back instead of
+// waiting out the lease and counting the takeover as an attempt.
+const ClaimHeader = "x-idem-claim"
+
 // Headers set on a dead letter published to q.dead.
 const (
 	// DeadReasonHeader holds the Reason ("poison", "mismatch", "invalid_id").
@@ -166,6 +172,9 @@ func Message(d *amqp091.Delivery, keyHeader string) *consumer.Message {
 		// headers can be set by anyone who publishes, so the Processor counts
 		// the attempts itself, in the store (0).
 		m.Delivery = 0
+	}
+	if tok, ok := d.Headers[ClaimHeader].(string); ok {
+		m.ResumeClaim(tok)
 	}
 	if len(d.Headers) > 0 {
 		m.Header = make(map[string][]string, len(d.Headers))
@@ -285,7 +294,7 @@ func Handle(ctx context.Context, p *consumer.Processor, d *amqp091.Delivery, h c
 			outages = min(outages+1, maxCount)
 			delay = p.Backoff(outages)
 		}
-		if err := retry(ctx, cfg, d, retries, outages, delay); err != nil {
+		if err := retry(ctx, cfg, d, retries, outages, delay, m.HeldClaim()); err != nil {
 			// Requeued for an immediate redelivery: wait a little first, so that a
 			// broken publisher does not make the message spin.
 			select {
@@ -317,7 +326,7 @@ func copyHeaders(d *amqp091.Delivery) amqp091.Table {
 		switch k {
 		case "x-delivery-count", "x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
 			"x-last-death-exchange", "x-last-death-queue", "x-last-death-reason",
-			RetriesHeader, OutagesHeader, DeadReasonHeader, DeadErrorHeader, DeadDeliveriesHeader:
+			RetriesHeader, OutagesHeader, DeadReasonHeader, DeadErrorHeader, DeadDeliveriesHeader, ClaimHeader:
 		default:
 			headers[k] = v
 		}
@@ -365,8 +374,11 @@ func deadLetter(ctx context.Context, cfg *Config, d *amqp091.Delivery, m *consum
 
 // retry republishes d to the delay queue of delay and waits for the
 // broker's confirmation.
-func retry(ctx context.Context, cfg *Config, d *amqp091.Delivery, retries, outages int, delay time.Duration) error {
+func retry(ctx context.Context, cfg *Config, d *amqp091.Delivery, retries, outages int, delay time.Duration, claim string) error {
 	headers := copyHeaders(d)
+	if claim != "" {
+		headers[ClaimHeader] = claim
+	}
 	headers[RetriesHeader] = int32(retries)
 	if outages > 0 {
 		headers[OutagesHeader] = int32(outages)
