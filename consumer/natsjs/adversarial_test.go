@@ -275,3 +275,46 @@ func TestOutageLeavingOurClaimSpendsNoAttempt(t *testing.T) {
 		t.Fatalf("outcomes %+v, %d rows, stats %+v; want the message executed once, nothing dead-lettered", outs, rows, p.Stats())
 	}
 }
+
+// Shutting down while a message waits in process for a store that is down:
+// with Config.Context cancelled, Handler's callback returns at once and the
+// message is naked for redelivery, instead of waiting out MaxWait.
+func TestShutdownDuringOutageWait(t *testing.T) {
+	b := newBroker(t)
+	cons := b.consumer(t, "shutdown", 30*time.Second)
+	s := &failingStore{Store: memstore.New(nil)}
+	p, _ := consumer.New(s, consumer.Config{Name: "shutdown", Backoff: func(int) time.Duration { return 50 * time.Millisecond }})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	handler := natsjs.Handler(p, func(context.Context, *consumer.Message) ([]byte, error) { return nil, nil }, &natsjs.Config{Context: ctx, MaxWait: time.Minute})
+	b.publish(t, jetstream.MsgIDHeader, []string{"w-1"}, payload)
+	batch, err := cons.Fetch(1, jetstream.FetchMaxWait(10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for msg := range batch.Messages() {
+		done := make(chan struct{})
+		go func() { handler(msg); close(done) }()
+		for s.claims.Load() < 2 { // waiting in process
+			time.Sleep(5 * time.Millisecond)
+		}
+		cancel()
+		select {
+		case <-done:
+		case <-time.After(15 * time.Second):
+			t.Fatal("the callback still waits for the store 15 s after the shutdown")
+		}
+	}
+	batch, err = cons.Fetch(1, jetstream.FetchMaxWait(10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for msg := range batch.Messages() {
+		n++
+		_ = msg.Term()
+	}
+	if n != 1 {
+		t.Fatal("the message was not naked for redelivery")
+	}
+}

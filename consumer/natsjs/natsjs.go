@@ -90,6 +90,12 @@ type Config struct {
 	// attempts in the store, not JetStream's NumDelivered. Default 2 min (a
 	// database failover takes ~30 s); a negative value naks at once.
 	MaxWait time.Duration
+	// Context, when set, is the context Handler gives Handle: cancel it when
+	// the consumer stops, and a message waiting in process for the store
+	// (MaxWait) is naked at once instead of holding the callback, and no new
+	// message is claimed; a handler already running finishes and commits.
+	// Default context.Background().
+	Context context.Context
 	// DeadLetterRetries bounds the redeliveries of a message whose dead-letter
 	// copy JetStream keeps refusing: past MaxDeliveries + DeadLetterRetries
 	// deliveries it is terminated anyway, and OnError is told where it stays
@@ -104,8 +110,12 @@ func Handler(p *consumer.Processor, h consumer.Handler, cfg *Config) jetstream.M
 	if cfg != nil {
 		c = *cfg
 	}
+	ctx := c.Context
+	if ctx == nil {
+		ctx = context.Background()
+	}
 	return func(msg jetstream.Msg) {
-		out, err := Handle(context.Background(), p, msg, h, &c)
+		out, err := Handle(ctx, p, msg, h, &c)
 		if err != nil && c.OnError != nil {
 			c.OnError(msg, out, err)
 		}

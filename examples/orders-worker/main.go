@@ -295,7 +295,8 @@ func (w *Worker) consume(ctx context.Context, cons jetstream.Consumer) error {
 	if err != nil {
 		return err
 	}
-	cc, err := cons.Consume(natsjs.Handler(p, w.insert, nil))
+	// Context: on shutdown a message waiting for the store is naked at once.
+	cc, err := cons.Consume(natsjs.Handler(p, w.insert, &natsjs.Config{Context: ctx}))
 	if err != nil {
 		return err
 	}
