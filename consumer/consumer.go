@@ -80,7 +80,27 @@ type Message struct {
 	// Header holds the message's headers, for the handler and Config.Scope; only
 	// the ones named in Config.FingerprintHeaders are part of the fingerprint.
 	Header map[string][]string
+
+	// held is the token of the last claim Process made for this delivery. If
+	// the store failed and the key could not be released, the next Process of
+	// the same *Message (an adapter retrying in process) finds its own claim
+	// and takes it back, instead of waiting out the lease and counting the
+	// takeover as an attempt.
+	held string
 }
+
+// HeldClaim returns the token of the claim Process last made for this
+// delivery, "" if none. An adapter that retries a message through a copy
+// (consumer/amqp) carries it over to the copy with ResumeClaim, so that a
+// claim a store failure left behind is taken back instead of waited out.
+func (m *Message) HeldClaim() string { return m.held }
+
+// ResumeClaim tells Process that token is the claim an earlier delivery of
+// this message made and left in flight when the store failed (HeldClaim of
+// that delivery). If the record is still in flight under that token, Process
+// gives it back and claims the message again, spending no attempt; any other
+// token changes nothing.
+func (m *Message) ResumeClaim(token string) { m.held = token }
 
 // Handler processes one message. With a transactional store it writes through
 // the transaction in ctx (for example sqlitestore.Tx(ctx)) and must not commit
@@ -137,9 +157,12 @@ const (
 	// Mismatch: the ID was first processed with a different payload; the handler
 	// did not run (DeadLetter).
 	Mismatch
-	// InvalidID: the message has no usable ID (DeadLetter).
+	// InvalidID: the message has no usable ID, or Config.Scope panicked on it
+	// (DeadLetter).
 	InvalidID
-	// StoreFailed: the store failed (Retry after Backoff; not a failed delivery).
+	// StoreFailed: the store failed, or the context given to Process ended
+	// before the message was claimed (Retry after Backoff; not a failed
+	// delivery).
 	// Outcome.Err says which of three cases it was: nothing was committed (the
 	// claim or the transaction could not start); the commit's outcome is unknown
 	// (the store did not answer it nor a read-back; the redelivery finds out:
@@ -192,7 +215,10 @@ type Config struct {
 	// token, a routing key): messages of different tenants dedupe
 	// independently, so that two tenants' message "o-1" are two messages. The
 	// tenant is part of the record's scope and of its fingerprint. List the
-	// headers it reads in FingerprintHeaders. Default: one scope per consumer.
+	// headers it reads in FingerprintHeaders. "" is the consumer's own scope,
+	// the one without Scope. A message it panics on is dead-lettered unrun
+	// (InvalidID), not a crash of the consumer. Default: one scope per
+	// consumer.
 	Scope func(msg *Message) string
 	// FingerprintHeaders names the headers that are part of the fingerprint,
 	// besides the payload: the ones Scope and the handler read (a tenant
@@ -202,8 +228,12 @@ type Config struct {
 	// LegacyScope, when true, also honours records written by versions before
 	// the consumers' namespace (scope = the bare Name, shared with HTTP): a
 	// message that has no record in the namespace but a complete one there,
-	// with the same payload fingerprint, is acked as a duplicate without
-	// running; one in flight there is retried. It costs one read per message:
+	// with the same payload fingerprint (the payload's hash, as earlier
+	// versions had it, whatever FingerprintHeaders says), is acked as a
+	// duplicate without running; one in flight there is retried while its
+	// lease lasts, and run once it lapsed (its claim taken over). Only messages
+	// whose tenant is "" are looked up: a tenant's message never takes
+	// another's old record for its own. It costs one read per message:
 	// turn it on for one TTL after upgrading, then off. Default false.
 	LegacyScope bool
 	// Lease is how long a claim holds the key before another delivery may take it
@@ -444,17 +474,29 @@ func (p *Processor) fingerprint(msg *Message, tenant string) string {
 	return "m2:" + hex.EncodeToString(h.Sum(nil))
 }
 
-// headerValues reads a header by its exact name, else case-insensitively.
+// headerValues reads a header by its exact name, else case-insensitively:
+// the values of every header whose name matches, in the order of the names
+// (never the map's order, which would change the fingerprint between two
+// deliveries of one message).
 func headerValues(h map[string][]string, name string) []string {
 	if vs, ok := h[name]; ok {
 		return vs
 	}
-	for k, vs := range h {
+	var keys []string
+	for k := range h {
 		if strings.EqualFold(k, name) {
-			return vs
+			keys = append(keys, k)
 		}
 	}
-	return nil
+	if len(keys) == 1 {
+		return h[keys[0]]
+	}
+	sort.Strings(keys)
+	var vs []string
+	for _, k := range keys {
+		vs = append(vs, h[k]...)
+	}
+	return vs
 }
 
 func newToken() string {
@@ -493,11 +535,11 @@ func (p *Processor) process(ctx context.Context, msg *Message, h Handler) Outcom
 	}
 	key, ok := Key(msg.ID)
 	if !ok {
-		return Outcome{Action: DeadLetter, Reason: InvalidID, Err: fmt.Errorf("consumer %s: the message has no usable ID (%s); producers must give every message an ID of 1 to 255 visible ASCII characters (a UUID, \"order-42\") in Nats-Msg-Id, AMQP message_id or the key header, and keep it across retries", p.cfg.Name, describeID(msg.ID))}
+		return Outcome{Action: DeadLetter, Reason: InvalidID, Err: fmt.Errorf("consumer %s: the message has no usable ID (%s); producers must give every message an ID of visible ASCII characters, without spaces (a UUID, \"order-42\"; one longer than 255 bytes is keyed by its digest), in Nats-Msg-Id, AMQP message_id or the key header, and keep it across retries", p.cfg.Name, describeID(msg.ID))}
 	}
-	var tenant string
-	if p.cfg.Scope != nil {
-		tenant = p.cfg.Scope(msg)
+	tenant, err := p.tenantOf(msg)
+	if err != nil {
+		return Outcome{Action: DeadLetter, Reason: InvalidID, Err: err}
 	}
 	r := run{scope: p.scope, key: key, token: newToken(), tenant: tenant}
 	if tenant != "" {
@@ -509,11 +551,25 @@ func (p *Processor) process(ctx context.Context, msg *Message, h Handler) Outcom
 		Now: now, LeaseUntil: now.Add(p.cfg.Lease), ExpiresAt: now.Add(p.cfg.TTL),
 	}
 	rec, claimed, err := p.store.Claim(ctx, claim)
+	if err == nil && !claimed && msg.held != "" && rec.State != idem.StateComplete && rec.Token == msg.held {
+		// This delivery's own claim, left by a store failure that also failed
+		// its release: give it back and claim again (no attempt was made).
+		if err = p.store.Release(ctx, claim.Scope, claim.Key, msg.held); err == nil || errors.Is(err, idem.ErrLockLost) {
+			rec, claimed, err = p.store.Claim(ctx, claim)
+		}
+	}
 	if err != nil {
+		if cerr := ctx.Err(); cerr != nil {
+			// Not the store's fault: the caller gave up (the consumer is stopping).
+			return Outcome{Action: Retry, Reason: StoreFailed, Delay: p.cfg.Backoff(max(msg.Delivery, 1)), Err: fmt.Errorf("consumer %s: the context ended (%v) before message %q was claimed, so nothing ran and nothing was committed; the message will be redelivered: %w", p.cfg.Name, context.Cause(ctx), msg.ID, err)}
+		}
 		return p.storeFailed(max(msg.Delivery, 1), fmt.Errorf("claim: %w", err))
 	}
+	if claimed {
+		msg.held = r.token
+	}
 	if !claimed {
-		return p.notClaimed(msg, key, rec, claim)
+		return p.notClaimed(ctx, msg, rec, claim)
 	}
 	// Count the attempt. A takeover means the claim's earlier holder crashed or
 	// stalled: that attempt did not finish, and is marked as one.
@@ -534,7 +590,7 @@ func (p *Processor) process(ctx context.Context, msg *Message, h Handler) Outcom
 	r.attempt = max(delivery, n+1)
 	msg.Delivery = r.attempt
 	if p.cfg.LegacyScope {
-		if out, done := p.legacy(ctx, r, claim); done {
+		if out, done := p.legacy(ctx, msg, r, claim); done {
 			return out
 		}
 	}
@@ -545,6 +601,20 @@ func (p *Processor) process(ctx context.Context, msg *Message, h Handler) Outcom
 		return Outcome{Action: DeadLetter, Reason: Poison, Err: errors.Join(fmt.Errorf("consumer %s: message %q came for attempt %d, past MaxDeliveries (%d), without being processed (earlier attempts failed or crashed their consumer); the handler did not run", p.cfg.Name, msg.ID, r.attempt, p.cfg.MaxDeliveries), err)}
 	}
 	return p.execute(ctx, msg, r, h)
+}
+
+// tenantOf runs Config.Scope. A panic in the hook is an error, not the
+// consumer's crash: a redelivery would crash every process it reaches, forever.
+func (p *Processor) tenantOf(msg *Message) (tenant string, err error) {
+	if p.cfg.Scope == nil {
+		return "", nil
+	}
+	defer func() {
+		if v := recover(); v != nil {
+			err = fmt.Errorf("consumer %s: Config.Scope panicked on message %q, so it has no tenant to be deduplicated under; the handler did not run (make the hook return a tenant, or \"\" for none, for every message): %v", p.cfg.Name, msg.ID, v)
+		}
+	}()
+	return p.cfg.Scope(msg), nil
 }
 
 func describeID(id string) string {
@@ -559,9 +629,25 @@ func describeID(id string) string {
 	return fmt.Sprintf("%q", id)
 }
 
-func (p *Processor) notClaimed(msg *Message, key string, rec *idem.Record, claim idem.ClaimRequest) Outcome {
+func (p *Processor) notClaimed(ctx context.Context, msg *Message, rec *idem.Record, claim idem.ClaimRequest) Outcome {
+	// A record written before Scope or FingerprintHeaders were set has the
+	// payload-only fingerprint: for the consumer's own scope that is the same
+	// message, not a mismatch (it was processed, or is in flight, under the
+	// configuration of that moment).
+	before := rec.Fingerprint != claim.Fingerprint && rec.Fingerprint == Fingerprint(msg.Payload)
 	switch {
-	case rec.Fingerprint != claim.Fingerprint:
+	case before && rec.State != idem.StateComplete && !rec.LeaseUntil.After(claim.Now):
+		// Its holder crashed; the store takes a claim over only under the same
+		// fingerprint, so give the lapsed claim up (fenced by its token) and let
+		// the redelivery claim the message afresh.
+		cctx, cancel := p.cleanup(ctx)
+		defer cancel()
+		err := p.store.Release(cctx, claim.Scope, claim.Key, rec.Token)
+		if errors.Is(err, idem.ErrLockLost) {
+			err = nil
+		}
+		return Outcome{Action: Retry, Reason: InFlight, Delay: 10 * time.Millisecond, Err: err}
+	case rec.Fingerprint != claim.Fingerprint && !before:
 		return Outcome{Action: DeadLetter, Reason: Mismatch, Err: fmt.Errorf("consumer %s: message %q was first processed with a different payload or fingerprinted headers (a %s record); the handler did not run; a message ID names one message, so the producer must give a new message a new ID", p.cfg.Name, msg.ID, rec.State)}
 	case rec.State == idem.StateComplete:
 		var result []byte
@@ -577,7 +663,7 @@ func (p *Processor) notClaimed(msg *Message, key string, rec *idem.Record, claim
 
 // legacy looks the message up under the scope of versions before the
 // consumers' namespace (Config.LegacyScope).
-func (p *Processor) legacy(ctx context.Context, r run, claim idem.ClaimRequest) (Outcome, bool) {
+func (p *Processor) legacy(ctx context.Context, msg *Message, r run, claim idem.ClaimRequest) (Outcome, bool) {
 	if r.tenant != "" {
 		return Outcome{}, false // earlier versions had no tenants
 	}
@@ -587,9 +673,10 @@ func (p *Processor) legacy(ctx context.Context, r run, claim idem.ClaimRequest) 
 		return Outcome{}, false
 	case err != nil:
 		return p.storeFailed(r.attempt, errors.Join(fmt.Errorf("read the legacy record: %w", err), p.release(ctx, r))), true
-	case rec.Fingerprint != claim.Fingerprint:
+	case rec.Fingerprint != Fingerprint(msg.Payload):
 		// Not this message's record: an HTTP request's (its fingerprint is "v1:…"),
-		// or another payload. The namespace decides.
+		// or another payload. The namespace decides. (Earlier versions
+		// fingerprinted the payload only, whatever FingerprintHeaders says now.)
 		return Outcome{}, false
 	case rec.State == idem.StateComplete:
 		var result []byte
@@ -603,6 +690,26 @@ func (p *Processor) legacy(ctx context.Context, r run, claim idem.ClaimRequest) 
 			_ = p.release(ctx, r)
 		}
 		return Outcome{Action: Ack, Reason: Duplicate, Result: result}, true
+	case !rec.LeaseUntil.After(claim.Now):
+		// In flight under an earlier version whose lease lapsed: that process
+		// crashed or was stopped for the upgrade. Take its claim over, so that a
+		// late completion of it is fenced out, drop it, and run the message
+		// under the namespace; else it would wait for that record's TTL.
+		legacyScope := idem.StoredScope(p.cfg.Name)
+		_, took, err := p.store.Claim(ctx, idem.ClaimRequest{Scope: legacyScope, Key: r.key, Fingerprint: rec.Fingerprint, Token: r.token,
+			Now: claim.Now, LeaseUntil: claim.Now.Add(p.cfg.Lease), ExpiresAt: rec.ExpiresAt})
+		if err == nil && took {
+			cctx, cancel := p.cleanup(ctx)
+			err = p.store.Release(cctx, legacyScope, r.key, r.token)
+			cancel()
+			if err == nil || errors.Is(err, idem.ErrLockLost) {
+				return Outcome{}, false
+			}
+		}
+		if err != nil {
+			return p.storeFailed(r.attempt, errors.Join(fmt.Errorf("take over the legacy record: %w", err), p.release(ctx, r))), true
+		}
+		fallthrough
 	default:
 		err := p.release(ctx, r)
 		return Outcome{Action: Retry, Reason: InFlight, Delay: max(rec.LeaseUntil.Sub(claim.Now), 10*time.Millisecond), Err: err}, true
@@ -618,11 +725,14 @@ func (p *Processor) markerScope(r run) string {
 }
 
 func markerKey(key string, n int) string {
-	if len(key)+4 > idem.DefaultMaxKeyLength {
+	suffix := "#" + strconv.Itoa(n)
+	if len(key)+len(suffix) > idem.DefaultMaxKeyLength {
+		// Keys longer than 255 bytes are refused by stores that index 255
+		// (mysqlstore) and truncated by others.
 		sum := sha256.Sum256([]byte(key))
 		key = keyDigestPrefix + hex.EncodeToString(sum[:])
 	}
-	return key + "#" + strconv.Itoa(n)
+	return key + suffix
 }
 
 // markAttempt adds a marker and returns how many there are.
@@ -691,10 +801,11 @@ func (p *Processor) DeadLettered(ctx context.Context, msg *Message, out Outcome)
 	if !ok {
 		return nil
 	}
-	r := run{key: key}
-	if p.cfg.Scope != nil {
-		r.tenant = p.cfg.Scope(msg)
+	tenant, err := p.tenantOf(msg)
+	if err != nil {
+		return nil // no attempt was marked under a tenant the hook cannot name
 	}
+	r := run{key: key, tenant: tenant}
 	cctx, cancel := p.cleanup(ctx)
 	defer cancel()
 	scope := p.markerScope(r)
@@ -734,7 +845,7 @@ func (p *Processor) failed(ctx context.Context, r run, err error) Outcome {
 		_, merr = p.markAttempt(ctx, r, p.cfg.NowFunc())
 	}
 	if merr != nil {
-		merr = fmt.Errorf("mark the attempt (the broker's count still applies): %w", merr)
+		merr = fmt.Errorf("mark the attempt (unmarked, it does not count toward MaxDeliveries): %w", merr)
 	}
 	err = errors.Join(err, merr, p.release(ctx, r))
 	if poison {

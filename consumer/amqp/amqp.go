@@ -19,7 +19,8 @@
 //   - q.dead, the dead letters.
 //
 // The key is the message_id property (Config.KeyHeader names a header
-// instead; a numeric or byte-string header value counts as its text).
+// instead; a numeric — integer, float, decimal — or byte-string header value
+// counts as its text).
 // Outcomes map to RabbitMQ as follows: Ack → Ack; Retry → a copy is published
 // to the delay bucket with the retry count in the x-idem-retries header,
 // confirmed, and the delivery is then acknowledged (a copy lost to a crash in
@@ -53,6 +54,12 @@ const RetriesHeader = "x-idem-retries"
 // fail, so they do not count toward MaxDeliveries; they only lengthen the
 // backoff.
 const OutagesHeader = "x-idem-outages"
+
+// ClaimHeader carries, on a retry copy, the claim the failed delivery may
+// have left in flight (consumer.Message.HeldClaim): a store failure that also
+// failed the release leaves it there, and the copy takes it back instead of
+// waiting out the lease and counting the takeover as an attempt.
+const ClaimHeader = "x-idem-claim"
 
 // Headers set on a dead letter published to q.dead.
 const (
@@ -166,6 +173,9 @@ func Message(d *amqp091.Delivery, keyHeader string) *consumer.Message {
 		// the attempts itself, in the store (0).
 		m.Delivery = 0
 	}
+	if tok, ok := d.Headers[ClaimHeader].(string); ok {
+		m.ResumeClaim(tok)
+	}
 	if len(d.Headers) > 0 {
 		m.Header = make(map[string][]string, len(d.Headers))
 		for k, v := range d.Headers {
@@ -188,7 +198,8 @@ func retriesOf(d *amqp091.Delivery) int {
 }
 
 // headerString is the text of a header value: a string, a byte string or a
-// number; "" for anything else.
+// number (an integer, a float in its shortest form, a decimal); "" for
+// anything else.
 func headerString(v any) string {
 	switch v := v.(type) {
 	case string:
@@ -197,8 +208,33 @@ func headerString(v any) string {
 		return string(v)
 	case int, int8, int16, int32, int64, uint8, uint16, uint32, uint64:
 		return fmt.Sprint(v)
+	case float32:
+		return strconv.FormatFloat(float64(v), 'g', -1, 32)
+	case float64:
+		return strconv.FormatFloat(v, 'g', -1, 64)
+	case amqp091.Decimal:
+		return decimalString(v)
 	}
 	return ""
+}
+
+// decimalString writes Value × 10^-Scale in decimal notation ("123.45").
+func decimalString(d amqp091.Decimal) string {
+	neg := d.Value < 0
+	digits := strconv.FormatInt(int64(d.Value), 10)
+	if neg {
+		digits = digits[1:]
+	}
+	if sc := int(d.Scale); sc > 0 {
+		for len(digits) <= sc {
+			digits = "0" + digits
+		}
+		digits = digits[:len(digits)-sc] + "." + digits[len(digits)-sc:]
+	}
+	if neg {
+		return "-" + digits
+	}
+	return digits
 }
 
 func headerInt(h amqp091.Table, name string) int {
@@ -258,7 +294,7 @@ func Handle(ctx context.Context, p *consumer.Processor, d *amqp091.Delivery, h c
 			outages = min(outages+1, maxCount)
 			delay = p.Backoff(outages)
 		}
-		if err := retry(ctx, cfg, d, retries, outages, delay); err != nil {
+		if err := retry(ctx, cfg, d, retries, outages, delay, m.HeldClaim()); err != nil {
 			// Requeued for an immediate redelivery: wait a little first, so that a
 			// broken publisher does not make the message spin.
 			select {
@@ -290,7 +326,7 @@ func copyHeaders(d *amqp091.Delivery) amqp091.Table {
 		switch k {
 		case "x-delivery-count", "x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
 			"x-last-death-exchange", "x-last-death-queue", "x-last-death-reason",
-			RetriesHeader, OutagesHeader, DeadReasonHeader, DeadErrorHeader, DeadDeliveriesHeader:
+			RetriesHeader, OutagesHeader, DeadReasonHeader, DeadErrorHeader, DeadDeliveriesHeader, ClaimHeader:
 		default:
 			headers[k] = v
 		}
@@ -338,8 +374,11 @@ func deadLetter(ctx context.Context, cfg *Config, d *amqp091.Delivery, m *consum
 
 // retry republishes d to the delay queue of delay and waits for the
 // broker's confirmation.
-func retry(ctx context.Context, cfg *Config, d *amqp091.Delivery, retries, outages int, delay time.Duration) error {
+func retry(ctx context.Context, cfg *Config, d *amqp091.Delivery, retries, outages int, delay time.Duration, claim string) error {
 	headers := copyHeaders(d)
+	if claim != "" {
+		headers[ClaimHeader] = claim
+	}
 	headers[RetriesHeader] = int32(retries)
 	if outages > 0 {
 		headers[OutagesHeader] = int32(outages)

@@ -29,6 +29,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -50,11 +51,14 @@ const (
 	HeaderDeadDeliveries = "Idem-Dead-Deliveries"
 	// HeaderDeadTruncated is set on a copy that leaves the payload out because
 	// the payload and the Idem-Dead-* headers together exceed the server's
-	// max_payload. It says how many bytes were left out and where the original
+	// max_payload or the dead-letter stream's max_msg_size. It says how many bytes were left out and where the original
 	// is: "N bytes; stream S sequence Q".
 	HeaderDeadTruncated = "Idem-Dead-Truncated"
 	// HeaderDeadMsgID holds the message ID (the copy leaves Nats-Msg-Id out, so
-	// that the dead-letter stream's duplicate window keeps every copy). A copy
+	// that the dead-letter stream's duplicate window keeps every copy, and the
+	// other Nats-* headers, instructions to the stream the original was
+	// published to: Nats-Expected-Stream would make the dead-letter stream
+	// refuse the copy, Nats-Rollup purge it). A copy
 	// republished as it is is processed under this ID.
 	HeaderDeadMsgID = "Idem-Dead-Msg-Id"
 )
@@ -65,7 +69,8 @@ type Config struct {
 	// (which JetStream also uses for its own duplicate window).
 	KeyHeader string
 	// DeadLetterSubject, when set, receives a copy of every dead-lettered message
-	// (payload and headers, plus the Idem-Dead-* headers) before it is
+	// (payload and headers but JetStream's own, Nats-*, plus the Idem-Dead-*
+	// headers) before it is
 	// terminated; when the payload leaves no room for those headers under the
 	// server's max_payload, the copy leaves the payload out and says so in
 	// Idem-Dead-Truncated. Make a stream capture it. Requires JetStream.
@@ -80,10 +85,17 @@ type Config struct {
 	AckWait time.Duration
 	// MaxWait bounds how long one delivery waits in process, reporting
 	// progress, for the store to answer again (StoreFailed) before it is naked
-	// for redelivery. Neither spends one of MaxDeliveries: the Processor counts
+	// for redelivery; it also bounds a store call before the handler that does
+	// not answer at all (not the handler, nor the commit after it). Neither spends one of MaxDeliveries: the Processor counts
 	// attempts in the store, not JetStream's NumDelivered. Default 2 min (a
 	// database failover takes ~30 s); a negative value naks at once.
 	MaxWait time.Duration
+	// Context, when set, is the context Handler gives Handle: cancel it when
+	// the consumer stops, and a message waiting in process for the store
+	// (MaxWait) is naked at once instead of holding the callback, and no new
+	// message is claimed; a handler already running finishes and commits.
+	// Default context.Background().
+	Context context.Context
 	// DeadLetterRetries bounds the redeliveries of a message whose dead-letter
 	// copy JetStream keeps refusing: past MaxDeliveries + DeadLetterRetries
 	// deliveries it is terminated anyway, and OnError is told where it stays
@@ -98,8 +110,12 @@ func Handler(p *consumer.Processor, h consumer.Handler, cfg *Config) jetstream.M
 	if cfg != nil {
 		c = *cfg
 	}
+	ctx := c.Context
+	if ctx == nil {
+		ctx = context.Background()
+	}
 	return func(msg jetstream.Msg) {
-		out, err := Handle(context.Background(), p, msg, h, &c)
+		out, err := Handle(ctx, p, msg, h, &c)
 		if err != nil && c.OnError != nil {
 			c.OnError(msg, out, err)
 		}
@@ -144,6 +160,9 @@ func Handle(ctx context.Context, p *consumer.Processor, msg jetstream.Msg, h con
 	if p == nil {
 		return consumer.Outcome{}, errors.New("natsjs: the Processor is nil; make one with consumer.New (the message is left unacknowledged)")
 	}
+	if msg == nil {
+		return consumer.Outcome{}, errors.New("natsjs: the message is nil; pass the jetstream.Msg the consumer delivered")
+	}
 	if cfg == nil {
 		cfg = &Config{}
 	}
@@ -158,14 +177,26 @@ func Handle(ctx context.Context, p *consumer.Processor, msg jetstream.Msg, h con
 	stop := heartbeat(msg, ackWait/3)
 	defer stop()
 	m := Message(msg, cfg.KeyHeader)
-	out := p.Process(ctx, m, h)
 	deadline := time.Now().Add(maxWait)
+	// The store calls before the handler (claim, attempt count) are bounded
+	// by MaxWait too: a store that does not answer at all (a network that
+	// drops packets) must not keep the message in progress forever. A running
+	// handler and the commit after it are not cut short by this deadline.
+	pctx := ctx
+	if maxWait > 0 {
+		var cancel context.CancelFunc
+		pctx, cancel = context.WithDeadline(ctx, deadline)
+		defer cancel()
+	}
+	out := p.Process(pctx, m, h)
 	for out.Action == consumer.Retry && out.Reason == consumer.StoreFailed {
 		// Not a failed delivery: wait in process, reporting progress, rather
 		// than nak and come back through JetStream's redelivery. (A message in
 		// flight elsewhere is naked at once: waiting for it here would hold up
 		// every message behind it.)
-		wait := min(out.Delay, 5*time.Second)
+		// At least 10 ms: a Backoff of 0 ("retry at once") must not make
+		// this loop spin against a store that is down.
+		wait := min(max(out.Delay, 10*time.Millisecond), 5*time.Second)
 		if time.Now().Add(wait).After(deadline) {
 			break
 		}
@@ -174,7 +205,7 @@ func Handle(ctx context.Context, p *consumer.Processor, msg jetstream.Msg, h con
 			return out, msg.NakWithDelay(out.Delay)
 		case <-time.After(wait):
 		}
-		out = p.Process(ctx, m, h)
+		out = p.Process(pctx, m, h)
 	}
 	stop() // no progress report after the settlement below
 	switch out.Action {
@@ -236,8 +267,12 @@ func deadLetter(ctx context.Context, cfg *Config, msg jetstream.Msg, m *consumer
 	dl := nats.NewMsg(cfg.DeadLetterSubject)
 	dl.Data = msg.Data()
 	for k, v := range msg.Headers() {
-		if k == jetstream.MsgIDHeader {
-			continue // not deduplicated away by the dead-letter stream's window
+		if jetStreamHeader(k) {
+			// JetStream's own headers are instructions to the stream they are
+			// published to: Nats-Msg-Id would let the dead-letter stream's window
+			// drop a copy, Nats-Expected-Stream / -Last-Sequence would make it
+			// refuse every copy, Nats-Rollup would purge it, Nats-TTL expire it.
+			continue
 		}
 		dl.Header[k] = v
 	}
@@ -272,6 +307,12 @@ func deadLetter(ctx context.Context, cfg *Config, msg jetstream.Msg, m *consumer
 		return fmt.Errorf("natsjs: publish to dead-letter subject %s: %w", cfg.DeadLetterSubject, err)
 	}
 	return nil
+}
+
+// jetStreamHeader reports whether a header is one of JetStream's own
+// (Nats-Msg-Id, Nats-Expected-*, Nats-Rollup, Nats-TTL, …).
+func jetStreamHeader(k string) bool {
+	return len(k) >= 5 && strings.EqualFold(k[:5], "Nats-")
 }
 
 // tooLarge reports whether err refuses a message for its size: the server's

@@ -89,6 +89,13 @@ func Middleware(p *consumer.Processor, cfg Config) (message.HandlerMiddleware, e
 		return nil, errors.New("watermill: Config.Poison and Config.PoisonTopic are required: dead-lettered messages are published there (a Watermill consumer has no delivery count, so nacking them would loop forever)")
 	}
 	return func(h message.HandlerFunc) message.HandlerFunc {
+		if h == nil {
+			// Not run: a nil call would panic, which counts as a failed attempt, and
+			// valid messages would be dead-lettered. Nacked until the program is fixed.
+			return func(*message.Message) ([]*message.Message, error) {
+				return nil, errors.New("watermill: the handler given to the idem middleware is nil; pass the function that processes the message (the message is nacked, not processed)")
+			}
+		}
 		return func(msg *message.Message) ([]*message.Message, error) {
 			return handle(p, &cfg, h, msg)
 		}
@@ -144,7 +151,12 @@ func handle(p *consumer.Processor, cfg *Config, h message.HandlerFunc, msg *mess
 			if err := poison(cfg, msg, o, m.Delivery); err != nil {
 				return nil, err
 			}
-			return nil, p.DeadLettered(ctx, m, o)
+			// The message is in the poison topic: acknowledge it whatever
+			// DeadLettered says (its error only means the attempt markers stay
+			// until their TTL). Returning it would nack the message, and its
+			// redelivery would put a second copy in the poison topic.
+			_ = p.DeadLettered(ctx, m, o)
+			return nil, nil
 		}
 		wait := o.Delay
 		switch o.Reason {
@@ -157,8 +169,10 @@ func handle(p *consumer.Processor, cfg *Config, h message.HandlerFunc, msg *mess
 			// The store failed, or the lease was lost: the handler did not fail,
 			// so this is no delivery for MaxDeliveries (past it the Processor
 			// dead-letters the message unrun), but the retries back off.
+			// At least 10 ms: a Backoff of 0 must not spin against a store that
+			// is down.
 			outages++
-			wait = p.Backoff(outages)
+			wait = max(p.Backoff(outages), 10*time.Millisecond)
 		}
 		select {
 		case <-ctx.Done():

@@ -33,6 +33,7 @@ import (
 	"log"
 	"os"
 	"os/signal"
+	"sort"
 	"strings"
 	"time"
 
@@ -64,9 +65,25 @@ const (
 // tenantOf is the message's tenant: the dedupe scope (consumer.Config.Scope)
 // and the tenant the order is filed under, read in one place so that both
 // always agree.
+// The header is read as consumer.Config.FingerprintHeaders reads it: by its
+// exact name, else case-insensitively (a producer that sends "tenant" gets
+// its own tenant, not DefaultTenant's).
 func tenantOf(m *consumer.Message) string {
-	if t := m.Header[TenantHeader]; len(t) > 0 && t[0] != "" {
-		return t[0]
+	vs, ok := m.Header[TenantHeader]
+	if !ok {
+		var keys []string
+		for k := range m.Header {
+			if strings.EqualFold(k, TenantHeader) {
+				keys = append(keys, k)
+			}
+		}
+		sort.Strings(keys)
+		for _, k := range keys {
+			vs = append(vs, m.Header[k]...)
+		}
+	}
+	if len(vs) > 0 && vs[0] != "" {
+		return vs[0]
 	}
 	return DefaultTenant
 }
@@ -278,7 +295,8 @@ func (w *Worker) consume(ctx context.Context, cons jetstream.Consumer) error {
 	if err != nil {
 		return err
 	}
-	cc, err := cons.Consume(natsjs.Handler(p, w.insert, nil))
+	// Context: on shutdown a message waiting for the store is naked at once.
+	cc, err := cons.Consume(natsjs.Handler(p, w.insert, &natsjs.Config{Context: ctx}))
 	if err != nil {
 		return err
 	}

@@ -133,3 +133,69 @@ func TestTenantsShareNoOrderIDs(t *testing.T) {
 		t.Fatalf("orders per tenant: %q; want one for t1 and one for t2", got)
 	}
 }
+
+// TestTenantHeaderInAnyCase: a producer that spells the header "tenant" has
+// its order filed under its tenant, not under the default one (the dedupe's
+// fingerprint already read the header case-insensitively; the filing did not).
+func TestTenantHeaderInAnyCase(t *testing.T) {
+	nc, err := nats.Connect(testenv.NATSURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	js, _ := jetstream.New(nc)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	w, err := Open(ctx, filepath.Join(t.TempDir(), "orders.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	sfx := fmt.Sprint(time.Now().UnixNano())
+	subj, stream := "orders.create."+sfx, "ORDERS_"+sfx
+	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: stream, Subjects: []string{subj}, Duplicates: 100 * time.Millisecond}); err != nil {
+		t.Fatal(err)
+	}
+	defer js.DeleteStream(context.Background(), stream)
+	for _, tenant := range []string{"t1", "t2"} {
+		m := nats.NewMsg(subj)
+		m.Header["tenant"] = []string{tenant}
+		m.Data = []byte(`{"cart_id":"c_1","total_cents":500}`)
+		if _, err := js.PublishMsg(ctx, m, jetstream.WithMsgID("o-1")); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(300 * time.Millisecond) // past the broker's window: all are stored
+	}
+	cons, err := js.CreateOrUpdateConsumer(ctx, stream, jetstream.ConsumerConfig{Durable: "w", AckPolicy: jetstream.AckExplicitPolicy})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, stop := context.WithCancel(ctx)
+	go func() {
+		for {
+			if info, err := cons.Info(ctx); err == nil && info.NumPending == 0 && info.NumAckPending == 0 {
+				stop()
+				return
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}()
+	_ = w.consume(rctx, cons)
+	rows, err := w.db.QueryContext(ctx, `SELECT tenant, count(*) FROM orders GROUP BY tenant ORDER BY tenant`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	got := ""
+	for rows.Next() {
+		var tenant string
+		var n int
+		if err := rows.Scan(&tenant, &n); err != nil {
+			t.Fatal(err)
+		}
+		got += fmt.Sprintf("%s:%d ", tenant, n)
+	}
+	if got != "t1:1 t2:1 " {
+		t.Fatalf("orders per tenant: %q; want one for t1 and one for t2", got)
+	}
+}
