@@ -93,8 +93,10 @@ var DefaultStoredHeaders = append(slices.Clone(idem.DefaultStoredHeaders),
 //
 // A route protects every request the upstream's router would likely send to
 // the same handler: its pattern is matched without regard to the case of the
-// method or the path, with or without a trailing slash, and with the path
-// parameters of a segment (";jsessionid=…") ignored.
+// method or the path, with or without a trailing slash, with the path
+// parameters of a segment (";jsessionid=…") ignored, and, for a path with
+// percent-escapes, both decoded and as escaped ("/orders/a%2Fb" is
+// "PATCH /orders/{id}").
 type Route struct {
 	// Pattern is a net/http.ServeMux pattern: "POST /orders",
 	// "PATCH /orders/{id}", "/payments/" (a subtree). Without a method, POST and
@@ -522,16 +524,40 @@ func matchPaths(p string) (string, string) {
 	return p, p + "/"
 }
 
-// match returns the route of r, or nil.
+// match returns the route of r, or nil. The path is tried as net/http decoded
+// it (as Django, Flask and Spring route) and, when it holds percent-escapes,
+// as the client escaped it, segment by segment (as Express, Rails and
+// ServeMux route): "/orders/a%2Fb" is one segment there, "a/b", and
+// "/orders/%2e%2e" the segment "..", both PATCH /orders/{id}.
 func (p *Proxy) match(r *http.Request) *route {
+	method := strings.ToUpper(r.Method)
 	first, alt := matchPaths(r.URL.Path)
-	probe := &http.Request{Method: strings.ToUpper(r.Method), Host: r.Host, URL: &url.URL{Path: first}, Header: http.Header{}}
-	for _, path := range []string{first, alt} {
+	if rt := p.probe(method, r.Host, false, first, alt); rt != nil {
+		return rt
+	}
+	if esc := r.URL.EscapedPath(); strings.IndexByte(esc, '%') >= 0 {
+		first, alt := matchPaths(esc)
+		return p.probe(method, r.Host, true, first, alt)
+	}
+	return nil
+}
+
+// probe returns the route the mux holds for method and one of paths, or nil;
+// escaped paths keep their escapes (an escaped "/" stays in its segment).
+func (p *Proxy) probe(method, host string, escaped bool, paths ...string) *route {
+	for _, path := range paths {
 		if path == "" {
 			continue
 		}
-		probe.URL.Path = path
-		probe.RequestURI = path
+		u := &url.URL{Path: path}
+		if escaped {
+			dec, err := url.PathUnescape(path)
+			if err != nil {
+				continue
+			}
+			u = &url.URL{Path: dec, RawPath: path}
+		}
+		probe := &http.Request{Method: method, Host: host, URL: u, RequestURI: path, Header: http.Header{}}
 		h, _ := p.mux.Handler(probe)
 		if rt, ok := h.(*route); ok {
 			return rt
