@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"sync/atomic"
 	"testing"
 
@@ -43,5 +44,78 @@ func TestEscapedPathSegmentsAreKeyed(t *testing.T) {
 	// What the upstream routes elsewhere stays unkeyed.
 	if a := send(t, "PATCH", px.url+"/orders/a%2Fb/c", `{}`); a.status != 404 {
 		t.Errorf("PATCH /orders/a%%2Fb/c without a key: %d %s, want the upstream's 404", a.status, a.body)
+	}
+}
+
+// methodOverride is what Express's method-override, Rack, Symfony and
+// ASP.NET Core do before routing: a POST with X-HTTP-Method-Override (or, in
+// Symfony and Laravel, a _method query parameter) is taken for that method.
+func methodOverride(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodPost {
+			if m := r.Header.Get("X-HTTP-Method-Override"); m != "" {
+				r.Method = strings.ToUpper(m)
+			} else if m := r.URL.Query().Get("_method"); m != "" {
+				r.Method = strings.ToUpper(m)
+			}
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+// TestMethodOverrideIsKeyed: a POST that the upstream's framework takes for a
+// PATCH (X-HTTP-Method-Override, ?_method=PATCH) reaches PATCH /orders/{id},
+// so it is keyed there. Before, it matched no keyed route (the route keys
+// PATCH) and passed through unprotected: two requests with one key ran twice.
+// And a route that keys the request's method wins over one that matches the
+// path only: PUT /payments/ is PUT /payments, not the method-less /payments/
+// subtree (which keys POST and PATCH).
+func TestMethodOverrideIsKeyed(t *testing.T) {
+	t.Parallel()
+	var runs atomic.Int64
+	mux := http.NewServeMux()
+	count := func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		fmt.Fprintf(w, "%s %s", r.Method, r.URL.Path)
+	}
+	mux.HandleFunc("PATCH /orders/{id}", count)
+	mux.HandleFunc("PUT /payments/", count)
+	up := httptest.NewServer(methodOverride(mux))
+	t.Cleanup(up.Close)
+	var unrouted atomic.Int64
+	px := startProxy(t, up.URL, proxy.Config{
+		Routes:     []proxy.Route{{Pattern: "PATCH /orders/{id}"}, {Pattern: "/payments/"}, {Pattern: "PUT /payments"}},
+		OnUnrouted: func(string, string) { unrouted.Add(1) },
+	})
+	cases := []struct {
+		method, path string
+		header       []string
+	}{
+		{"POST", "/orders/1", []string{"X-HTTP-Method-Override", "PATCH"}},
+		{"POST", "/orders/2", []string{"X-HTTP-Method-Override", "patch"}},
+		{"POST", "/orders/3?_method=PATCH", nil},
+		{"PUT", "/payments/", nil},
+	}
+	for i, c := range cases {
+		before := runs.Load()
+		for j := range 2 {
+			h := append([]string{"Idempotency-Key", fmt.Sprint("override-", i)}, c.header...)
+			if a := send(t, c.method, px.url+c.path, `{"amount":1}`, h...); a.status != 200 || (j == 1) != (a.header.Get(idem.ReplayedHeader) == "true") {
+				t.Errorf("%s %s %v, attempt %d: %d %v %s, want 200 (the second replayed)", c.method, c.path, c.header, j+1, a.status, a.header, a.body)
+			}
+		}
+		if n := runs.Load() - before; n != 1 {
+			t.Errorf("%s %s %v twice with one key: the upstream ran %d times, want 1", c.method, c.path, c.header, n)
+		}
+		if a := send(t, c.method, px.url+c.path, `{"amount":1}`, c.header...); a.status != 400 {
+			t.Errorf("%s %s %v without a key: %d %s, want 400 idempotency_key_missing", c.method, c.path, c.header, a.status, a.body)
+		}
+	}
+	if n := unrouted.Load(); n != 0 {
+		t.Errorf("%d requests counted as unrouted, want 0", n)
+	}
+	// A plain POST on the PATCH route is not keyed (the upstream answers 405).
+	if a := send(t, "POST", px.url+"/orders/1", `{}`); a.status != 405 {
+		t.Errorf("POST /orders/1 without a key or an override: %d %s, want the upstream's 405", a.status, a.body)
 	}
 }

@@ -314,8 +314,10 @@ func New(cfg Config) (*Proxy, error) {
 			stored = DefaultStoredHeaders
 		}
 		mw, err := idem.New(store, &idem.Config{
-			KeepFunc:       keep,
-			Methods:        methods,
+			KeepFunc: keep,
+			// Only keyed requests reach the middleware (see match): those of
+			// the route's methods, and POSTs that override their method to one.
+			Methods:        append(slices.Clone(methods), http.MethodPost),
 			KeyOptional:    rt.KeyOptional,
 			Lease:          rt.Lease,
 			TTL:            rt.TTL,
@@ -524,65 +526,107 @@ func matchPaths(p string) (string, string) {
 	return p, p + "/"
 }
 
-// match returns the route of r, or nil. The path is tried as net/http decoded
-// it (as Django, Flask and Spring route) and, when it holds percent-escapes,
-// as the client escaped it, segment by segment (as Express, Rails and
-// ServeMux route): "/orders/a%2Fb" is one segment there, "a/b", and
-// "/orders/%2e%2e" the segment "..", both PATCH /orders/{id}.
-func (p *Proxy) match(r *http.Request) *route {
-	method := strings.ToUpper(r.Method)
-	first, alt := matchPaths(r.URL.Path)
-	if rt := p.probe(method, r.Host, false, first, alt); rt != nil {
-		return rt
+// match returns the route of r, or nil, and whether that route keys r. The
+// path is tried as net/http decoded it (as Django, Flask and Spring route)
+// and, when it holds percent-escapes, as the client escaped it, segment by
+// segment (as Express, Rails and ServeMux route): "/orders/a%2Fb" is one
+// segment there, "a/b", and "/orders/%2e%2e" the segment "..", both
+// PATCH /orders/{id}. A POST that asks its upstream to take it for another
+// method (overrideMethod) is also tried as that method. A route that keys the
+// request wins over one that matches its path only.
+func (p *Proxy) match(r *http.Request) (*route, bool) {
+	type candidate struct {
+		path    string
+		escaped bool
 	}
+	var cands []candidate
+	first, alt := matchPaths(r.URL.Path)
+	cands = append(cands, candidate{first, false}, candidate{alt, false})
 	if esc := r.URL.EscapedPath(); strings.IndexByte(esc, '%') >= 0 {
 		first, alt := matchPaths(esc)
-		return p.probe(method, r.Host, true, first, alt)
+		cands = append(cands, candidate{first, true}, candidate{alt, true})
 	}
-	return nil
+	methods := []string{strings.ToUpper(r.Method)}
+	if m := overrideMethod(r); m != "" {
+		methods = append(methods, m)
+	}
+	var found *route
+	for _, m := range methods {
+		for _, c := range cands {
+			if rt := p.probe(m, r.Host, c.path, c.escaped); rt != nil {
+				if rt.keyed[m] {
+					return rt, true
+				}
+				if found == nil {
+					found = rt
+				}
+			}
+		}
+	}
+	return found, false
 }
 
-// probe returns the route the mux holds for method and one of paths, or nil;
-// escaped paths keep their escapes (an escaped "/" stays in its segment).
-func (p *Proxy) probe(method, host string, escaped bool, paths ...string) *route {
-	for _, path := range paths {
-		if path == "" {
-			continue
-		}
-		u := &url.URL{Path: path}
-		if escaped {
-			dec, err := url.PathUnescape(path)
-			if err != nil {
-				continue
-			}
-			u = &url.URL{Path: dec, RawPath: path}
-		}
-		probe := &http.Request{Method: method, Host: host, URL: u, RequestURI: path, Header: http.Header{}}
-		h, _ := p.mux.Handler(probe)
-		if rt, ok := h.(*route); ok {
-			return rt
+// methodOverrideHeaders are the headers with which frameworks let a POST stand
+// for another method: X-HTTP-Method-Override (Express's method-override, Rack,
+// Symfony and Laravel, ASP.NET Core), X-HTTP-Method (OData), X-Method-Override.
+var methodOverrideHeaders = []string{"X-Http-Method-Override", "X-Http-Method", "X-Method-Override"}
+
+// overrideMethod is the method a POST asks its upstream to take it for (an
+// override header, or a _method query parameter, as Symfony and Laravel read
+// it), upper-cased, or "".
+func overrideMethod(r *http.Request) string {
+	if !strings.EqualFold(r.Method, http.MethodPost) {
+		return ""
+	}
+	for _, h := range methodOverrideHeaders {
+		if v := strings.TrimSpace(r.Header.Get(h)); v != "" {
+			return strings.ToUpper(v)
 		}
 	}
-	return nil
+	if strings.Contains(r.URL.RawQuery, "_method") {
+		if v := strings.TrimSpace(r.URL.Query().Get("_method")); v != "" {
+			return strings.ToUpper(v)
+		}
+	}
+	return ""
+}
+
+// probe returns the route the mux holds for method and path, or nil; an
+// escaped path keeps its escapes (an escaped "/" stays in its segment).
+func (p *Proxy) probe(method, host, path string, escaped bool) *route {
+	if path == "" {
+		return nil
+	}
+	u := &url.URL{Path: path}
+	if escaped {
+		dec, err := url.PathUnescape(path)
+		if err != nil {
+			return nil
+		}
+		u = &url.URL{Path: dec, RawPath: path}
+	}
+	probe := &http.Request{Method: method, Host: host, URL: u, RequestURI: path, Header: http.Header{}}
+	h, _ := p.mux.Handler(probe)
+	rt, _ := h.(*route)
+	return rt
 }
 
 // ServeHTTP forwards r upstream: through the idem middleware when a route
 // matches, as it is otherwise.
 func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	rt := p.match(r)
+	rt, keyed := p.match(r)
 	hasKey := len(r.Header.Values(p.keyHeader)) > 0
-	keyed := rt != nil && rt.keyed[strings.ToUpper(r.Method)]
 	if hasKey && !keyed && !safeMethod(r.Method) {
 		p.unroutedKey(r)
 		if p.unrouted != nil {
 			rt, keyed = p.unrouted, true
 		}
 	}
-	if rt == nil {
+	if !keyed {
 		p.bare.ServeHTTP(w, r)
 		return
 	}
-	if keyed && hasKey {
+	if hasKey {
 		if r.Header.Get("Upgrade") != "" {
 			writeProblem(w, http.StatusBadRequest, CodeUpgradeRefused, "A keyed request cannot upgrade the connection",
 				"the request carries an Idempotency-Key and asks to upgrade the connection ("+r.Header.Get("Upgrade")+"); an upgraded connection has no answer to keep: send it without Upgrade, or without the key")
