@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"net/netip"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -117,5 +118,49 @@ func TestMethodOverrideIsKeyed(t *testing.T) {
 	// A plain POST on the PATCH route is not keyed (the upstream answers 405).
 	if a := send(t, "POST", px.url+"/orders/1", `{}`); a.status != 405 {
 		t.Errorf("POST /orders/1 without a key or an override: %d %s, want the upstream's 405", a.status, a.body)
+	}
+}
+
+// TestSpoofedForwardingHeadersAreRemoved: gunicorn (secure_scheme_headers,
+// forwarded_allow_ips 127.0.0.1) and Rails (trusted proxies include loopback)
+// take X-Forwarded-Ssl: on, X-Forwarded-Protocol: ssl or X-Forwarded-Scheme
+// from the proxy's address as "the client used https", and X-Real-IP as the
+// client's address. Before, a client's own such headers passed through,
+// although X-Forwarded-Proto and -Host from an untrusted peer are replaced;
+// now they pass from a trusted hop only.
+func TestSpoofedForwardingHeadersAreRemoved(t *testing.T) {
+	t.Parallel()
+	seen := make(chan http.Header, 4)
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		seen <- r.Header.Clone()
+		w.WriteHeader(201)
+	}))
+	t.Cleanup(up.Close)
+	spoof := []string{"X-Forwarded-Ssl", "on", "X-Forwarded-Scheme", "https", "X-Forwarded-Protocol", "ssl", "X-Forwarded-Port", "443",
+		"X-Forwarded-Prefix", "/evil", "X-Url-Scheme", "https", "Front-End-Https", "on", "X-Real-IP", "203.0.113.9", "X-Forwarded-Server", "gw"}
+	for _, trusted := range []bool{false, true} {
+		cfg := proxy.Config{Routes: []proxy.Route{{Pattern: "POST /orders"}}}
+		if trusted {
+			cfg.TrustForwarded = []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")}
+		}
+		px := startProxy(t, up.URL, cfg)
+		for _, key := range []string{"spoof", ""} { // keyed, and unkeyed (passed through)
+			h := spoof
+			method := "POST"
+			if key != "" {
+				h = append([]string{"Idempotency-Key", key}, spoof...)
+			} else {
+				method = "PUT"
+			}
+			if a := send(t, method, px.url+"/orders", `{}`, h...); a.status != 201 {
+				t.Fatalf("trusted %v, %s: %d %s", trusted, method, a.status, a.body)
+			}
+			got := <-seen
+			for i := 0; i < len(spoof); i += 2 {
+				if v := got.Get(spoof[i]); (v == spoof[i+1]) != trusted {
+					t.Errorf("trusted hop %v, %s: the upstream received %s %q", trusted, method, spoof[i], v)
+				}
+			}
+		}
 	}
 }

@@ -183,8 +183,10 @@ type Config struct {
 	// TrustForwarded are the networks of the hops in front of the proxy (a
 	// gateway terminating TLS) whose X-Forwarded-Proto, X-Forwarded-Host and
 	// Forwarded headers are passed on; from other peers they are replaced
-	// (X-Forwarded-Proto, -Host) or removed (Forwarded). X-Forwarded-For is
-	// always appended to, as nginx and Envoy do.
+	// (X-Forwarded-Proto, -Host) or removed (Forwarded, and X-Forwarded-Ssl,
+	// -Scheme, -Protocol, -Port, -Prefix, -Server, X-Url-Scheme,
+	// Front-End-Https and X-Real-IP, which upstreams read the same way).
+	// X-Forwarded-For is always appended to, as nginx and Envoy do.
 	TrustForwarded []netip.Prefix
 	// PreserveHost sends the client's Host upstream instead of the upstream's
 	// host.
@@ -970,6 +972,9 @@ func (f *forwarding) rewrite(pr *httputil.ProxyRequest) {
 		}
 	} else {
 		out.Header.Del("Forwarded")
+		for _, h := range forwardingHeaders {
+			out.Header.Del(h)
+		}
 	}
 	if f.preserveHost {
 		out.Host = in.Host
@@ -985,6 +990,16 @@ func (f *forwarding) rewrite(pr *httputil.ProxyRequest) {
 		// connection for a keyed request, and sends Content-Length: 0.)
 		out.Body, out.ContentLength = emptyBody{}, 0
 	}
+}
+
+// forwardingHeaders are the other headers with which a hop in front tells the
+// upstream how the client reached it; upstreams trust them from the proxy's
+// address (gunicorn's secure_scheme_headers and Rails' trusted proxies include
+// loopback by default), so a client must not be able to set them: they pass
+// from a trusted hop only, as X-Forwarded-Proto and -Host.
+var forwardingHeaders = []string{
+	"X-Forwarded-Ssl", "X-Forwarded-Scheme", "X-Forwarded-Protocol", "X-Forwarded-Port",
+	"X-Forwarded-Prefix", "X-Forwarded-Server", "X-Url-Scheme", "Front-End-Https", "X-Real-Ip",
 }
 
 // forwardedFor is the Forwarded element (RFC 7239) of the peer at remoteAddr.
