@@ -211,7 +211,10 @@ func JWTScope(cfg JWTConfig) (Scope, error) {
 		var std jwt.Claims
 		var all map[string]json.RawMessage
 		if err := tok.Claims(key.Key, &std, &all); err != nil {
-			return "", errors.New("the bearer token's signature does not verify with the configured keys")
+			if errors.Is(err, jose.ErrCryptoFailure) {
+				return "", errors.New("the bearer token's signature does not verify with the configured keys")
+			}
+			return "", fmt.Errorf("the bearer token's claims are not valid JWT claims: %v", err)
 		}
 		now := cfg.NowFunc()
 		exp := jwt.Expected{Issuer: cfg.Issuer, Time: now}
@@ -247,7 +250,9 @@ func JWTScope(cfg JWTConfig) (Scope, error) {
 func pickKey(keys []jose.JSONWebKey, h jose.Header) (jose.JSONWebKey, error) {
 	var key *jose.JSONWebKey
 	for i := range keys {
-		if keys[i].KeyID == h.KeyID || (len(keys) == 1 && keys[i].KeyID == "") {
+		// The only key verifies a token that names none (kid is optional,
+		// RFC 7515), or one whose kid it lacks.
+		if keys[i].KeyID == h.KeyID || (len(keys) == 1 && (keys[i].KeyID == "" || h.KeyID == "")) {
 			key = &keys[i]
 			break
 		}
