@@ -259,6 +259,9 @@ func LoadFile(path string) (*File, error) {
 	n := 0
 	if f.Scope.Header != "" {
 		n++
+		if err := CheckScopeHeader(f.Scope.Header); err != nil {
+			return nil, fmt.Errorf("%s: scope.header: %w", path, err)
+		}
 	}
 	if f.Scope.Bearer {
 		n++

@@ -99,6 +99,8 @@ func TestLoadFileRefusesAmbiguity(t *testing.T) {
 		"scope.yaml": {"upstream: http://a\nscope: all\n", "write none"},
 		"field.yaml": {"upstream: http://a\nscope: {headr: X}\n", "headr"},
 		"cidr.yaml":  {"upstream: http://a\ntrust_forwarded: [10.0.0.0/33]\n", "not a CIDR"},
+		"auth.yaml":  {"upstream: http://a\nscope: {header: authorization}\n", "--scope-bearer"},
+		"name.yaml":  {"upstream: http://a\nscope: {header: \"X: Tenant\"}\n", "not a header name"},
 	} {
 		_, err := proxy.LoadFile(writeFile(t, dir, name, c.text))
 		if err == nil || !strings.Contains(err.Error(), c.want) {

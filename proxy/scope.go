@@ -35,7 +35,8 @@ var ErrNoScope = errors.New("no scope")
 // a gateway in front of the proxy that authenticated the caller. A missing or
 // empty header is refused. Use it only when clients cannot set the header
 // themselves. HeaderScope("Host") keys by the request's host (lower case,
-// port included): one tenant per host name.
+// port included): one tenant per host name. Check name with
+// CheckScopeHeader first.
 func HeaderScope(name string) Scope {
 	name = http.CanonicalHeaderKey(name)
 	if name == "Host" {
@@ -59,6 +60,22 @@ func HeaderScope(name string) Scope {
 		}
 		return v, nil
 	})
+}
+
+// CheckScopeHeader says what is wrong with name as HeaderScope's header, or
+// nil: it must be a header name (an RFC 9110 token), and not one that carries
+// a secret (Authorization, Proxy-Authorization, Cookie), which HeaderScope
+// would store in the clear as the scope of every record (use BearerScope,
+// which stores a token's SHA-256, or JWTScope).
+func CheckScopeHeader(name string) error {
+	if name == "" || strings.IndexFunc(name, func(r rune) bool { return r > '~' || r <= ' ' || strings.ContainsRune("\"(),/:;<=>?@[\\]{}", r) }) >= 0 {
+		return fmt.Errorf("scope header %q is not a header name; write one such as X-Tenant-ID", name)
+	}
+	switch http.CanonicalHeaderKey(name) {
+	case "Authorization", "Proxy-Authorization", "Cookie":
+		return fmt.Errorf("scope header %s carries credentials, which would be stored in the clear as the scope of every record; take the tenant from the bearer token instead (--scope-bearer stores its SHA-256, --scope-jwt-claim a verified claim)", http.CanonicalHeaderKey(name))
+	}
+	return nil
 }
 
 // BearerScope takes the scope from the bearer token (Authorization: Bearer
