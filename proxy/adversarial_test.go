@@ -1,13 +1,17 @@
 package proxy_test
 
 import (
+	"bufio"
 	"fmt"
+	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/proxy"
@@ -162,5 +166,99 @@ func TestSpoofedForwardingHeadersAreRemoved(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// TestUnroutedKeyedRequestIsNotResent: a request that carries an
+// Idempotency-Key but matches no keyed route goes upstream unprotected, on a
+// pooled connection. net/http's Transport treats a bodiless request with that
+// header as replayable, and re-sends it on a new connection when a reused one
+// fails after the request was written: the proxy itself then ran the
+// operation twice. The upstream here reads the second request on a
+// connection, then closes it without answering (a crash mid-request).
+func TestUnroutedKeyedRequestIsNotResent(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	var deletes atomic.Int64
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				br := bufio.NewReader(c)
+				for n := 0; ; n++ {
+					req, err := http.ReadRequest(br)
+					if err != nil {
+						return
+					}
+					_, _ = io.Copy(io.Discard, req.Body)
+					if req.Method == http.MethodDelete && req.Header.Get("Idempotency-Key") == "delete-once" {
+						deletes.Add(1)
+					}
+					if n == 1 {
+						return // the second request on a connection: read, then the connection drops
+					}
+					_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+				}
+			}()
+		}
+	}()
+	px := startProxy(t, "http://"+ln.Addr().String(), proxy.Config{Routes: []proxy.Route{{Pattern: "POST /orders"}}})
+	// One connection to the upstream, so that the DELETE reuses it.
+	tr := &http.Transport{MaxConnsPerHost: 1}
+	t.Cleanup(tr.CloseIdleConnections)
+	c := &http.Client{Transport: tr, Timeout: 30 * time.Second}
+	resp, err := c.Get(px.url + "/warm")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	req, _ := http.NewRequest(http.MethodDelete, px.url+"/orders/1", nil)
+	req.Header.Set("Idempotency-Key", "delete-once")
+	if resp, err := c.Do(req); err == nil {
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusBadGateway {
+			t.Errorf("DELETE whose connection dropped after it was read: %d, want 502", resp.StatusCode)
+		}
+	}
+	if n := deletes.Load(); n != 1 {
+		t.Errorf("one DELETE sent: the upstream read it %d times, want 1", n)
+	}
+}
+
+// TestBodilessKeyedRequestOnACustomTransportIsNotChunked: with a Transport
+// of the caller's, a keyed POST without a body went upstream chunked (the
+// proxy gave it a body of unknown length, so that net/http would not re-send
+// it), which upstreams that read by Content-Length cannot parse.
+func TestBodilessKeyedRequestOnACustomTransportIsNotChunked(t *testing.T) {
+	t.Parallel()
+	seen := make(chan string, 2)
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		seen <- fmt.Sprintf("TE %v, Content-Length %q, key %q", r.TransferEncoding, r.Header.Get("Content-Length"), r.Header.Get("Idempotency-Key"))
+		w.WriteHeader(201)
+	}))
+	t.Cleanup(up.Close)
+	tr := &http.Transport{}
+	t.Cleanup(tr.CloseIdleConnections)
+	px := startProxy(t, up.URL, proxy.Config{Transport: tr})
+	for i := range 2 {
+		if a := send(t, "POST", px.url+"/orders", "", "Idempotency-Key", "bodiless"); a.status != 201 {
+			t.Fatalf("attempt %d: %d %s", i+1, a.status, a.body)
+		}
+	}
+	if got, want := <-seen, `TE [], Content-Length "0", key "bodiless"`; got != want {
+		t.Errorf("the upstream received %s, want %s", got, want)
+	}
+	if len(seen) != 0 {
+		t.Errorf("the upstream ran the request twice: %s", <-seen)
 	}
 }

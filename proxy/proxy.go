@@ -979,16 +979,27 @@ func (f *forwarding) rewrite(pr *httputil.ProxyRequest) {
 	if f.preserveHost {
 		out.Host = in.Host
 	}
-	if c, _ := in.Context().Value(callKey{}).(*call); c != nil {
+	c, _ := in.Context().Value(callKey{}).(*call)
+	if c != nil {
 		c.origin = proto + "://" + host
 	}
-	if f.customTransport && (out.Body == nil || out.Body == http.NoBody) && replayableByKey(out) {
+	fresh := c != nil && c.keyed && !f.customTransport // the keyed transport: never a reused connection
+	if !fresh && (out.Body == nil || out.Body == http.NoBody) && replayableByKey(out) {
 		// net/http's Transport re-sends a request without a body that carries an
 		// Idempotency-Key when a reused connection fails after the request was
-		// written, which could run the operation twice: a body of its own
-		// makes it not replayable. (The proxy's own transport never reuses a
-		// connection for a keyed request, and sends Content-Length: 0.)
-		out.Body, out.ContentLength = emptyBody{}, 0
+		// written, which could run the operation twice. It looks the header up
+		// by its canonical name: sent under its lower-case name (header names
+		// are case-insensitive; HTTP/2 lower-cases them anyway), the request is
+		// not replayable. (A body of its own would make it so too, but go up
+		// chunked.) This matters for a request passed through unprotected (it
+		// matched no keyed route) on a pooled connection, and for any request
+		// on a Transport of the caller's.
+		for _, h := range []string{"Idempotency-Key", "X-Idempotency-Key"} {
+			if v, ok := out.Header[h]; ok {
+				delete(out.Header, h)
+				out.Header[strings.ToLower(h)] = v
+			}
+		}
 	}
 }
 
@@ -1085,11 +1096,6 @@ func replayableByKey(r *http.Request) bool {
 	}
 	return len(r.Header["Idempotency-Key"]) > 0 || len(r.Header["X-Idempotency-Key"]) > 0
 }
-
-type emptyBody struct{}
-
-func (emptyBody) Read([]byte) (int, error) { return 0, io.EOF }
-func (emptyBody) Close() error             { return nil }
 
 func writeProblem(w http.ResponseWriter, status int, code, title, detail string) {
 	idem.WriteProblem(w, idem.Problem{Type: ProblemTypeBase + code, Title: title, Status: status, Detail: detail, Code: code}, 0)
