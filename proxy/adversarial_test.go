@@ -262,3 +262,28 @@ func TestBodilessKeyedRequestOnACustomTransportIsNotChunked(t *testing.T) {
 		t.Errorf("the upstream ran the request twice: %s", <-seen)
 	}
 }
+
+// TestKeyUnroutedKeysOnlyItsMethods: strict mode keys POST, PUT, PATCH and
+// DELETE on no route; another method with a key (PURGE, a WebDAV MKCOL) is
+// passed through, as without strict mode. Before, it was sent through the
+// key checks anyway: without a scope it got 401, and the warning said "keyed
+// anyway".
+func TestKeyUnroutedKeysOnlyItsMethods(t *testing.T) {
+	t.Parallel()
+	var runs atomic.Int64
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		w.WriteHeader(200)
+	}))
+	t.Cleanup(up.Close)
+	px := startProxy(t, up.URL, proxy.Config{Routes: []proxy.Route{{Pattern: "POST /orders"}}, KeyUnrouted: true, Scope: proxy.HeaderScope("X-Tenant-ID")})
+	for _, m := range []string{"PURGE", "MKCOL"} {
+		if a := send(t, m, px.url+"/cache/x", "", "Idempotency-Key", "k-"+m); a.status != 200 {
+			t.Errorf("%s with a key on no route, strict mode: %d %s, want the upstream's 200", m, a.status, a.body)
+		}
+	}
+	wantProblem(t, send(t, "PUT", px.url+"/cache/x", "", "Idempotency-Key", "k-put"), 401, proxy.CodeScopeMissing)
+	if n := runs.Load(); n != 2 {
+		t.Errorf("the upstream ran %d requests, want 2", n)
+	}
+}

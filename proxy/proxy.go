@@ -619,8 +619,9 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	rt, keyed := p.match(r)
 	hasKey := len(r.Header.Values(p.keyHeader)) > 0
 	if hasKey && !keyed && !safeMethod(r.Method) {
-		p.unroutedKey(r)
-		if p.unrouted != nil {
+		strict := p.unrouted != nil && p.unrouted.keyed[strings.ToUpper(r.Method)]
+		p.unroutedKey(r, strict)
+		if strict {
 			rt, keyed = p.unrouted, true
 		}
 	}
@@ -671,8 +672,9 @@ func safeMethod(m string) bool {
 }
 
 // unroutedKey reports a request that carries a key but matches no keyed
-// route: to OnUnrouted every time, to the log once per method and path.
-func (p *Proxy) unroutedKey(r *http.Request) {
+// route: to OnUnrouted every time, to the log once per method and path;
+// strict says it is keyed anyway (KeyUnrouted, and a method it keys).
+func (p *Proxy) unroutedKey(r *http.Request, strict bool) {
 	path, _ := matchPaths(r.URL.Path)
 	if len(path) > 200 {
 		path = path[:200] + "…"
@@ -692,7 +694,9 @@ func (p *Proxy) unroutedKey(r *http.Request) {
 	}
 	p.warned[id] = true
 	what := "passed through unprotected: add a route for it, or start the proxy with --key-unrouted"
-	if p.unrouted != nil {
+	if p.unrouted != nil && !strict {
+		what = "passed through unprotected (--key-unrouted keys POST, PUT, PATCH and DELETE only): add a route for it"
+	} else if strict {
 		what = "keyed anyway (--key-unrouted), with the default route settings"
 	}
 	more := ""
