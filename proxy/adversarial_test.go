@@ -287,3 +287,29 @@ func TestKeyUnroutedKeysOnlyItsMethods(t *testing.T) {
 		t.Errorf("the upstream ran %d requests, want 2", n)
 	}
 }
+
+// TestForwardedOnlyGateway: a trusted gateway that says how the client came
+// in with Forwarded only (RFC 7239: proto=https;host=shop.example) and no
+// X-Forwarded-Proto/-Host. Before, the upstream got X-Forwarded-Proto: http
+// and the proxy's host (Django's SECURE_SSL_REDIRECT then redirects in a loop),
+// and a Location naming the upstream was rewritten to http://<proxy>.
+func TestForwardedOnlyGateway(t *testing.T) {
+	t.Parallel()
+	seen := make(chan http.Header, 2)
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		seen <- r.Header.Clone()
+		w.Header().Set("Location", "http://"+r.Host+"/orders/1")
+		w.WriteHeader(201)
+	}))
+	t.Cleanup(up.Close)
+	px := startProxy(t, up.URL, proxy.Config{TrustForwarded: []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")}})
+	a := send(t, "POST", px.url+"/orders", `{}`, "Idempotency-Key", "fwd-only", "Forwarded", `for=198.51.100.1;proto=http, for=203.0.113.7;proto=https;host="shop.example"`)
+	if loc := a.header.Get("Location"); a.status != 201 || loc != "https://shop.example/orders/1" {
+		t.Errorf("%d, Location %q, want 201 with https://shop.example/orders/1", a.status, loc)
+	}
+	h := <-seen
+	if h.Get("X-Forwarded-Proto") != "https" || h.Get("X-Forwarded-Host") != "shop.example" || !strings.HasSuffix(h.Get("Forwarded"), ", for=127.0.0.1") {
+		t.Errorf("the upstream received X-Forwarded-Proto %q, X-Forwarded-Host %q, Forwarded %q; want https, shop.example and the peer appended",
+			h.Get("X-Forwarded-Proto"), h.Get("X-Forwarded-Host"), h.Get("Forwarded"))
+	}
+}

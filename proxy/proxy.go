@@ -973,6 +973,21 @@ func (f *forwarding) rewrite(pr *httputil.ProxyRequest) {
 		}
 		if v := in.Header.Values("Forwarded"); len(v) > 0 {
 			out.Header.Set("Forwarded", strings.Join(append(slices.Clone(v), forwardedFor(in.RemoteAddr)), ", "))
+			// A gateway that sends only Forwarded (RFC 7239): upstreams that read
+			// X-Forwarded-Proto and -Host (Django's SECURE_PROXY_SSL_HEADER,
+			// Rails) learn the same from them. Its own element is the last.
+			if len(in.Header.Values("X-Forwarded-Proto")) == 0 {
+				if p := forwardedParam(v, "proto"); p != "" {
+					out.Header.Set("X-Forwarded-Proto", p)
+					proto = p
+				}
+			}
+			if len(in.Header.Values("X-Forwarded-Host")) == 0 {
+				if h := forwardedParam(v, "host"); h != "" {
+					out.Header.Set("X-Forwarded-Host", h)
+					host = h
+				}
+			}
 		}
 	} else {
 		out.Header.Del("Forwarded")
@@ -1015,6 +1030,23 @@ func (f *forwarding) rewrite(pr *httputil.ProxyRequest) {
 var forwardingHeaders = []string{
 	"X-Forwarded-Ssl", "X-Forwarded-Scheme", "X-Forwarded-Protocol", "X-Forwarded-Port",
 	"X-Forwarded-Prefix", "X-Forwarded-Server", "X-Url-Scheme", "Front-End-Https", "X-Real-Ip",
+}
+
+// forwardedParam is the value of param in the last element of the Forwarded
+// header lines v (the one the nearest hop added), unquoted, or "".
+func forwardedParam(v []string, param string) string {
+	elems := strings.Split(v[len(v)-1], ",")
+	for _, pair := range strings.Split(elems[len(elems)-1], ";") {
+		k, val, ok := strings.Cut(strings.TrimSpace(pair), "=")
+		if ok && strings.EqualFold(strings.TrimSpace(k), param) {
+			val = strings.TrimSpace(val)
+			if len(val) >= 2 && val[0] == '"' && val[len(val)-1] == '"' {
+				val = val[1 : len(val)-1]
+			}
+			return val
+		}
+	}
+	return ""
 }
 
 // forwardedFor is the Forwarded element (RFC 7239) of the peer at remoteAddr.
