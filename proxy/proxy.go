@@ -34,13 +34,14 @@ const ProblemTypeBase = "https://github.com/idemkit/idem/blob/main/docs/proxy.md
 const (
 	// CodeUpstreamUnreachable (502): the request did not reach the upstream
 	// (the connection, or its TLS handshake, failed, or the connection broke
-	// before all of the request was written), so it cannot have run there; the
-	// key was released and a retry runs afresh.
+	// before a byte of the request was written), so it cannot have run there;
+	// the key was released and a retry runs afresh.
 	CodeUpstreamUnreachable = "upstream_unreachable"
-	// CodeUpstreamFailed (502): the upstream failed after the whole request was
-	// sent (it closed the connection or broke off its answer), so whether the
-	// operation took effect is unknown; the key stays in flight until its lease
-	// lapses.
+	// CodeUpstreamFailed (502): the upstream failed after (part of) the
+	// request was written (it closed the connection or broke off its answer),
+	// so whether the operation took effect is unknown: most frameworks run a
+	// handler once its headers are in. The key stays in flight until its
+	// lease lapses.
 	CodeUpstreamFailed = "upstream_failed"
 	// CodeUpstreamTimeout (504): the upstream did not answer within
 	// Config.UpstreamTimeout; the outcome is unknown, as for upstream_failed.
