@@ -2,6 +2,8 @@ package proxy_test
 
 import (
 	"bufio"
+	"crypto/tls"
+	"crypto/x509"
 	"fmt"
 	"io"
 	"net"
@@ -311,5 +313,50 @@ func TestForwardedOnlyGateway(t *testing.T) {
 	if h.Get("X-Forwarded-Proto") != "https" || h.Get("X-Forwarded-Host") != "shop.example" || !strings.HasSuffix(h.Get("Forwarded"), ", for=127.0.0.1") {
 		t.Errorf("the upstream received X-Forwarded-Proto %q, X-Forwarded-Host %q, Forwarded %q; want https, shop.example and the peer appended",
 			h.Get("X-Forwarded-Proto"), h.Get("X-Forwarded-Host"), h.Get("Forwarded"))
+	}
+}
+
+// TestKeyedRequestsToAnHTTP2UpstreamUseFreshConnections: an https upstream
+// that speaks HTTP/2 (ALPN h2: Envoy, Caddy, Node's http2, a Go server).
+// Before, keyed requests went over one shared HTTP/2 connection, reused like
+// any pooled one, so the "new connection per keyed request" that keeps an
+// idle-closing upstream from stranding keys did not hold; now they speak
+// HTTP/1.1 on a connection of their own. Unkeyed requests keep HTTP/2.
+func TestKeyedRequestsToAnHTTP2UpstreamUseFreshConnections(t *testing.T) {
+	t.Parallel()
+	type seen struct {
+		proto  int
+		remote string
+	}
+	got := make(chan seen, 8)
+	up := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got <- seen{r.ProtoMajor, r.RemoteAddr}
+		w.WriteHeader(201)
+	}))
+	up.EnableHTTP2 = true
+	up.StartTLS()
+	t.Cleanup(up.Close)
+	pool := x509.NewCertPool()
+	pool.AddCert(up.Certificate())
+	px := startProxy(t, up.URL, proxy.Config{Routes: []proxy.Route{{Pattern: "POST /orders"}}, UpstreamTLS: &tls.Config{RootCAs: pool, ServerName: "example.com"}})
+	remotes := map[string]bool{}
+	for i := range 3 {
+		if a := send(t, "POST", px.url+"/orders", `{}`, "Idempotency-Key", fmt.Sprint("h2-", i)); a.status != 201 {
+			t.Fatalf("keyed POST %d: %d %s", i, a.status, a.body)
+		}
+		s := <-got
+		if s.proto != 1 {
+			t.Errorf("keyed POST %d reached the upstream over HTTP/%d, want HTTP/1.1", i, s.proto)
+		}
+		remotes[s.remote] = true
+	}
+	if len(remotes) != 3 {
+		t.Errorf("3 keyed requests came on %d connections, want 3", len(remotes))
+	}
+	if a := send(t, "GET", px.url+"/orders", ""); a.status != 201 {
+		t.Fatalf("unkeyed GET: %d %s", a.status, a.body)
+	}
+	if s := <-got; s.proto != 2 {
+		t.Errorf("an unkeyed request reached the upstream over HTTP/%d, want HTTP/2 (pooled)", s.proto)
 	}
 }

@@ -418,6 +418,11 @@ func transports(cfg Config) (pooled, fresh http.RoundTripper) {
 	// upstream that then stops reading the request, and closes, could reset
 	// the connection under its own answer.
 	k.MaxIdleConnsPerHost = -1
+	// And HTTP/1.1 only: HTTP/2 would multiplex keyed requests over one
+	// shared connection, kept and reused whatever MaxIdleConnsPerHost says.
+	k.ForceAttemptHTTP2 = false
+	k.TLSNextProto = map[string]func(string, *tls.Conn) http.RoundTripper{}
+	k.TLSClientConfig.NextProtos = nil
 	return t, k
 }
 
