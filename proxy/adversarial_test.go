@@ -101,6 +101,7 @@ func TestMethodOverrideIsKeyed(t *testing.T) {
 		{"POST", "/orders/1", []string{"X-HTTP-Method-Override", "PATCH"}},
 		{"POST", "/orders/2", []string{"X-HTTP-Method-Override", "patch"}},
 		{"POST", "/orders/3?_method=PATCH", nil},
+		{"POST", "/orders/4?%5Fmethod=patch", nil},
 		{"PUT", "/payments/", nil},
 	}
 	for i, c := range cases {

@@ -591,7 +591,7 @@ func overrideMethod(r *http.Request) string {
 			return strings.ToUpper(v)
 		}
 	}
-	if strings.Contains(r.URL.RawQuery, "_method") {
+	if r.URL.RawQuery != "" {
 		if v := strings.TrimSpace(r.URL.Query().Get("_method")); v != "" {
 			return strings.ToUpper(v)
 		}
