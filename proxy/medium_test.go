@@ -362,6 +362,19 @@ func TestJWTKeySetChecks(t *testing.T) {
 	if s, err := sc.Scope(req(sign(k2, "es", good))); err != nil || s != "acme" {
 		t.Errorf("the ES256 key: %q %v", s, err)
 	}
+	// One kid naming an RS256 and an ES256 key (a migration): the token's
+	// algorithm picks the key. Before, the first key with the kid was taken,
+	// and its alg refused the token.
+	both, err := proxy.JWTScope(proxy.JWTConfig{Keys: &jose.JSONWebKeySet{Keys: []jose.JSONWebKey{
+		{Key: &k.PublicKey, KeyID: "same", Algorithm: "RS256", Use: "sig"},
+		{Key: &k2.PublicKey, KeyID: "same", Algorithm: "ES256", Use: "sig"},
+	}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, err := both.Scope(req(sign(k2, "same", good))); err != nil || s != "acme" {
+		t.Errorf("kid same, an ES256 token: %q %v", s, err)
+	}
 	if _, err := proxy.JWTScope(proxy.JWTConfig{Keys: &jose.JSONWebKeySet{Keys: []jose.JSONWebKey{{Key: &k.PublicKey, KeyID: "e", Use: "enc"}}}}); err == nil {
 		t.Error("a key set of encryption keys only was accepted")
 	}

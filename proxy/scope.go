@@ -265,25 +265,28 @@ func JWTScope(cfg JWTConfig) (Scope, error) {
 // its kid names (or the only key, when neither names one), refusing a key
 // whose alg is not the token's.
 func pickKey(keys []jose.JSONWebKey, h jose.Header) (jose.JSONWebKey, error) {
-	var key *jose.JSONWebKey
+	var mismatch *jose.JSONWebKey
 	for i := range keys {
 		// The only key verifies a token that names none (kid is optional,
-		// RFC 7515), or one whose kid it lacks.
+		// RFC 7515), or one whose kid it lacks. One kid may name keys of
+		// several algorithms (an RSA and an EC key during a migration): the
+		// one for the token's is taken.
 		if keys[i].KeyID == h.KeyID || (len(keys) == 1 && (keys[i].KeyID == "" || h.KeyID == "")) {
-			key = &keys[i]
-			break
+			if keys[i].Algorithm == "" || keys[i].Algorithm == h.Algorithm {
+				return keys[i], nil
+			}
+			if mismatch == nil {
+				mismatch = &keys[i]
+			}
 		}
 	}
-	if key == nil {
-		if h.KeyID == "" {
-			return jose.JSONWebKey{}, errors.New("the bearer token names no key (no kid in its header), and the configured key set has more than one")
-		}
-		return jose.JSONWebKey{}, fmt.Errorf("the bearer token is signed with key %q, which is not a signature key of the configured key set", h.KeyID)
+	if mismatch != nil {
+		return jose.JSONWebKey{}, fmt.Errorf("the bearer token is signed with %s, but its key %q is for %s", h.Algorithm, mismatch.KeyID, mismatch.Algorithm)
 	}
-	if key.Algorithm != "" && key.Algorithm != h.Algorithm {
-		return jose.JSONWebKey{}, fmt.Errorf("the bearer token is signed with %s, but its key %q is for %s", h.Algorithm, key.KeyID, key.Algorithm)
+	if h.KeyID == "" {
+		return jose.JSONWebKey{}, errors.New("the bearer token names no key (no kid in its header), and the configured key set has more than one")
 	}
-	return *key, nil
+	return jose.JSONWebKey{}, fmt.Errorf("the bearer token is signed with key %q, which is not a signature key of the configured key set", h.KeyID)
 }
 
 // LoadJWKS reads a JSON Web Key Set ({"keys":[…]}) from a file.
