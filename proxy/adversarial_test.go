@@ -213,8 +213,9 @@ func TestUnroutedKeyedRequestIsNotResent(t *testing.T) {
 			}()
 		}
 	}()
-	px := startProxy(t, "http://"+ln.Addr().String(), proxy.Config{Routes: []proxy.Route{{Pattern: "POST /orders"}}})
-	// One connection to the upstream, so that the DELETE reuses it.
+	// The pooled connection stays idle long enough on a loaded machine.
+	px := startProxy(t, "http://"+ln.Addr().String(), proxy.Config{Routes: []proxy.Route{{Pattern: "POST /orders"}}, UpstreamIdleTimeout: time.Minute})
+	// The DELETE goes upstream on the connection the GET left idle.
 	tr := &http.Transport{MaxConnsPerHost: 1}
 	t.Cleanup(tr.CloseIdleConnections)
 	c := &http.Client{Transport: tr, Timeout: 30 * time.Second}
