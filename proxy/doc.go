@@ -36,7 +36,7 @@
 // default) are passed on without being kept.
 //
 // Routes match loosely (method and path case, a trailing slash, ";" segment
-// parameters), so that a route protects what a loose upstream router sends to
-// its handler; a request with a key that matches no route is reported
+// parameters, percent-escaped segments, a POST's X-HTTP-Method-Override), so
+// that a route protects what a loose upstream router sends to its handler; a request with a key that matches no route is reported
 // (Config.OnUnrouted), or keyed anyway (Config.KeyUnrouted).
 package proxy

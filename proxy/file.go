@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -99,15 +100,47 @@ func (s *FileScope) UnmarshalYAML(n *yaml.Node) error {
 	if n.Kind != yaml.MappingNode {
 		return fmt.Errorf("line %d: scope: write none, or a mapping with one of header, bearer and jwt", n.Line)
 	}
-	for i := 0; i+1 < len(n.Content); i += 2 {
-		switch k := n.Content[i].Value; k {
-		case "header", "bearer", "jwt":
-		default:
-			return fmt.Errorf("line %d: field %s not found in scope; use header, bearer or jwt", n.Content[i].Line, k)
-		}
+	if err := checkKeys(n, "scope", "header", "bearer", "jwt"); err != nil {
+		return err
 	}
 	type plain FileScope
 	return n.Decode((*plain)(s))
+}
+
+// checkKeys refuses a key of mapping n (merged mappings, "<<: *anchor",
+// included) that is not among allowed. A custom UnmarshalYAML decodes with a
+// decoder of its own, which does not refuse unknown fields as the file's does:
+// without this, a misspelt "audiance:" would be dropped, and tokens for any
+// audience accepted.
+func checkKeys(n *yaml.Node, where string, allowed ...string) error {
+	for n.Kind == yaml.AliasNode && n.Alias != nil {
+		n = n.Alias
+	}
+	switch n.Kind {
+	case yaml.SequenceNode: // "<<: [*a, *b]"
+		for _, c := range n.Content {
+			if err := checkKeys(c, where, allowed...); err != nil {
+				return err
+			}
+		}
+		return nil
+	case yaml.MappingNode:
+	default:
+		return nil // not a mapping: the decoder says so
+	}
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		k := n.Content[i]
+		if k.Kind == yaml.ScalarNode && k.ShortTag() == "!!merge" {
+			if err := checkKeys(n.Content[i+1], where, allowed...); err != nil {
+				return err
+			}
+			continue
+		}
+		if !slices.Contains(allowed, k.Value) {
+			return fmt.Errorf("line %d: field %s not found in %s; use %s", k.Line, k.Value, where, strings.Join(allowed, ", "))
+		}
+	}
+	return nil
 }
 
 // FileJWT configures JWTScope from a File.
@@ -120,6 +153,15 @@ type FileJWT struct {
 	// MaxTokenAge is JWTConfig.MaxTokenAge; AllowNoExp JWTConfig.AllowNoExp.
 	MaxTokenAge Duration `yaml:"max_token_age"`
 	AllowNoExp  bool     `yaml:"allow_no_exp"`
+}
+
+// UnmarshalYAML reads the jwt section, refusing unknown fields.
+func (j *FileJWT) UnmarshalYAML(n *yaml.Node) error {
+	if err := checkKeys(n, "scope.jwt", "jwks_file", "claim", "issuer", "audience", "leeway", "max_token_age", "allow_no_exp"); err != nil {
+		return err
+	}
+	type plain FileJWT
+	return n.Decode((*plain)(j))
 }
 
 // FileRoute is one route of a File.
@@ -198,6 +240,10 @@ func LoadFile(path string) (*File, error) {
 		}
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
+	var doc yaml.Node
+	if err := yaml.Unmarshal(b, &doc); err == nil && (len(doc.Content) == 0 || doc.Content[0].ShortTag() == "!!null") {
+		return nil, fmt.Errorf("%s is empty (a document with nothing in it); write at least upstream: and db: (see idem proxy --help)", path)
+	}
 	var more yaml.Node
 	if err := dec.Decode(&more); !errors.Is(err, io.EOF) {
 		return nil, fmt.Errorf("%s holds more than one YAML document (a second \"---\"); the proxy reads one: merge them, or remove the extra", path)
@@ -213,6 +259,9 @@ func LoadFile(path string) (*File, error) {
 	n := 0
 	if f.Scope.Header != "" {
 		n++
+		if err := CheckScopeHeader(f.Scope.Header); err != nil {
+			return nil, fmt.Errorf("%s: scope.header: %w", path, err)
+		}
 	}
 	if f.Scope.Bearer {
 		n++

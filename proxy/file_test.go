@@ -93,10 +93,14 @@ func TestLoadFileRefusesAmbiguity(t *testing.T) {
 	for name, c := range map[string]struct{ text, want string }{
 		"two.yaml":   {"upstream: http://a\ndb: sqlite:a.db\n---\nupstream: http://b\n", "more than one YAML document"},
 		"empty.yaml": {"", "is empty"},
+		"dash.yaml":  {"---\n", "is empty"},
+		"null.yaml":  {"~\n", "is empty"},
 		"size.yaml":  {"upstream: http://a\nroutes:\n  - match: POST /x\n    max_request_body: 1MiBKiB\n", "not a size"},
 		"scope.yaml": {"upstream: http://a\nscope: all\n", "write none"},
 		"field.yaml": {"upstream: http://a\nscope: {headr: X}\n", "headr"},
 		"cidr.yaml":  {"upstream: http://a\ntrust_forwarded: [10.0.0.0/33]\n", "not a CIDR"},
+		"auth.yaml":  {"upstream: http://a\nscope: {header: authorization}\n", "--scope-bearer"},
+		"name.yaml":  {"upstream: http://a\nscope: {header: \"X: Tenant\"}\n", "not a header name"},
 	} {
 		_, err := proxy.LoadFile(writeFile(t, dir, name, c.text))
 		if err == nil || !strings.Contains(err.Error(), c.want) {
@@ -119,5 +123,34 @@ func TestLoadFileRefusesAmbiguity(t *testing.T) {
 	rts, err := f.ProxyRoutes()
 	if err != nil || len(rts) != 1 || len(rts[0].ReleaseStatus) != 2 || rts[0].ReleaseStatus[1] != 503 {
 		t.Fatalf("routes %+v %v", rts, err)
+	}
+}
+
+// TestLoadFileRefusesUnknownScopeFields: the scope section has a decoder of its
+// own, which did not refuse unknown fields as the rest of the file does: a
+// misspelt "audiance:" under jwt was dropped, and tokens for any audience
+// accepted. Merge keys ("<<: *anchor") stay usable, and are checked too.
+func TestLoadFileRefusesUnknownScopeFields(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	head := "upstream: http://a\ndb: sqlite:a.db\n"
+	for name, c := range map[string]struct{ text, want string }{
+		"typo.yaml":   {head + "scope:\n  jwt: {jwks_file: k.json, audiance: orders}\n", "audiance"},
+		"merged.yaml": {head + "routes:\n  - &r {match: POST /x, ttl: 1h}\nscope:\n  jwt:\n    <<: {jwks_file: k.json, isuer: me}\n", "isuer"},
+	} {
+		_, err := proxy.LoadFile(writeFile(t, dir, name, c.text))
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v, want an error naming %q", name, err, c.want)
+		}
+	}
+	f, err := proxy.LoadFile(writeFile(t, dir, "ok.yaml", head+"routes:\n  - &r {match: POST /x, ttl: 1h}\n  - {<<: *r, match: POST /y}\nscope:\n  jwt:\n    <<: {jwks_file: k.json, audience: orders}\n    issuer: me\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if j := f.Scope.JWT; j == nil || j.Audience != "orders" || j.Issuer != "me" || j.JWKSFile != "k.json" {
+		t.Errorf("scope.jwt with a merge key: %+v", j)
+	}
+	if rts, err := f.ProxyRoutes(); err != nil || len(rts) != 2 || rts[1].Pattern != "POST /y" || rts[1].TTL != time.Hour {
+		t.Errorf("routes with a merge key: %+v %v", rts, err)
 	}
 }

@@ -321,6 +321,24 @@ func TestJWTKeySetChecks(t *testing.T) {
 	if s, err := one.Scope(req(sign(k, "", good))); err != nil || s != "acme" {
 		t.Errorf("one kid-less key: %q %v", s, err)
 	}
+	// One key with a kid: a token that names no key verifies with it (kid is
+	// optional); before, it was refused "because the set has more than one".
+	named, err := proxy.JWTScope(proxy.JWTConfig{Keys: &jose.JSONWebKeySet{Keys: []jose.JSONWebKey{{Key: &k.PublicKey, KeyID: "k1", Algorithm: "ES256", Use: "sig"}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, err := named.Scope(req(sign(k, "", good))); err != nil || s != "acme" {
+		t.Errorf("one key with a kid, a token without one: %q %v", s, err)
+	}
+	if _, err := named.Scope(req(sign(k, "other", good))); err == nil || !strings.Contains(err.Error(), `"other"`) {
+		t.Errorf("one key k1, a token naming key other: %v, want refused naming it", err)
+	}
+	if _, err := named.Scope(req(sign(k2, "", good))); err == nil || !strings.Contains(err.Error(), "signature does not verify") {
+		t.Errorf("a token signed by another key: %v, want a signature error", err)
+	}
+	if _, err := named.Scope(req(sign(k, "", map[string]any{"sub": "acme", "exp": "tomorrow"}))); err == nil || strings.Contains(err.Error(), "signature") {
+		t.Errorf(`exp "tomorrow": %v, want refused for its claims, not its signature`, err)
+	}
 	// Two without kid: refused at start.
 	if _, err := proxy.JWTScope(proxy.JWTConfig{Keys: &jose.JSONWebKeySet{Keys: []jose.JSONWebKey{{Key: &k.PublicKey}, {Key: &k2.PublicKey}}}}); err == nil || !strings.Contains(err.Error(), "kid") {
 		t.Errorf("two kid-less keys: %v, want an error about kid", err)
@@ -343,6 +361,19 @@ func TestJWTKeySetChecks(t *testing.T) {
 	}
 	if s, err := sc.Scope(req(sign(k2, "es", good))); err != nil || s != "acme" {
 		t.Errorf("the ES256 key: %q %v", s, err)
+	}
+	// One kid naming an RS256 and an ES256 key (a migration): the token's
+	// algorithm picks the key. Before, the first key with the kid was taken,
+	// and its alg refused the token.
+	both, err := proxy.JWTScope(proxy.JWTConfig{Keys: &jose.JSONWebKeySet{Keys: []jose.JSONWebKey{
+		{Key: &k.PublicKey, KeyID: "same", Algorithm: "RS256", Use: "sig"},
+		{Key: &k2.PublicKey, KeyID: "same", Algorithm: "ES256", Use: "sig"},
+	}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, err := both.Scope(req(sign(k2, "same", good))); err != nil || s != "acme" {
+		t.Errorf("kid same, an ES256 token: %q %v", s, err)
 	}
 	if _, err := proxy.JWTScope(proxy.JWTConfig{Keys: &jose.JSONWebKeySet{Keys: []jose.JSONWebKey{{Key: &k.PublicKey, KeyID: "e", Use: "enc"}}}}); err == nil {
 		t.Error("a key set of encryption keys only was accepted")

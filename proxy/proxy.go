@@ -34,13 +34,14 @@ const ProblemTypeBase = "https://github.com/idemkit/idem/blob/main/docs/proxy.md
 const (
 	// CodeUpstreamUnreachable (502): the request did not reach the upstream
 	// (the connection, or its TLS handshake, failed, or the connection broke
-	// before all of the request was written), so it cannot have run there; the
-	// key was released and a retry runs afresh.
+	// before a byte of the request was written), so it cannot have run there;
+	// the key was released and a retry runs afresh.
 	CodeUpstreamUnreachable = "upstream_unreachable"
-	// CodeUpstreamFailed (502): the upstream failed after the whole request was
-	// sent (it closed the connection or broke off its answer), so whether the
-	// operation took effect is unknown; the key stays in flight until its lease
-	// lapses.
+	// CodeUpstreamFailed (502): the upstream failed after (part of) the
+	// request was written (it closed the connection or broke off its answer),
+	// so whether the operation took effect is unknown: most frameworks run a
+	// handler once its headers are in. The key stays in flight until its
+	// lease lapses.
 	CodeUpstreamFailed = "upstream_failed"
 	// CodeUpstreamTimeout (504): the upstream did not answer within
 	// Config.UpstreamTimeout; the outcome is unknown, as for upstream_failed.
@@ -93,8 +94,10 @@ var DefaultStoredHeaders = append(slices.Clone(idem.DefaultStoredHeaders),
 //
 // A route protects every request the upstream's router would likely send to
 // the same handler: its pattern is matched without regard to the case of the
-// method or the path, with or without a trailing slash, and with the path
-// parameters of a segment (";jsessionid=…") ignored.
+// method or the path, with or without a trailing slash, with the path
+// parameters of a segment (";jsessionid=…") ignored, and, for a path with
+// percent-escapes, both decoded and as escaped ("/orders/a%2Fb" is
+// "PATCH /orders/{id}").
 type Route struct {
 	// Pattern is a net/http.ServeMux pattern: "POST /orders",
 	// "PATCH /orders/{id}", "/payments/" (a subtree). Without a method, POST and
@@ -181,8 +184,10 @@ type Config struct {
 	// TrustForwarded are the networks of the hops in front of the proxy (a
 	// gateway terminating TLS) whose X-Forwarded-Proto, X-Forwarded-Host and
 	// Forwarded headers are passed on; from other peers they are replaced
-	// (X-Forwarded-Proto, -Host) or removed (Forwarded). X-Forwarded-For is
-	// always appended to, as nginx and Envoy do.
+	// (X-Forwarded-Proto, -Host) or removed (Forwarded, and X-Forwarded-Ssl,
+	// -Scheme, -Protocol, -Port, -Prefix, -Server, X-Url-Scheme,
+	// Front-End-Https and X-Real-IP, which upstreams read the same way).
+	// X-Forwarded-For is always appended to, as nginx and Envoy do.
 	TrustForwarded []netip.Prefix
 	// PreserveHost sends the client's Host upstream instead of the upstream's
 	// host.
@@ -312,8 +317,10 @@ func New(cfg Config) (*Proxy, error) {
 			stored = DefaultStoredHeaders
 		}
 		mw, err := idem.New(store, &idem.Config{
-			KeepFunc:       keep,
-			Methods:        methods,
+			KeepFunc: keep,
+			// Only keyed requests reach the middleware (see match): those of
+			// the route's methods, and POSTs that override their method to one.
+			Methods:        append(slices.Clone(methods), http.MethodPost),
 			KeyOptional:    rt.KeyOptional,
 			Lease:          rt.Lease,
 			TTL:            rt.TTL,
@@ -411,6 +418,11 @@ func transports(cfg Config) (pooled, fresh http.RoundTripper) {
 	// upstream that then stops reading the request, and closes, could reset
 	// the connection under its own answer.
 	k.MaxIdleConnsPerHost = -1
+	// And HTTP/1.1 only: HTTP/2 would multiplex keyed requests over one
+	// shared connection, kept and reused whatever MaxIdleConnsPerHost says.
+	k.ForceAttemptHTTP2 = false
+	k.TLSNextProto = map[string]func(string, *tls.Conn) http.RoundTripper{}
+	k.TLSClientConfig.NextProtos = nil
 	return t, k
 }
 
@@ -522,41 +534,108 @@ func matchPaths(p string) (string, string) {
 	return p, p + "/"
 }
 
-// match returns the route of r, or nil.
-func (p *Proxy) match(r *http.Request) *route {
+// match returns the route of r, or nil, and whether that route keys r. The
+// path is tried as net/http decoded it (as Django, Flask and Spring route)
+// and, when it holds percent-escapes, as the client escaped it, segment by
+// segment (as Express, Rails and ServeMux route): "/orders/a%2Fb" is one
+// segment there, "a/b", and "/orders/%2e%2e" the segment "..", both
+// PATCH /orders/{id}. A POST that asks its upstream to take it for another
+// method (overrideMethod) is also tried as that method. A route that keys the
+// request wins over one that matches its path only.
+func (p *Proxy) match(r *http.Request) (*route, bool) {
+	type candidate struct {
+		path    string
+		escaped bool
+	}
+	var cands []candidate
 	first, alt := matchPaths(r.URL.Path)
-	probe := &http.Request{Method: strings.ToUpper(r.Method), Host: r.Host, URL: &url.URL{Path: first}, Header: http.Header{}}
-	for _, path := range []string{first, alt} {
-		if path == "" {
-			continue
-		}
-		probe.URL.Path = path
-		probe.RequestURI = path
-		h, _ := p.mux.Handler(probe)
-		if rt, ok := h.(*route); ok {
-			return rt
+	cands = append(cands, candidate{first, false}, candidate{alt, false})
+	if esc := r.URL.EscapedPath(); strings.IndexByte(esc, '%') >= 0 {
+		first, alt := matchPaths(esc)
+		cands = append(cands, candidate{first, true}, candidate{alt, true})
+	}
+	methods := []string{strings.ToUpper(r.Method)}
+	if m := overrideMethod(r); m != "" {
+		methods = append(methods, m)
+	}
+	var found *route
+	for _, m := range methods {
+		for _, c := range cands {
+			if rt := p.probe(m, r.Host, c.path, c.escaped); rt != nil {
+				if rt.keyed[m] {
+					return rt, true
+				}
+				if found == nil {
+					found = rt
+				}
+			}
 		}
 	}
-	return nil
+	return found, false
+}
+
+// methodOverrideHeaders are the headers with which frameworks let a POST stand
+// for another method: X-HTTP-Method-Override (Express's method-override, Rack,
+// Symfony and Laravel, ASP.NET Core), X-HTTP-Method (OData), X-Method-Override.
+var methodOverrideHeaders = []string{"X-Http-Method-Override", "X-Http-Method", "X-Method-Override"}
+
+// overrideMethod is the method a POST asks its upstream to take it for (an
+// override header, or a _method query parameter, as Symfony and Laravel read
+// it), upper-cased, or "".
+func overrideMethod(r *http.Request) string {
+	if !strings.EqualFold(r.Method, http.MethodPost) {
+		return ""
+	}
+	for _, h := range methodOverrideHeaders {
+		if v := strings.TrimSpace(r.Header.Get(h)); v != "" {
+			return strings.ToUpper(v)
+		}
+	}
+	if r.URL.RawQuery != "" {
+		if v := strings.TrimSpace(r.URL.Query().Get("_method")); v != "" {
+			return strings.ToUpper(v)
+		}
+	}
+	return ""
+}
+
+// probe returns the route the mux holds for method and path, or nil; an
+// escaped path keeps its escapes (an escaped "/" stays in its segment).
+func (p *Proxy) probe(method, host, path string, escaped bool) *route {
+	if path == "" {
+		return nil
+	}
+	u := &url.URL{Path: path}
+	if escaped {
+		dec, err := url.PathUnescape(path)
+		if err != nil {
+			return nil
+		}
+		u = &url.URL{Path: dec, RawPath: path}
+	}
+	probe := &http.Request{Method: method, Host: host, URL: u, RequestURI: path, Header: http.Header{}}
+	h, _ := p.mux.Handler(probe)
+	rt, _ := h.(*route)
+	return rt
 }
 
 // ServeHTTP forwards r upstream: through the idem middleware when a route
 // matches, as it is otherwise.
 func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	rt := p.match(r)
+	rt, keyed := p.match(r)
 	hasKey := len(r.Header.Values(p.keyHeader)) > 0
-	keyed := rt != nil && rt.keyed[strings.ToUpper(r.Method)]
 	if hasKey && !keyed && !safeMethod(r.Method) {
-		p.unroutedKey(r)
-		if p.unrouted != nil {
+		strict := p.unrouted != nil && p.unrouted.keyed[strings.ToUpper(r.Method)]
+		p.unroutedKey(r, strict)
+		if strict {
 			rt, keyed = p.unrouted, true
 		}
 	}
-	if rt == nil {
+	if !keyed {
 		p.bare.ServeHTTP(w, r)
 		return
 	}
-	if keyed && hasKey {
+	if hasKey {
 		if r.Header.Get("Upgrade") != "" {
 			writeProblem(w, http.StatusBadRequest, CodeUpgradeRefused, "A keyed request cannot upgrade the connection",
 				"the request carries an Idempotency-Key and asks to upgrade the connection ("+r.Header.Get("Upgrade")+"); an upgraded connection has no answer to keep: send it without Upgrade, or without the key")
@@ -599,8 +678,9 @@ func safeMethod(m string) bool {
 }
 
 // unroutedKey reports a request that carries a key but matches no keyed
-// route: to OnUnrouted every time, to the log once per method and path.
-func (p *Proxy) unroutedKey(r *http.Request) {
+// route: to OnUnrouted every time, to the log once per method and path;
+// strict says it is keyed anyway (KeyUnrouted, and a method it keys).
+func (p *Proxy) unroutedKey(r *http.Request, strict bool) {
 	path, _ := matchPaths(r.URL.Path)
 	if len(path) > 200 {
 		path = path[:200] + "…"
@@ -620,7 +700,9 @@ func (p *Proxy) unroutedKey(r *http.Request) {
 	}
 	p.warned[id] = true
 	what := "passed through unprotected: add a route for it, or start the proxy with --key-unrouted"
-	if p.unrouted != nil {
+	if p.unrouted != nil && !strict {
+		what = "passed through unprotected (--key-unrouted keys POST, PUT, PATCH and DELETE only): add a route for it"
+	} else if strict {
 		what = "keyed anyway (--key-unrouted), with the default route settings"
 	}
 	more := ""
@@ -897,24 +979,80 @@ func (f *forwarding) rewrite(pr *httputil.ProxyRequest) {
 		}
 		if v := in.Header.Values("Forwarded"); len(v) > 0 {
 			out.Header.Set("Forwarded", strings.Join(append(slices.Clone(v), forwardedFor(in.RemoteAddr)), ", "))
+			// A gateway that sends only Forwarded (RFC 7239): upstreams that read
+			// X-Forwarded-Proto and -Host (Django's SECURE_PROXY_SSL_HEADER,
+			// Rails) learn the same from them. Its own element is the last.
+			if len(in.Header.Values("X-Forwarded-Proto")) == 0 {
+				if p := forwardedParam(v, "proto"); p != "" {
+					out.Header.Set("X-Forwarded-Proto", p)
+					proto = p
+				}
+			}
+			if len(in.Header.Values("X-Forwarded-Host")) == 0 {
+				if h := forwardedParam(v, "host"); h != "" {
+					out.Header.Set("X-Forwarded-Host", h)
+					host = h
+				}
+			}
 		}
 	} else {
 		out.Header.Del("Forwarded")
+		for _, h := range forwardingHeaders {
+			out.Header.Del(h)
+		}
 	}
 	if f.preserveHost {
 		out.Host = in.Host
 	}
-	if c, _ := in.Context().Value(callKey{}).(*call); c != nil {
+	c, _ := in.Context().Value(callKey{}).(*call)
+	if c != nil {
 		c.origin = proto + "://" + host
 	}
-	if f.customTransport && (out.Body == nil || out.Body == http.NoBody) && replayableByKey(out) {
+	fresh := c != nil && c.keyed && !f.customTransport // the keyed transport: never a reused connection
+	if !fresh && (out.Body == nil || out.Body == http.NoBody) && replayableByKey(out) {
 		// net/http's Transport re-sends a request without a body that carries an
 		// Idempotency-Key when a reused connection fails after the request was
-		// written, which could run the operation twice: a body of its own
-		// makes it not replayable. (The proxy's own transport never reuses a
-		// connection for a keyed request, and sends Content-Length: 0.)
-		out.Body, out.ContentLength = emptyBody{}, 0
+		// written, which could run the operation twice. It looks the header up
+		// by its canonical name: sent under its lower-case name (header names
+		// are case-insensitive; HTTP/2 lower-cases them anyway), the request is
+		// not replayable. (A body of its own would make it so too, but go up
+		// chunked.) This matters for a request passed through unprotected (it
+		// matched no keyed route) on a pooled connection, and for any request
+		// on a Transport of the caller's.
+		for _, h := range []string{"Idempotency-Key", "X-Idempotency-Key"} {
+			if v, ok := out.Header[h]; ok {
+				delete(out.Header, h)
+				out.Header[strings.ToLower(h)] = v
+			}
+		}
 	}
+}
+
+// forwardingHeaders are the other headers with which a hop in front tells the
+// upstream how the client reached it; upstreams trust them from the proxy's
+// address (gunicorn's secure_scheme_headers and Rails' trusted proxies include
+// loopback by default), so a client must not be able to set them: they pass
+// from a trusted hop only, as X-Forwarded-Proto and -Host.
+var forwardingHeaders = []string{
+	"X-Forwarded-Ssl", "X-Forwarded-Scheme", "X-Forwarded-Protocol", "X-Forwarded-Port",
+	"X-Forwarded-Prefix", "X-Forwarded-Server", "X-Url-Scheme", "Front-End-Https", "X-Real-Ip",
+}
+
+// forwardedParam is the value of param in the last element of the Forwarded
+// header lines v (the one the nearest hop added), unquoted, or "".
+func forwardedParam(v []string, param string) string {
+	elems := strings.Split(v[len(v)-1], ",")
+	for _, pair := range strings.Split(elems[len(elems)-1], ";") {
+		k, val, ok := strings.Cut(strings.TrimSpace(pair), "=")
+		if ok && strings.EqualFold(strings.TrimSpace(k), param) {
+			val = strings.TrimSpace(val)
+			if len(val) >= 2 && val[0] == '"' && val[len(val)-1] == '"' {
+				val = val[1 : len(val)-1]
+			}
+			return val
+		}
+	}
+	return ""
 }
 
 // forwardedFor is the Forwarded element (RFC 7239) of the peer at remoteAddr.
@@ -1000,11 +1138,6 @@ func replayableByKey(r *http.Request) bool {
 	}
 	return len(r.Header["Idempotency-Key"]) > 0 || len(r.Header["X-Idempotency-Key"]) > 0
 }
-
-type emptyBody struct{}
-
-func (emptyBody) Read([]byte) (int, error) { return 0, io.EOF }
-func (emptyBody) Close() error             { return nil }
 
 func writeProblem(w http.ResponseWriter, status int, code, title, detail string) {
 	idem.WriteProblem(w, idem.Problem{Type: ProblemTypeBase + code, Title: title, Status: status, Detail: detail, Code: code}, 0)

@@ -35,7 +35,8 @@ var ErrNoScope = errors.New("no scope")
 // a gateway in front of the proxy that authenticated the caller. A missing or
 // empty header is refused. Use it only when clients cannot set the header
 // themselves. HeaderScope("Host") keys by the request's host (lower case,
-// port included): one tenant per host name.
+// port included): one tenant per host name. Check name with
+// CheckScopeHeader first.
 func HeaderScope(name string) Scope {
 	name = http.CanonicalHeaderKey(name)
 	if name == "Host" {
@@ -59,6 +60,22 @@ func HeaderScope(name string) Scope {
 		}
 		return v, nil
 	})
+}
+
+// CheckScopeHeader says what is wrong with name as HeaderScope's header, or
+// nil: it must be a header name (an RFC 9110 token), and not one that carries
+// a secret (Authorization, Proxy-Authorization, Cookie), which HeaderScope
+// would store in the clear as the scope of every record (use BearerScope,
+// which stores a token's SHA-256, or JWTScope).
+func CheckScopeHeader(name string) error {
+	if name == "" || strings.IndexFunc(name, func(r rune) bool { return r > '~' || r <= ' ' || strings.ContainsRune("\"(),/:;<=>?@[\\]{}", r) }) >= 0 {
+		return fmt.Errorf("scope header %q is not a header name; write one such as X-Tenant-ID", name)
+	}
+	switch http.CanonicalHeaderKey(name) {
+	case "Authorization", "Proxy-Authorization", "Cookie":
+		return fmt.Errorf("scope header %s carries credentials, which would be stored in the clear as the scope of every record; take the tenant from the bearer token instead (--scope-bearer stores its SHA-256, --scope-jwt-claim a verified claim)", http.CanonicalHeaderKey(name))
+	}
+	return nil
 }
 
 // BearerScope takes the scope from the bearer token (Authorization: Bearer
@@ -211,7 +228,10 @@ func JWTScope(cfg JWTConfig) (Scope, error) {
 		var std jwt.Claims
 		var all map[string]json.RawMessage
 		if err := tok.Claims(key.Key, &std, &all); err != nil {
-			return "", errors.New("the bearer token's signature does not verify with the configured keys")
+			if errors.Is(err, jose.ErrCryptoFailure) {
+				return "", errors.New("the bearer token's signature does not verify with the configured keys")
+			}
+			return "", fmt.Errorf("the bearer token's claims are not valid JWT claims: %v", err)
 		}
 		now := cfg.NowFunc()
 		exp := jwt.Expected{Issuer: cfg.Issuer, Time: now}
@@ -245,23 +265,28 @@ func JWTScope(cfg JWTConfig) (Scope, error) {
 // its kid names (or the only key, when neither names one), refusing a key
 // whose alg is not the token's.
 func pickKey(keys []jose.JSONWebKey, h jose.Header) (jose.JSONWebKey, error) {
-	var key *jose.JSONWebKey
+	var mismatch *jose.JSONWebKey
 	for i := range keys {
-		if keys[i].KeyID == h.KeyID || (len(keys) == 1 && keys[i].KeyID == "") {
-			key = &keys[i]
-			break
+		// The only key verifies a token that names none (kid is optional,
+		// RFC 7515), or one whose kid it lacks. One kid may name keys of
+		// several algorithms (an RSA and an EC key during a migration): the
+		// one for the token's is taken.
+		if keys[i].KeyID == h.KeyID || (len(keys) == 1 && (keys[i].KeyID == "" || h.KeyID == "")) {
+			if keys[i].Algorithm == "" || keys[i].Algorithm == h.Algorithm {
+				return keys[i], nil
+			}
+			if mismatch == nil {
+				mismatch = &keys[i]
+			}
 		}
 	}
-	if key == nil {
-		if h.KeyID == "" {
-			return jose.JSONWebKey{}, errors.New("the bearer token names no key (no kid in its header), and the configured key set has more than one")
-		}
-		return jose.JSONWebKey{}, fmt.Errorf("the bearer token is signed with key %q, which is not a signature key of the configured key set", h.KeyID)
+	if mismatch != nil {
+		return jose.JSONWebKey{}, fmt.Errorf("the bearer token is signed with %s, but its key %q is for %s", h.Algorithm, mismatch.KeyID, mismatch.Algorithm)
 	}
-	if key.Algorithm != "" && key.Algorithm != h.Algorithm {
-		return jose.JSONWebKey{}, fmt.Errorf("the bearer token is signed with %s, but its key %q is for %s", h.Algorithm, key.KeyID, key.Algorithm)
+	if h.KeyID == "" {
+		return jose.JSONWebKey{}, errors.New("the bearer token names no key (no kid in its header), and the configured key set has more than one")
 	}
-	return *key, nil
+	return jose.JSONWebKey{}, fmt.Errorf("the bearer token is signed with key %q, which is not a signature key of the configured key set", h.KeyID)
 }
 
 // LoadJWKS reads a JSON Web Key Set ({"keys":[…]}) from a file.

@@ -435,6 +435,9 @@ func proxyScope(file *proxy.File, none, header string, bearer bool, claim, jwks,
 	case none != "":
 		return proxy.NoScope(), "none", ""
 	case header != "":
+		if err := proxy.CheckScopeHeader(header); err != nil {
+			return nil, "", "--scope-header: " + err.Error()
+		}
 		return proxy.HeaderScope(header), "header " + http.CanonicalHeaderKey(header), ""
 	case bearer:
 		return proxy.BearerScope(), "bearer token (SHA-256)", ""

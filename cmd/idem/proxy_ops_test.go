@@ -103,6 +103,8 @@ func TestProxyScopeAndAdmin(t *testing.T) {
 		{[]string{"--upstream", app.URL, "--db", db, "--scope", "none", "--release-status", "201"}, "not a 4xx or 5xx"},
 		{[]string{"--upstream", app.URL, "--db", db, "--scope", "none", "--trust-forwarded", "10.0.0.0/33"}, "not a CIDR"},
 		{[]string{"--upstream", app.URL, "--db", db, "--scope", "none", "--upstream-idle-timeout", "-1s"}, "is negative"},
+		{[]string{"--upstream", app.URL, "--db", db, "--scope-header", "Authorization"}, "--scope-bearer"},
+		{[]string{"--upstream", app.URL, "--db", db, "--scope-header", "X Tenant"}, "not a header name"},
 	} {
 		code, _, errOut := runIdem(t, dir, nil, append([]string{"proxy", "--listen", "127.0.0.1:0"}, c.args...)...)
 		if code != exitUsage || !strings.Contains(errOut, c.want) {
