@@ -11,7 +11,6 @@ import (
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/memstore"
-	"github.com/idemkit/idem/mysqlstore"
 	"github.com/idemkit/idem/sqlitestore"
 )
 
@@ -118,20 +117,24 @@ func TestLegacyScopeWithFingerprintHeaders(t *testing.T) {
 	_ = errors.New
 }
 
+// mysqlKeyColumn is mysqlstore.MaxKeyLength, written out so that the consumer
+// module does not require mysqlstore for one constant.
+const mysqlKeyColumn = 255
+
 // keyColumn refuses keys longer than 255 bytes, as mysqlstore does for its
-// VARBINARY(255) key column (mysqlstore.MaxKeyLength).
+// VARBINARY(255) key column (mysqlKeyColumn).
 type keyColumn struct{ idem.Store }
 
 func (s keyColumn) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record, bool, error) {
-	if len(req.Key) > mysqlstore.MaxKeyLength {
-		return nil, false, fmt.Errorf("the key is %d bytes, longer than the %d the key column holds", len(req.Key), mysqlstore.MaxKeyLength)
+	if len(req.Key) > mysqlKeyColumn {
+		return nil, false, fmt.Errorf("the key is %d bytes, longer than the %d the key column holds", len(req.Key), mysqlKeyColumn)
 	}
 	return s.Store.Claim(ctx, req)
 }
 
 func (s keyColumn) Get(ctx context.Context, scope, key string, now time.Time) (*idem.Record, error) {
-	if len(key) > mysqlstore.MaxKeyLength {
-		return nil, fmt.Errorf("the key is %d bytes, longer than the %d the key column holds", len(key), mysqlstore.MaxKeyLength)
+	if len(key) > mysqlKeyColumn {
+		return nil, fmt.Errorf("the key is %d bytes, longer than the %d the key column holds", len(key), mysqlKeyColumn)
 	}
 	return s.Store.Get(ctx, scope, key, now)
 }
