@@ -1138,7 +1138,7 @@ func (h *harness) actCrash(t *rapid.T) {
 	}
 	now := h.clock.Now()
 	body := []byte(r.body)
-	fpr := idem.FingerprintV2(httptest.NewRequest(r.method, r.path, nil), body)
+	fpr := idem.FingerprintV3(httptest.NewRequest(r.method, r.path, nil), body)
 	_, claimed, err := h.tg.store.Claim(context.Background(), idem.ClaimRequest{
 		Scope: idem.StoredScope(r.scope), Key: r.key, Fingerprint: fpr, Token: token,
 		Now: now, LeaseUntil: now.Add(modelLease), ExpiresAt: now.Add(h.ttl),
@@ -1192,7 +1192,7 @@ func (h *harness) check(t *rapid.T) {
 		if err != nil {
 			t.Fatalf("record %v: Get: %v; the model has a %s record", id, err, rec.state)
 		}
-		wantFP := idem.FingerprintV2(httptest.NewRequest(rec.fp.method, rec.fp.path, nil), []byte(rec.fp.body))
+		wantFP := idem.FingerprintV3(httptest.NewRequest(rec.fp.method, rec.fp.path, nil), []byte(rec.fp.body))
 		if got.State != rec.state || got.Fingerprint != wantFP || !got.CreatedAt.Equal(rec.createdAt) || !got.ExpiresAt.Equal(rec.expiresAt) {
 			t.Fatalf("record %v: store has %s created %v expires %v, the model %s created %v expires %v",
 				id, got.State, got.CreatedAt, got.ExpiresAt, rec.state, rec.createdAt, rec.expiresAt)
