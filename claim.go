@@ -176,6 +176,14 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string, tak
 	resp := &stored.Response
 	if tx == nil {
 		err := h.complete(cctx, req, token, resp)
+		if errors.Is(err, ErrFieldTooLarge) {
+			// The effects happened and the store cannot keep the answer whole:
+			// keep that the operation completed, with its status, so that a
+			// retry hears it rather than running it again.
+			if err2 := h.complete(cctx, req, token, &Response{Status: status, BodyOmitted: true}); err2 != nil {
+				err = errors.Join(err, err2)
+			}
+		}
 		h.observeCompletion(req, status, err)
 		rw.send() // the handler's effects happened; the client hears what they were
 		return
@@ -213,6 +221,10 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string, tak
 		h.leaseLost(w, req, err)
 	case errors.Is(err, ErrTxAborted):
 		h.txAborted(w, req, resp, err, func() error { return h.complete(cctx, req, token, resp) }, func() error { return h.releaseKey(cctx, req, token) })
+	case errors.Is(err, ErrFieldTooLarge):
+		relErr := h.releaseKey(cctx, req, token)
+		rw.discardHeaders()
+		h.outcomeTooLarge(w, req, err, relErr)
 	case hctx.Err() != nil && !committing:
 		relErr := h.releaseKey(cctx, req, token)
 		rw.discardHeaders()
@@ -356,6 +368,17 @@ func (h *handler) txAborted(w http.ResponseWriter, req *request, resp *Response,
 	rw.discardHeaders()
 	h.problem(w, req, EventReleased, cause, CodeTxAborted,
 		fmt.Sprintf("the database rolled the handler's transaction back (a statement in it failed, or it was chosen as a deadlock victim) although the handler answered %d, so nothing was committed; ", resp.Status)+retryNote(relErr), 0)
+}
+
+// outcomeTooLarge answers a request whose outcome the store refused to keep
+// (ErrFieldTooLarge): its transaction was rolled back. A retry would meet the
+// same limit, so the answer is not retryable.
+func (h *handler) outcomeTooLarge(w http.ResponseWriter, req *request, err, relErr error) {
+	d := "the handler's outcome could not be kept for replay (" + err.Error() + "), so its transaction was rolled back and nothing was committed; a retry would meet the same limit"
+	if relErr != nil {
+		d += " (the key could not be released: retries get 409 until its lease lapses)"
+	}
+	h.problem(w, req, EventReleased, errors.Join(err, relErr), CodeResponseTooLarge, d, 0)
 }
 
 // retryNote ends a problem detail with what a retry will meet, given the error

@@ -197,16 +197,32 @@ const (
 	maxKeyBytes   = 1024
 )
 
+// maxBytea is the most a bytea (fingerprint, body, ref) holds; maxJSONB the
+// most a jsonb value (the headers) does.
+const (
+	maxBytea = 1<<30 - 1
+	maxJSONB = 1<<28 - 1
+)
+
 // checkIDs refuses a scope or key longer than pgstore stores, with an error
-// that says so without echoing them.
-func checkIDs(op, scope, key string) error {
-	if len(scope) > maxScopeBytes {
-		return fmt.Errorf("pgstore: %s: the scope is %d bytes, more than the %d bytes pgstore stores (PostgreSQL cannot index longer ones); let idem.New derive the scope, which replaces a long one with its digest, or hash it yourself", op, len(scope), maxScopeBytes)
+// (idem.ErrFieldTooLarge) that says so without echoing them.
+func checkIDs(_, scope, key string) error {
+	if err := idem.CheckFieldSize("pgstore", "scope", int64(len(scope)), maxScopeBytes); err != nil {
+		return err
 	}
-	if len(key) > maxKeyBytes {
-		return fmt.Errorf("pgstore: %s: the key is %d bytes, more than the %d bytes pgstore stores (PostgreSQL cannot index longer ones); let idem.New parse the key, which refuses keys longer than its limit", op, len(key), maxKeyBytes)
+	return idem.CheckFieldSize("pgstore", "key", int64(len(key)), maxKeyBytes)
+}
+
+// checkResponse refuses a response, its headers encoded as hdr, that a column
+// cannot hold.
+func checkResponse(resp *idem.Response, hdr []byte) error {
+	if err := idem.CheckFieldSize("pgstore", "headers", int64(len(hdr)), maxJSONB); err != nil {
+		return err
 	}
-	return nil
+	if err := idem.CheckFieldSize("pgstore", "body", int64(len(resp.Body)), maxBytea); err != nil {
+		return err
+	}
+	return idem.CheckFieldSize("pgstore", "ref", int64(len(resp.Ref)), maxBytea)
 }
 
 // quoteShort quotes s for an error message, cut to its first 64 bytes.
@@ -225,6 +241,9 @@ const maxClaimRounds = 16
 // Claim implements idem.Store.
 func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record, bool, error) {
 	if err := checkIDs("claim", req.Scope, req.Key); err != nil {
+		return nil, false, err
+	}
+	if err := idem.CheckFieldSize("pgstore", "fingerprint", int64(len(req.Fingerprint)), maxBytea); err != nil {
 		return nil, false, err
 	}
 	scope, key, fp := []byte(req.Scope), []byte(req.Key), []byte(req.Fingerprint)
@@ -316,6 +335,9 @@ func completeArgs(scope, key, token string, resp *idem.Response, expiresAt time.
 	}
 	hdr, err := encodeHeaders(resp.Header)
 	if err != nil {
+		return nil, err
+	}
+	if err := checkResponse(resp, hdr); err != nil {
 		return nil, err
 	}
 	return []any{[]byte(scope), []byte(key), token,

@@ -417,6 +417,9 @@ func (t *lockedTx) Insert(_ context.Context, rec *idem.Record) error {
 	if err := checkIDs("insert record", rec.Scope, rec.Key); err != nil {
 		return err
 	}
+	if err := idem.CheckFieldSize("pgstore", "fingerprint", int64(len(rec.Fingerprint)), maxBytea); err != nil {
+		return err
+	}
 	var (
 		status  int32
 		valid   bool
@@ -429,6 +432,9 @@ func (t *lockedTx) Insert(_ context.Context, rec *idem.Record) error {
 	if r := rec.Response; r != nil {
 		status, valid = int32(r.Status), true
 		if hdr, err = encodeHeaders(r.Header); err != nil {
+			return err
+		}
+		if err = checkResponse(r, hdr); err != nil {
 			return err
 		}
 		body, omitted, ref = nullableBytes(r.Body, !r.BodyOmitted), r.BodyOmitted, refBytes(r.Ref)
