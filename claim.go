@@ -219,6 +219,10 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string, tak
 	case h.lockLost(err, req):
 		rw.discardHeaders()
 		h.leaseLost(w, req, err)
+	case errors.Is(err, ErrTxConflict):
+		relErr := h.releaseKey(cctx, req, token)
+		rw.discardHeaders()
+		h.txConflict(w, req, err, relErr)
 	case errors.Is(err, ErrTxAborted):
 		h.txAborted(w, req, resp, err, func() error { return h.complete(cctx, req, token, resp) }, func() error { return h.releaseKey(cctx, req, token) })
 	case errors.Is(err, ErrFieldTooLarge):
@@ -368,6 +372,14 @@ func (h *handler) txAborted(w http.ResponseWriter, req *request, resp *Response,
 	rw.discardHeaders()
 	h.problem(w, req, EventReleased, cause, CodeTxAborted,
 		fmt.Sprintf("the database rolled the handler's transaction back (a statement in it failed, or it was chosen as a deadlock victim) although the handler answered %d, so nothing was committed; ", resp.Status)+retryNote(relErr), 0)
+}
+
+// txConflict answers a request whose transaction the database rolled back in
+// a conflict with a concurrent one (ErrTxConflict): nothing committed, and a
+// retry may well succeed.
+func (h *handler) txConflict(w http.ResponseWriter, req *request, err, relErr error) {
+	h.problem(w, req, EventReleased, errors.Join(err, relErr), CodeTxConflict,
+		"the database rolled the handler's transaction back in a conflict with a concurrent transaction (a serialization failure or a deadlock), so nothing was committed; "+retryNote(relErr), retrySeconds(relErr, h.Lease))
 }
 
 // outcomeTooLarge answers a request whose outcome the store refused to keep

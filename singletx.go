@@ -114,6 +114,9 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 	case errors.Is(err, ErrFieldTooLarge):
 		rw.discardHeaders()
 		h.outcomeTooLarge(w, req, err, nil)
+	case errors.Is(err, ErrTxConflict):
+		rw.discardHeaders()
+		h.txConflict(w, req, err, nil)
 	case errors.Is(err, ErrTxAborted):
 		h.txAborted(w, req, resp, err, func() error { return h.claimAndKeep(cctx, req, resp) }, func() error { return nil })
 	case hctx.Err() != nil && !inserting:

@@ -51,6 +51,15 @@ var (
 	// on its own when it is an error answer (status >= 400), and otherwise
 	// releases the key and answers 500 (idempotency_transaction_aborted).
 	ErrTxAborted = errors.New("idem: the database aborted the handler's transaction; none of its writes were committed")
+	// ErrTxConflict is returned, wrapped together with ErrTxAborted, by Tx.Commit
+	// and LockedTx.Commit when the database rolled the handler's transaction back
+	// in a conflict with a concurrent one: a serialization failure (SQLSTATE
+	// 40001, REPEATABLE READ and SERIALIZABLE) or a deadlock (40P01) in the
+	// handler's statements, the completion or the COMMIT. Nothing was committed
+	// and running it again may well succeed, so the middleware releases the key
+	// and answers 503 idempotency_transaction_conflict with Retry-After: the
+	// handler's answer, error or not, is not kept.
+	ErrTxConflict = errors.New("idem: the database rolled the handler's transaction back in a conflict with a concurrent transaction; nothing was committed, retry")
 )
 
 // Response is the outcome of one execution, as kept in a complete record.

@@ -129,6 +129,8 @@ func (t *txEnd) commitWith(ctx context.Context, op, stmt string, args []any, fen
 		return fmt.Errorf("pgstore: %s: the handler rolled back the transaction: %w", op, idem.ErrTxAborted)
 	case pc.IsClosed():
 		return fmt.Errorf("pgstore: %s: the connection of the transaction was closed before COMMIT, so nothing was committed (PostgreSQL rolls back the transaction of a lost connection); retry", op)
+	case pc.TxStatus() == 'E' && t.htx.g.conflict.Load():
+		return fmt.Errorf("pgstore: %s: a statement of the handler failed in a conflict with a concurrent transaction (a serialization failure or a deadlock) and PostgreSQL aborted the transaction: %w: %w", op, idem.ErrTxConflict, idem.ErrTxAborted)
 	case pc.TxStatus() == 'E':
 		return fmt.Errorf("pgstore: %s: a statement of the handler failed and PostgreSQL aborted the transaction: %w", op, idem.ErrTxAborted)
 	case pc.TxStatus() == 'I':
@@ -172,9 +174,20 @@ func (t *txEnd) commitWith(ctx context.Context, op, stmt string, args []any, fen
 	switch {
 	case isFenceError(stmtErr):
 		return fenceErr
+	case isConflict(stmtErr), isConflict(commitErr),
+		t.htx.g.conflict.Load() && (isInFailedTx(stmtErr) || errors.Is(commitErr, pgx.ErrTxCommitRollback) || tag.String() == "ROLLBACK"):
+		return fmt.Errorf("pgstore: %s: PostgreSQL rolled the transaction back in a conflict with a concurrent one (%w): %w: %w", op, errors.Join(stmtErr, commitErr), idem.ErrTxConflict, idem.ErrTxAborted)
 	case isInFailedTx(stmtErr), stmtErr == nil && commitErr == nil && closeErr == nil && tag.String() == "ROLLBACK",
 		errors.Is(commitErr, pgx.ErrTxCommitRollback):
 		return fmt.Errorf("pgstore: %s: PostgreSQL had aborted the transaction: %w", op, idem.ErrTxAborted)
+	case isServerAnswer(stmtErr):
+		// PostgreSQL refused the completion (or record insert): the transaction
+		// aborted and the COMMIT queued behind it never ran.
+		return fmt.Errorf("pgstore: %s: PostgreSQL refused the statement sent with COMMIT, so nothing was committed (%w): %w", op, stmtErr, idem.ErrTxAborted)
+	case stmtErr == nil && isServerAnswer(commitErr):
+		// PostgreSQL answered the COMMIT with an error (a deferred foreign key
+		// or unique constraint): it rolled the transaction back.
+		return fmt.Errorf("pgstore: commit: PostgreSQL refused the COMMIT and rolled the transaction back, so nothing was committed (%w): %w", commitErr, idem.ErrTxAborted)
 	}
 	err := stmtErr
 	if err == nil {
@@ -247,6 +260,17 @@ func isInFailedTx(err error) bool {
 	}
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Code == "25P02"
+}
+
+// isConflict reports whether err is a serialization failure (40001) or a
+// deadlock (40P01): PostgreSQL rolled the transaction back in a conflict with
+// a concurrent one, and running it again may succeed.
+func isConflict(err error) bool {
+	if err == nil {
+		return false
+	}
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == "40001" || pgErr.Code == "40P01")
 }
 
 // isServerAnswer reports whether err is an error PostgreSQL answered (not a lost
