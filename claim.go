@@ -28,7 +28,7 @@ func (h *handler) serveClaim(w http.ResponseWriter, req *request) {
 			}
 		}
 	}
-	rec, claimed, err := h.store.Claim(ctx, claim)
+	rec, claimed, err := h.claimKey(req, claim)
 	if err != nil {
 		h.storeFailed(w, req, "claim", err)
 		return
@@ -47,7 +47,7 @@ func (h *handler) serveClaim(w http.ResponseWriter, req *request) {
 			// A lapsed claim written under an older fingerprint version: claim it
 			// with the fingerprint it was stored under.
 			claim.Fingerprint = legacy
-			rec, claimed, err = h.store.Claim(ctx, claim)
+			rec, claimed, err = h.claimKey(req, claim)
 			if err != nil {
 				h.storeFailed(w, req, "claim", err)
 				return
@@ -68,6 +68,38 @@ func (h *handler) serveClaim(w http.ResponseWriter, req *request) {
 		return
 	}
 	h.execute(w, req, claim.Token, takenOver)
+}
+
+// claimKey sends claim to the store. The claim runs to its end whether or
+// not the client stays: a claim statement abandoned half-way may still commit
+// (a MySQL claim waiting on a row lock, whose connection the driver closed),
+// leaving the key in flight under a token nobody holds. It is bounded by the
+// longer of Lease and CleanupTimeout instead. When it fails — its answer may
+// have been lost after it committed — the claim is given up, fenced by its own
+// token, best effort, on a context of its own: a retry then runs afresh rather
+// than meeting 409 for a lease (and, under LapsedRefuse, an unknown outcome)
+// for an operation that never ran.
+func (h *handler) claimKey(req *request, claim ClaimRequest) (*Record, bool, error) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(req.r.Context()), max(h.Lease, h.CleanupTimeout))
+	rec, claimed, err := h.store.Claim(ctx, claim)
+	cancel()
+	if err != nil {
+		err = errors.Join(err, h.undoClaim(req, claim.Token))
+	}
+	return rec, claimed, err
+}
+
+// undoClaim releases the claim held under token, if there is one, on a
+// context of its own (CleanupTimeout); a claim that was never made is nothing
+// to undo.
+func (h *handler) undoClaim(req *request, token string) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(req.r.Context()), h.CleanupTimeout)
+	defer cancel()
+	err := h.store.Release(ctx, req.scope, req.key, token)
+	if err == nil || errors.Is(err, ErrLockLost) {
+		return nil
+	}
+	return fmt.Errorf("release the failed claim: %w", err)
 }
 
 // refuseLapsed answers a request that took over a lapsed lease under

@@ -136,11 +136,19 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 // transaction the database aborted: it claims the key outside the transaction
 // and completes the claim. When another request holds the key by now, nothing
 // is kept and the answer still goes to this client.
+//
+// A claim or completion that fails is given up again, fenced by its own token
+// (claimKey, undoClaim): the key must not stay in flight under a token nobody
+// holds, for an operation whose transaction committed nothing.
 func (h *handler) claimAndKeep(ctx context.Context, req *request, resp *Response) error {
 	claim := h.newClaim(req, h.NowFunc())
-	_, claimed, err := h.store.Claim(ctx, claim)
+	_, claimed, err := h.claimKey(req, claim)
 	if err != nil || !claimed {
 		return err
 	}
-	return h.complete(ctx, req, claim.Token, resp)
+	err = h.complete(ctx, req, claim.Token, resp)
+	if err != nil && !errors.Is(err, ErrLockLost) {
+		err = errors.Join(err, h.undoClaim(req, claim.Token))
+	}
+	return err
 }

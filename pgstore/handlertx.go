@@ -3,6 +3,7 @@ package pgstore
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -28,6 +29,9 @@ type txGuard struct {
 	closed atomic.Bool
 	// how records how the handler itself ended the transaction (an endedBy).
 	how atomic.Uint32
+	// lock is the key's advisory lock of a claim-then-complete transaction
+	// (see Store.BeginTx); nil in the single transaction.
+	lock *sessionLock
 	// conflict records that a statement of the handler failed with a
 	// serialization failure or a deadlock (SQLSTATE class 40), which aborted
 	// the transaction: Commit then reports idem.ErrTxConflict.
@@ -186,9 +190,27 @@ func (t *handlerTx) Exec(ctx context.Context, sql string, arguments ...any) (pgc
 		return pgconn.CommandTag{}, pgx.ErrTxClosed
 	}
 	defer t.g.leave()
+	if l := t.g.lock; t.root && l != nil && l.keyed && !l.held && len(arguments) == 0 && isSetTransaction(sql) {
+		// The handler raises its transaction's isolation. Before it does, the
+		// session takes the key's lock (see Store.BeginTx) in a transaction of
+		// its own — nothing has run in the handler's yet, which SET
+		// TRANSACTION requires — and begins the handler's afresh.
+		l.held = true // whatever fails below, the unlock at the end is harmless
+		tag, err := t.tx.Conn().Exec(ctx, "ROLLBACK; "+l.sql()+"; COMMIT; BEGIN; "+sql)
+		return tag, t.g.note(err)
+	}
 	tag, err := t.tx.Exec(ctx, sql, arguments...)
 	t.noteEnd(tag)
 	return tag, t.g.note(err)
+}
+
+// isSetTransaction reports whether sql is a SET TRANSACTION statement that
+// raises the isolation to REPEATABLE READ or SERIALIZABLE.
+func isSetTransaction(sql string) bool {
+	l := strings.ToLower(sql)
+	f := strings.Fields(l)
+	return len(f) >= 2 && f[0] == "set" && f[1] == "transaction" &&
+		(strings.Contains(l, "serializable") || strings.Contains(l, "repeatable"))
 }
 
 // Query delegates to the transaction.
