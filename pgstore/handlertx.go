@@ -91,6 +91,13 @@ func newHandlerTx(tx pgx.Tx) *handlerTx { return &handlerTx{g: &txGuard{}, tx: t
 // would run outside any transaction. Called with g.mu held for reading.
 func (t *handlerTx) noteEnd(tag pgconn.CommandTag) {
 	if t.tx.Conn().PgConn().TxStatus() != 'I' {
+		if tag.String() == "ROLLBACK" {
+			// ROLLBACK AND CHAIN: the handler's writes are gone and a new
+			// transaction began; committing it would store an answer whose
+			// writes were rolled back.
+			t.g.closed.Store(true)
+			t.g.how.CompareAndSwap(uint32(endedNot), uint32(endedRollback))
+		}
 		return
 	}
 	t.g.closed.Store(true)

@@ -130,3 +130,44 @@ func TestRefusedCommitStoreLevel(t *testing.T) {
 	}
 	assertPoolClean(t, db)
 }
+
+// TestRollbackAndChainCommitsNothing: a handler that sends ROLLBACK AND CHAIN
+// through Tx.Exec rolled its writes back and left a new transaction open
+// (status 'T'). The middleware must not commit the completion in it as if the
+// writes were there: the 201 is not true, so the client gets 500
+// idempotency_transaction_aborted, nothing is stored, and the retry runs
+// afresh. Both flows.
+func TestRollbackAndChainCommitsNothing(t *testing.T) {
+	t.Parallel()
+	for _, f := range flows {
+		t.Run(f.name, func(t *testing.T) {
+			t.Parallel()
+			db := newTestDB(t, 4)
+			app := newOrderApp(t, db)
+			var chained atomic.Bool
+			chained.Store(true)
+			srv := httptest.NewServer(app.serve(t, &idem.Config{Flow: f.flow}, app.handler("t", func(ctx context.Context) {
+				if chained.Swap(false) {
+					if _, err := pgstore.Tx(ctx).Exec(ctx, "ROLLBACK AND CHAIN"); err != nil {
+						t.Errorf("ROLLBACK AND CHAIN: %v", err)
+					}
+				}
+			})))
+			t.Cleanup(srv.Close)
+			key := "chain-" + randomHex(4)
+			a := post(srv.URL+"/orders", key, []byte("{}"))
+			if a.err != nil || a.status != 500 || problemCode(a.body) != idem.CodeTxAborted {
+				t.Fatalf("first: %d %s %v, want 500 %s", a.status, a.body, a.err, idem.CodeTxAborted)
+			}
+			if n := app.ordersFor(t, key, ""); n != 0 {
+				t.Fatalf("%d orders after the rollback, want 0", n)
+			}
+			if b := post(srv.URL+"/orders", key, []byte("{}")); b.status != 201 || b.replayed {
+				t.Fatalf("retry: %d %s (replayed %v), want a fresh 201", b.status, b.body, b.replayed)
+			}
+			if n := app.ordersFor(t, key, ""); n != 1 {
+				t.Fatalf("%d orders after the retry, want 1", n)
+			}
+		})
+	}
+}
