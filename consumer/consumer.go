@@ -5,11 +5,19 @@
 // A Processor runs one delivered message under a dedupe key through an
 // idem.Store, with the same record states as an HTTP request: an atomic claim,
 // a fenced lease renewed while the handler runs, a takeover when the holder
-// crashed, the TTL and the janitor. The scope is the consumer's name (two
-// consumers of one stream dedupe independently); the key is the message ID the
-// producer set (JetStream's Nats-Msg-Id, AMQP's message_id, or a header you
-// name), never a hash of the body; the fingerprint is a hash of the payload, so
-// that one ID sent with two payloads is reported instead of silently skipped.
+// crashed, the TTL and the janitor. The scope is the consumer's name, and the
+// per-message tenant when Config.Scope names one, stored in a namespace of its
+// own that no HTTP scope can take (see StoredScope); two consumers of one
+// stream dedupe independently. The key is the message ID the producer set
+// (JetStream's Nats-Msg-Id, AMQP's message_id, or a header you name), never a
+// hash of the body; the fingerprint is a hash of the payload (and of the
+// headers in Config.FingerprintHeaders), so that one ID sent with two payloads
+// is reported instead of silently skipped.
+//
+// Attempts are counted where they survive a crash: a delivery that takes a
+// lapsed claim over (its holder crashed or stalled) and a delivery whose
+// handler failed each leave an attempt marker in the store, so MaxDeliveries
+// holds on every transport, also where the broker counts nothing.
 //
 // With a store that implements idem.TxStore (sqlitestore, pgstore, mysqlstore)
 // the handler writes through the store's transaction (sqlitestore.Tx(ctx),
@@ -40,6 +48,9 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"sort"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -49,15 +60,25 @@ import (
 
 // Message is one delivery of a message, as an adapter hands it to Process.
 type Message struct {
-	// ID is the producer-set message ID: the dedupe key. 1 to 255 bytes of
-	// visible ASCII (a UUID, a ULID, "order-42"…).
+	// ID is the producer-set message ID: the dedupe key. Any 1 to 255 bytes of
+	// visible ASCII (a UUID, a ULID, "order-42", "<id@host>", padded base64…)
+	// is used as it is; a longer ID of visible ASCII, or one that starts with
+	// "sha256:", is keyed by its digest ("sha256:" and 64 hex digits, see Key).
+	// An empty ID, or one with a space, a control character or a byte outside
+	// ASCII, is dead-lettered as InvalidID.
 	ID string
 	// Payload is the message body; its hash is the record's fingerprint.
 	Payload []byte
-	// Delivery is the number of this delivery, 1 for the first. 0 counts as 1.
+	// Delivery is the broker's count of this delivery, 1 for the first, counting
+	// only deliveries that ran or may have ran the handler. 0 means the broker
+	// counts nothing (Watermill): the Processor then reads its own attempt count
+	// from the store on every delivery. The attempt number MaxDeliveries bounds
+	// is the larger of Delivery and the store's count. Process sets Delivery to
+	// that attempt number once it has claimed the message (before the handler
+	// runs).
 	Delivery int
-	// Header holds the message's headers, for the handler; not part of the
-	// fingerprint.
+	// Header holds the message's headers, for the handler and Config.Scope; only
+	// the ones named in Config.FingerprintHeaders are part of the fingerprint.
 	Header map[string][]string
 }
 
@@ -118,12 +139,20 @@ const (
 	Mismatch
 	// InvalidID: the message has no usable ID (DeadLetter).
 	InvalidID
-	// StoreFailed: the store failed; nothing was committed (Retry after Backoff),
-	// or, with a store without transactions, the handler's effects happened but
-	// the record could not be written (Ack, so they do not happen twice).
+	// StoreFailed: the store failed (Retry after Backoff; not a failed delivery).
+	// Outcome.Err says which of three cases it was: nothing was committed (the
+	// claim or the transaction could not start); the commit's outcome is unknown
+	// (the store did not answer it nor a read-back; the redelivery finds out:
+	// acked as a duplicate if it committed, run afresh if not); or, with a store
+	// without transactions, the handler's effects happened but the record could
+	// not be written (Ack, so they do not happen twice).
 	StoreFailed
-	// LeaseLost: the lease lapsed and another delivery took the key over; nothing
-	// this one did was committed (Retry: the redelivery finds the other's outcome).
+	// LeaseLost: the lease lapsed and another delivery took the key over (Retry:
+	// the redelivery finds the other's outcome). With a transactional store
+	// nothing this delivery did was committed. With a store without
+	// transactions (redisstore, memstore) its effects did happen, and so do
+	// those of the delivery that took over: two runs of one message, the one
+	// case those stores cannot prevent (keep Lease above the longest handler).
 	LeaseLost
 	numReasons
 )
@@ -156,8 +185,27 @@ type Outcome struct {
 // Config configures a Processor. Name is required.
 type Config struct {
 	// Name is the consumer's name, the scope of its records: consumers with
-	// different names dedupe independently. Required.
+	// different names dedupe independently. Required. Its records are stored in
+	// the consumers' namespace (StoredScope), never in an HTTP tenant's scope.
 	Name string
+	// Scope, when set, returns the tenant of a message (a header, a subject
+	// token, a routing key): messages of different tenants dedupe
+	// independently, so that two tenants' message "o-1" are two messages. The
+	// tenant is part of the record's scope and of its fingerprint. List the
+	// headers it reads in FingerprintHeaders. Default: one scope per consumer.
+	Scope func(msg *Message) string
+	// FingerprintHeaders names the headers that are part of the fingerprint,
+	// besides the payload: the ones Scope and the handler read (a tenant
+	// header). One ID sent again with another value in one of them is then
+	// dead-lettered as a Mismatch instead of acked as a duplicate. Default none.
+	FingerprintHeaders []string
+	// LegacyScope, when true, also honours records written by versions before
+	// the consumers' namespace (scope = the bare Name, shared with HTTP): a
+	// message that has no record in the namespace but a complete one there,
+	// with the same payload fingerprint, is acked as a duplicate without
+	// running; one in flight there is retried. It costs one read per message:
+	// turn it on for one TTL after upgrading, then off. Default false.
+	LegacyScope bool
 	// Lease is how long a claim holds the key before another delivery may take it
 	// over; it is renewed every Lease/3 while the handler runs. Default 30 s.
 	Lease time.Duration
@@ -186,6 +234,75 @@ type Config struct {
 	OnOutcome func(msg *Message, out Outcome)
 }
 
+// The consumers' namespace. Every stored form of an HTTP scope (idem.StoredScope)
+// is either printable text that does not start with "sha256:" or "sha256:" and
+// 64 hexadecimal digits; a consumer's stored scope starts with "sha256:" and
+// goes on with a letter that is not a hex digit ("sha256:consumer:…"), so no
+// HTTP scope can ever take it.
+const (
+	nsPrefix       = "sha256:consumer:"
+	nsDigestPrefix = "sha256:consumer-digest:"
+	attemptsPrefix = "sha256:consumer-attempts:"
+	attemptsDigest = "sha256:consumer-attempts-digest:"
+)
+
+// StoredScope returns the scope under which a consumer named name keeps the
+// records of tenant's messages (tenant "" without Config.Scope):
+// "sha256:consumer:" + name, followed by "/" + tenant when there is one. A name
+// with a "/", a form longer than idem.MaxStoredScopeLength or one that is not
+// printable is stored as "sha256:consumer-digest:" and the hex SHA-256 of the
+// two. It is the form to give tools that read records by their stored scope.
+// No HTTP scope is ever stored in this form (see the package doc).
+func StoredScope(name, tenant string) string {
+	return nsScope(nsPrefix, nsDigestPrefix, name, tenant)
+}
+
+func nsScope(prefix, digestPrefix, name, tenant string) string {
+	s := prefix + name
+	if tenant != "" {
+		s += "/" + tenant
+	}
+	if len(s) <= idem.MaxStoredScopeLength && idem.StoredScope(name) == name && (tenant == "" || idem.StoredScope(tenant) == tenant) && !containsSlash(name) {
+		return s
+	}
+	h := sha256.New()
+	fmt.Fprintf(h, "%d:%s%s", len(name), name, tenant)
+	return digestPrefix + hex.EncodeToString(h.Sum(nil))
+}
+
+func containsSlash(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] == '/' {
+			return true
+		}
+	}
+	return false
+}
+
+// keyDigestPrefix starts a key stored as a digest.
+const keyDigestPrefix = "sha256:"
+
+// Key returns the dedupe key of a message ID, and false when the ID is not
+// usable: the ID itself when it is 1 to 255 bytes of visible ASCII (0x21 to
+// 0x7e) and does not start with "sha256:"; "sha256:" and the hex SHA-256 of
+// the ID when it is longer, or starts with "sha256:" (so that two IDs never
+// share a key); false when it is empty or holds any other byte.
+func Key(id string) (string, bool) {
+	if id == "" {
+		return "", false
+	}
+	for i := 0; i < len(id); i++ {
+		if c := id[i]; c < 0x21 || c > 0x7e {
+			return "", false
+		}
+	}
+	if len(id) <= idem.DefaultMaxKeyLength && (len(id) < len(keyDigestPrefix) || id[:len(keyDigestPrefix)] != keyDigestPrefix) {
+		return id, true
+	}
+	sum := sha256.Sum256([]byte(id))
+	return keyDigestPrefix + hex.EncodeToString(sum[:]), true
+}
+
 // DefaultBackoff is the default Config.Backoff: 1 s doubling per failed
 // delivery, at most 1 min.
 func DefaultBackoff(n int) time.Duration {
@@ -201,7 +318,7 @@ func DefaultBackoff(n int) time.Duration {
 // Processor runs messages under their IDs. It is safe for concurrent use.
 type Processor struct {
 	cfg     Config
-	scope   string
+	scope   string // the stored scope without a tenant
 	store   idem.Store
 	txStore idem.TxStore
 	counts  [numReasons]atomic.Int64
@@ -244,7 +361,9 @@ func New(store idem.Store, cfg Config) (*Processor, error) {
 	case cfg.HandlerTimeout < 0 || cfg.CleanupTimeout < 0:
 		return nil, errors.New("consumer: Config.HandlerTimeout and Config.CleanupTimeout must not be negative")
 	}
-	p := &Processor{cfg: cfg, scope: idem.StoredScope(cfg.Name), store: store}
+	cfg.FingerprintHeaders = append([]string(nil), cfg.FingerprintHeaders...)
+	sort.Strings(cfg.FingerprintHeaders)
+	p := &Processor{cfg: cfg, scope: StoredScope(cfg.Name, ""), store: store}
 	p.txStore, _ = store.(idem.TxStore)
 	return p, nil
 }
@@ -282,7 +401,8 @@ func (e *permanentError) Error() string { return e.err.Error() }
 func (e *permanentError) Unwrap() error { return e.err }
 
 // Permanent marks err as permanent: the message is dead-lettered at once
-// instead of being retried. Permanent(nil) is nil.
+// instead of being retried. Permanent(nil) is nil. A handler may also panic
+// with it.
 func Permanent(err error) error {
 	if err == nil {
 		return nil
@@ -296,10 +416,45 @@ func IsPermanent(err error) bool {
 	return errors.As(err, &p)
 }
 
-// Fingerprint is the fingerprint of a payload: "m1:" and its hex SHA-256.
+// Fingerprint is the fingerprint of a payload: "m1:" and its hex SHA-256. It
+// is the record's fingerprint when neither Config.Scope nor
+// Config.FingerprintHeaders is set.
 func Fingerprint(payload []byte) string {
 	sum := sha256.Sum256(payload)
 	return "m1:" + hex.EncodeToString(sum[:])
+}
+
+// fingerprint is "m1:" (payload only) or "m2:" and the hex SHA-256 of the
+// payload, the tenant and the FingerprintHeaders, each length-prefixed.
+func (p *Processor) fingerprint(msg *Message, tenant string) string {
+	if p.cfg.Scope == nil && len(p.cfg.FingerprintHeaders) == 0 {
+		return Fingerprint(msg.Payload)
+	}
+	h := sha256.New()
+	fmt.Fprintf(h, "%d:", len(msg.Payload))
+	h.Write(msg.Payload)
+	fmt.Fprintf(h, "%d:%s", len(tenant), tenant)
+	for _, name := range p.cfg.FingerprintHeaders {
+		vs := headerValues(msg.Header, name)
+		fmt.Fprintf(h, "%d:%s%d", len(name), name, len(vs))
+		for _, v := range vs {
+			fmt.Fprintf(h, "%d:%s", len(v), v)
+		}
+	}
+	return "m2:" + hex.EncodeToString(h.Sum(nil))
+}
+
+// headerValues reads a header by its exact name, else case-insensitively.
+func headerValues(h map[string][]string, name string) []string {
+	if vs, ok := h[name]; ok {
+		return vs
+	}
+	for k, vs := range h {
+		if strings.EqualFold(k, name) {
+			return vs
+		}
+	}
+	return nil
 }
 
 func newToken() string {
@@ -320,59 +475,272 @@ func (p *Processor) Process(ctx context.Context, msg *Message, h Handler) Outcom
 	return out
 }
 
+// run is one claimed delivery.
+type run struct {
+	scope, key, token string
+	attempt           int
+	tenant            string
+}
+
 func (p *Processor) process(ctx context.Context, msg *Message, h Handler) Outcome {
-	key, err := idem.ParseKey(msg.ID, idem.DefaultMaxKeyLength)
-	if err != nil || key != msg.ID {
-		if err == nil {
-			err = fmt.Errorf("the ID %q is not in its plain form", msg.ID)
-		}
-		return Outcome{Action: DeadLetter, Reason: InvalidID, Err: fmt.Errorf("consumer %s: the message has no usable ID (%w); producers must set one per message (Nats-Msg-Id, AMQP message_id) and keep it across retries", p.cfg.Name, err)}
+	if msg == nil {
+		return Outcome{Action: DeadLetter, Reason: InvalidID, Err: fmt.Errorf("consumer %s: Process was given a nil *Message", p.cfg.Name)}
 	}
-	delivery := max(msg.Delivery, 1)
+	if h == nil {
+		// Nothing is claimed: the message is retried, untouched, until the
+		// program is fixed.
+		return Outcome{Action: Retry, Reason: Failed, Delay: p.cfg.Backoff(1), Err: fmt.Errorf("consumer %s: Process was given a nil Handler; pass the function that processes the message", p.cfg.Name)}
+	}
+	key, ok := Key(msg.ID)
+	if !ok {
+		return Outcome{Action: DeadLetter, Reason: InvalidID, Err: fmt.Errorf("consumer %s: the message has no usable ID (%s); producers must give every message an ID of 1 to 255 visible ASCII characters (a UUID, \"order-42\") in Nats-Msg-Id, AMQP message_id or the key header, and keep it across retries", p.cfg.Name, describeID(msg.ID))}
+	}
+	var tenant string
+	if p.cfg.Scope != nil {
+		tenant = p.cfg.Scope(msg)
+	}
+	r := run{scope: p.scope, key: key, token: newToken(), tenant: tenant}
+	if tenant != "" {
+		r.scope = StoredScope(p.cfg.Name, tenant)
+	}
 	now := p.cfg.NowFunc()
 	claim := idem.ClaimRequest{
-		Scope: p.scope, Key: key, Fingerprint: Fingerprint(msg.Payload), Token: newToken(),
+		Scope: r.scope, Key: key, Fingerprint: p.fingerprint(msg, tenant), Token: r.token,
 		Now: now, LeaseUntil: now.Add(p.cfg.Lease), ExpiresAt: now.Add(p.cfg.TTL),
 	}
 	rec, claimed, err := p.store.Claim(ctx, claim)
 	if err != nil {
-		return p.storeFailed(delivery, fmt.Errorf("claim: %w", err))
+		return p.storeFailed(max(msg.Delivery, 1), fmt.Errorf("claim: %w", err))
 	}
 	if !claimed {
-		switch {
-		case rec.Fingerprint != claim.Fingerprint:
-			return Outcome{Action: DeadLetter, Reason: Mismatch, Err: fmt.Errorf("consumer %s: message %q was first processed with a different payload (a %s record); a message ID names one message, so the producer must give a new message a new ID", p.cfg.Name, key, rec.State)}
-		case rec.State == idem.StateComplete:
-			var result []byte
-			if rec.Response != nil {
-				result = rec.Response.Body
-			}
-			return Outcome{Action: Ack, Reason: Duplicate, Result: result}
-		default:
-			left := rec.LeaseUntil.Sub(now)
-			return Outcome{Action: Retry, Reason: InFlight, Delay: max(left, 10*time.Millisecond)}
+		return p.notClaimed(msg, key, rec, claim)
+	}
+	// Count the attempt. A takeover means the claim's earlier holder crashed or
+	// stalled: that attempt did not finish, and is marked as one.
+	delivery := max(msg.Delivery, 1)
+	// Stores keep CreatedAt across a takeover, to their precision (a
+	// microsecond, a millisecond); a lease lapses at least Lease after it.
+	takeover := rec != nil && rec.CreatedAt.Before(now.Add(-p.cfg.Lease/2))
+	var n int
+	switch {
+	case takeover:
+		n, err = p.markAttempt(ctx, r, now)
+	case msg.Delivery != 1:
+		n, err = p.countAttempts(ctx, r, now)
+	}
+	if err != nil {
+		return p.storeFailed(delivery, errors.Join(fmt.Errorf("count attempts: %w", err), p.release(ctx, r)))
+	}
+	r.attempt = max(delivery, n+1)
+	msg.Delivery = r.attempt
+	if p.cfg.LegacyScope {
+		if out, done := p.legacy(ctx, r, claim); done {
+			return out
 		}
 	}
-	if delivery > p.cfg.MaxDeliveries {
-		// Past the limit without a stored outcome: every earlier delivery failed or
+	if r.attempt > p.cfg.MaxDeliveries {
+		// Past the limit without a stored outcome: every earlier attempt failed or
 		// crashed its consumer. Give the key up and dead-letter the message.
-		err := p.release(ctx, key, claim.Token)
-		return Outcome{Action: DeadLetter, Reason: Poison, Err: errors.Join(fmt.Errorf("consumer %s: message %q came for the %d. time, past MaxDeliveries (%d), without being processed", p.cfg.Name, key, delivery, p.cfg.MaxDeliveries), err)}
+		err := p.release(ctx, r)
+		return Outcome{Action: DeadLetter, Reason: Poison, Err: errors.Join(fmt.Errorf("consumer %s: message %q came for attempt %d, past MaxDeliveries (%d), without being processed (earlier attempts failed or crashed their consumer); the handler did not run", p.cfg.Name, msg.ID, r.attempt, p.cfg.MaxDeliveries), err)}
 	}
-	return p.execute(ctx, msg, key, claim.Token, delivery, h)
+	return p.execute(ctx, msg, r, h)
+}
+
+func describeID(id string) string {
+	if id == "" {
+		return "it is empty"
+	}
+	for i := 0; i < len(id); i++ {
+		if c := id[i]; c < 0x21 || c > 0x7e {
+			return fmt.Sprintf("%q holds the byte %#02x at offset %d, outside visible ASCII", id, c, i)
+		}
+	}
+	return fmt.Sprintf("%q", id)
+}
+
+func (p *Processor) notClaimed(msg *Message, key string, rec *idem.Record, claim idem.ClaimRequest) Outcome {
+	switch {
+	case rec.Fingerprint != claim.Fingerprint:
+		return Outcome{Action: DeadLetter, Reason: Mismatch, Err: fmt.Errorf("consumer %s: message %q was first processed with a different payload or fingerprinted headers (a %s record); the handler did not run; a message ID names one message, so the producer must give a new message a new ID", p.cfg.Name, msg.ID, rec.State)}
+	case rec.State == idem.StateComplete:
+		var result []byte
+		if rec.Response != nil {
+			result = rec.Response.Body
+		}
+		return Outcome{Action: Ack, Reason: Duplicate, Result: result}
+	default:
+		left := rec.LeaseUntil.Sub(claim.Now)
+		return Outcome{Action: Retry, Reason: InFlight, Delay: max(left, 10*time.Millisecond)}
+	}
+}
+
+// legacy looks the message up under the scope of versions before the
+// consumers' namespace (Config.LegacyScope).
+func (p *Processor) legacy(ctx context.Context, r run, claim idem.ClaimRequest) (Outcome, bool) {
+	if r.tenant != "" {
+		return Outcome{}, false // earlier versions had no tenants
+	}
+	rec, err := p.store.Get(ctx, idem.StoredScope(p.cfg.Name), r.key, claim.Now)
+	switch {
+	case errors.Is(err, idem.ErrNotFound):
+		return Outcome{}, false
+	case err != nil:
+		return p.storeFailed(r.attempt, errors.Join(fmt.Errorf("read the legacy record: %w", err), p.release(ctx, r))), true
+	case rec.Fingerprint != claim.Fingerprint:
+		// Not this message's record: an HTTP request's (its fingerprint is "v1:…"),
+		// or another payload. The namespace decides.
+		return Outcome{}, false
+	case rec.State == idem.StateComplete:
+		var result []byte
+		if rec.Response != nil {
+			result = rec.Response.Body
+		}
+		cctx, cancel := p.cleanup(ctx)
+		defer cancel()
+		now := p.cfg.NowFunc()
+		if err := p.store.Complete(cctx, r.scope, r.key, r.token, &idem.Response{Status: 200, Body: result}, now, rec.ExpiresAt); err != nil {
+			_ = p.release(ctx, r)
+		}
+		return Outcome{Action: Ack, Reason: Duplicate, Result: result}, true
+	default:
+		err := p.release(ctx, r)
+		return Outcome{Action: Retry, Reason: InFlight, Delay: max(rec.LeaseUntil.Sub(claim.Now), 10*time.Millisecond), Err: err}, true
+	}
+}
+
+// Attempt markers: one record per unfinished attempt, under the attempts
+// namespace, keyed "<key>#<n>". They are claimed with a lease as long as their
+// TTL, so nothing ever takes them over, and the janitor deletes them with the
+// other expired records.
+func (p *Processor) markerScope(r run) string {
+	return nsScope(attemptsPrefix, attemptsDigest, p.cfg.Name, r.tenant)
+}
+
+func markerKey(key string, n int) string {
+	if len(key)+4 > idem.DefaultMaxKeyLength {
+		sum := sha256.Sum256([]byte(key))
+		key = keyDigestPrefix + hex.EncodeToString(sum[:])
+	}
+	return key + "#" + strconv.Itoa(n)
+}
+
+// markAttempt adds a marker and returns how many there are.
+func (p *Processor) markAttempt(ctx context.Context, r run, now time.Time) (int, error) {
+	cctx, cancel := p.cleanup(ctx)
+	defer cancel()
+	scope := p.markerScope(r)
+	for n := 1; ; n++ {
+		_, claimed, err := p.store.Claim(cctx, idem.ClaimRequest{
+			Scope: scope, Key: markerKey(r.key, n), Fingerprint: "m1:attempt", Token: newToken(),
+			Now: now, LeaseUntil: now.Add(p.cfg.TTL), ExpiresAt: now.Add(p.cfg.TTL),
+		})
+		if err != nil {
+			return 0, err
+		}
+		if claimed || n > p.cfg.MaxDeliveries {
+			return n, nil
+		}
+	}
+}
+
+// fillAttempts makes sure there are MaxDeliveries markers.
+func (p *Processor) fillAttempts(ctx context.Context, r run, now time.Time) error {
+	cctx, cancel := p.cleanup(ctx)
+	defer cancel()
+	scope := p.markerScope(r)
+	for n := 1; n <= p.cfg.MaxDeliveries; n++ {
+		if _, _, err := p.store.Claim(cctx, idem.ClaimRequest{
+			Scope: scope, Key: markerKey(r.key, n), Fingerprint: "m1:attempt", Token: newToken(),
+			Now: now, LeaseUntil: now.Add(p.cfg.TTL), ExpiresAt: now.Add(p.cfg.TTL),
+		}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// countAttempts returns how many markers there are.
+func (p *Processor) countAttempts(ctx context.Context, r run, now time.Time) (int, error) {
+	scope := p.markerScope(r)
+	for n := 1; n <= p.cfg.MaxDeliveries+1; n++ {
+		_, err := p.store.Get(ctx, scope, markerKey(r.key, n), now)
+		if errors.Is(err, idem.ErrNotFound) {
+			return n - 1, nil
+		}
+		if err != nil {
+			return 0, err
+		}
+	}
+	return p.cfg.MaxDeliveries + 1, nil
+}
+
+// DeadLettered tells the Processor that the adapter has put msg, dead-lettered
+// with out, in its dead-letter destination. For a Poison outcome it deletes
+// the message's attempt markers, so that the message, republished from there,
+// gets its MaxDeliveries again (until then a redelivery is dead-lettered
+// again without running); for other reasons it does nothing, so that a
+// mismatched copy never resets the attempts of the message whose ID it
+// reuses. Adapters call it; an error only means the markers stay until their
+// TTL.
+func (p *Processor) DeadLettered(ctx context.Context, msg *Message, out Outcome) error {
+	if out.Reason != Poison {
+		return nil
+	}
+	key, ok := Key(msg.ID)
+	if !ok {
+		return nil
+	}
+	r := run{key: key}
+	if p.cfg.Scope != nil {
+		r.tenant = p.cfg.Scope(msg)
+	}
+	cctx, cancel := p.cleanup(ctx)
+	defer cancel()
+	scope := p.markerScope(r)
+	now := p.cfg.NowFunc()
+	for n := 1; n <= p.cfg.MaxDeliveries+1; n++ {
+		rec, err := p.store.Get(cctx, scope, markerKey(key, n), now)
+		if errors.Is(err, idem.ErrNotFound) {
+			return nil
+		}
+		if err == nil {
+			err = p.store.Release(cctx, scope, markerKey(key, n), rec.Token)
+		}
+		if err != nil && !errors.Is(err, idem.ErrLockLost) {
+			return fmt.Errorf("consumer %s: delete the attempt markers of message %q (they expire with the TTL): %w", p.cfg.Name, msg.ID, err)
+		}
+	}
+	return nil
 }
 
 // storeFailed is the outcome of a store failure before anything committed.
 func (p *Processor) storeFailed(delivery int, err error) Outcome {
-	return Outcome{Action: Retry, Reason: StoreFailed, Delay: p.cfg.Backoff(delivery), Err: fmt.Errorf("consumer %s: the idempotency store failed, nothing was committed and the message will be redelivered: %w", p.cfg.Name, err)}
+	return Outcome{Action: Retry, Reason: StoreFailed, Delay: p.cfg.Backoff(delivery), Err: fmt.Errorf("consumer %s: the idempotency store failed before anything was committed; the message will be redelivered: %w", p.cfg.Name, err)}
 }
 
-// handlerFailed is the outcome of a handler error (nothing committed).
-func (p *Processor) handlerFailed(delivery int, err error) Outcome {
-	if IsPermanent(err) || delivery >= p.cfg.MaxDeliveries {
+// failed is the outcome of an attempt that ran the handler and committed
+// nothing: it is marked as an attempt, the key is released, and the message is
+// retried or, at MaxDeliveries or when err is Permanent, dead-lettered.
+func (p *Processor) failed(ctx context.Context, r run, err error) Outcome {
+	poison := IsPermanent(err) || r.attempt >= p.cfg.MaxDeliveries
+	var merr error
+	if poison {
+		// Until the adapter has the message in its dead-letter destination
+		// (DeadLettered), a redelivery — its dead-lettering failed — finds the
+		// attempts used up and is dead-lettered again without running.
+		merr = p.fillAttempts(ctx, r, p.cfg.NowFunc())
+	} else {
+		_, merr = p.markAttempt(ctx, r, p.cfg.NowFunc())
+	}
+	if merr != nil {
+		merr = fmt.Errorf("mark the attempt (the broker's count still applies): %w", merr)
+	}
+	err = errors.Join(err, merr, p.release(ctx, r))
+	if poison {
 		return Outcome{Action: DeadLetter, Reason: Poison, Err: err}
 	}
-	return Outcome{Action: Retry, Reason: Failed, Delay: p.cfg.Backoff(delivery), Err: err}
+	return Outcome{Action: Retry, Reason: Failed, Delay: p.cfg.Backoff(r.attempt), Err: err}
 }
 
 func (p *Processor) cleanup(ctx context.Context) (context.Context, context.CancelFunc) {
@@ -380,10 +748,10 @@ func (p *Processor) cleanup(ctx context.Context) (context.Context, context.Cance
 }
 
 // release gives the key up; a key no longer held under token is nothing to undo.
-func (p *Processor) release(ctx context.Context, key, token string) error {
+func (p *Processor) release(ctx context.Context, r run) error {
 	cctx, cancel := p.cleanup(ctx)
 	defer cancel()
-	err := p.store.Release(cctx, p.scope, key, token)
+	err := p.store.Release(cctx, r.scope, r.key, r.token)
 	if errors.Is(err, idem.ErrLockLost) {
 		return nil
 	}
@@ -394,7 +762,7 @@ func (p *Processor) release(ctx context.Context, key, token string) error {
 }
 
 // execute runs the handler of a claimed message and settles its outcome.
-func (p *Processor) execute(ctx context.Context, msg *Message, key, token string, delivery int, h Handler) (out Outcome) {
+func (p *Processor) execute(ctx context.Context, msg *Message, r run, h Handler) (out Outcome) {
 	hctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
 	defer cancel(nil)
 	if p.cfg.HandlerTimeout > 0 {
@@ -410,10 +778,10 @@ func (p *Processor) execute(ctx context.Context, msg *Message, key, token string
 		var err error
 		runCtx, tx, err = p.txStore.BeginTx(hctx)
 		if err != nil {
-			return p.storeFailed(delivery, errors.Join(fmt.Errorf("begin transaction: %w", err), p.release(ctx, key, token)))
+			return p.storeFailed(r.attempt, errors.Join(fmt.Errorf("begin transaction: %w", err), p.release(ctx, r)))
 		}
 	}
-	renew := p.renew(hctx, cancel, key, token)
+	renew := p.renew(hctx, cancel, r)
 	settled := false
 	defer func() {
 		if settled {
@@ -427,7 +795,11 @@ func (p *Processor) execute(ctx context.Context, msg *Message, key, token string
 		if tx != nil {
 			_ = tx.Rollback(cctx)
 		}
-		out = p.handlerFailed(delivery, errors.Join(fmt.Errorf("consumer %s: the handler panicked: %v", p.cfg.Name, v), p.release(ctx, key, token)))
+		perr := fmt.Errorf("consumer %s: the handler panicked: %v", p.cfg.Name, v)
+		if e, ok := v.(error); ok {
+			perr = fmt.Errorf("consumer %s: the handler panicked: %w", p.cfg.Name, e)
+		}
+		out = p.failed(ctx, r, perr)
 	}()
 	result, herr := h(runCtx, msg)
 	settled = true
@@ -441,21 +813,21 @@ func (p *Processor) execute(ctx context.Context, msg *Message, key, token string
 			_ = tx.Rollback(cctx)
 		}
 		if lost {
-			return p.leaseLost(herr)
+			return p.leaseLost(herr, tx != nil)
 		}
-		return p.handlerFailed(delivery, errors.Join(herr, p.release(ctx, key, token)))
+		return p.failed(ctx, r, herr)
 	}
 	resp := &idem.Response{Status: 200, Body: result}
 	now := p.cfg.NowFunc()
 	if tx == nil {
-		err := p.store.Complete(cctx, p.scope, key, token, resp, now, now.Add(p.cfg.TTL))
+		err := p.store.Complete(cctx, r.scope, r.key, r.token, resp, now, now.Add(p.cfg.TTL))
 		switch {
 		case err == nil:
 			return Outcome{Action: Ack, Reason: Executed, Result: result}
 		case errors.Is(err, idem.ErrLockLost):
 			// The effects happened; another delivery took the key over and will run
 			// too. A store without transactions cannot prevent that: acknowledge.
-			return Outcome{Action: Ack, Reason: LeaseLost, Result: result, Err: err}
+			return Outcome{Action: Ack, Reason: LeaseLost, Result: result, Err: fmt.Errorf("consumer %s: the lease lapsed while the handler ran and another delivery took the message over; this run's effects happened, and the other's happen too (a store without transactions cannot prevent it; keep Lease above the longest handler): %w", p.cfg.Name, err)}
 		default:
 			return Outcome{Action: Ack, Reason: StoreFailed, Result: result, Err: fmt.Errorf("consumer %s: the handler ran but its record could not be stored (a redelivery after the lease may run it again): %w", p.cfg.Name, err)}
 		}
@@ -466,11 +838,11 @@ func (p *Processor) execute(ctx context.Context, msg *Message, key, token string
 		// store noticed in time.
 		_ = tx.Rollback(cctx)
 		if lost {
-			return p.leaseLost(context.Cause(hctx))
+			return p.leaseLost(context.Cause(hctx), true)
 		}
-		return p.handlerFailed(delivery, errors.Join(fmt.Errorf("consumer %s: the handler ran past HandlerTimeout (%v), so its transaction was rolled back and nothing was committed: %w", p.cfg.Name, p.cfg.HandlerTimeout, context.Cause(hctx)), p.release(ctx, key, token)))
+		return p.failed(ctx, r, fmt.Errorf("consumer %s: the handler ran past HandlerTimeout (%v), so its transaction was rolled back and nothing was committed: %w", p.cfg.Name, p.cfg.HandlerTimeout, context.Cause(hctx)))
 	}
-	err := tx.Complete(cctx, p.scope, key, token, resp, now, now.Add(p.cfg.TTL))
+	err := tx.Complete(cctx, r.scope, r.key, r.token, resp, now, now.Add(p.cfg.TTL))
 	committing := err == nil
 	if committing {
 		err = tx.Commit(cctx)
@@ -481,31 +853,63 @@ func (p *Processor) execute(ctx context.Context, msg *Message, key, token string
 	_ = tx.Rollback(cctx)
 	switch {
 	case errors.Is(err, idem.ErrLockLost) || lost:
-		return p.leaseLost(err)
+		return p.leaseLost(err, true)
 	case errors.Is(err, idem.ErrTxAborted):
-		// The database rolled the transaction back: nothing committed; retry as a
-		// failed delivery.
-		return p.handlerFailed(delivery, errors.Join(err, p.release(ctx, key, token)))
+		// The database refused the transaction: nothing committed, and it may
+		// refuse it every time (a deferred constraint): a failed delivery.
+		return p.failed(ctx, r, fmt.Errorf("consumer %s: the database refused the handler's transaction, nothing was committed: %w", p.cfg.Name, err))
 	case !committing:
-		return p.storeFailed(delivery, errors.Join(fmt.Errorf("complete: %w", err), p.release(ctx, key, token)))
+		return p.storeFailed(r.attempt, errors.Join(fmt.Errorf("complete: %w", err), p.release(ctx, r)))
+	}
+	return p.commitFailed(ctx, r, err)
+}
+
+// commitFailed settles a commit that returned an error other than
+// ErrTxAborted: it reads the record back to learn whether the commit went
+// through.
+func (p *Processor) commitFailed(ctx context.Context, r run, cerr error) Outcome {
+	cctx, stop := p.cleanup(ctx)
+	defer stop()
+	rec, err := p.store.Get(cctx, r.scope, r.key, p.cfg.NowFunc())
+	switch {
+	case err == nil && rec.State == idem.StateComplete:
+		// It committed; only its answer was lost.
+		var result []byte
+		if rec.Response != nil {
+			result = rec.Response.Body
+		}
+		return Outcome{Action: Ack, Reason: Executed, Result: result}
+	case err == nil && rec.Token == r.token:
+		// Still in flight under this claim: the commit did not happen. The
+		// handler ran and its work was refused or lost: a failed delivery, so that
+		// a commit the database always refuses ends in the dead-letter
+		// destination, not in a loop.
+		return p.failed(ctx, r, fmt.Errorf("consumer %s: the commit failed and nothing was committed (the record is still in flight under this delivery's claim): %w", p.cfg.Name, cerr))
+	case err == nil || errors.Is(err, idem.ErrNotFound):
+		return p.leaseLost(cerr, true)
 	default:
-		// The commit's outcome is unknown. If it went through, the record is
-		// complete, the release below changes nothing, and the redelivery is acked
-		// as a duplicate; if not, the redelivery runs afresh.
-		return p.storeFailed(delivery, errors.Join(fmt.Errorf("commit (outcome unknown): %w", err), p.release(ctx, key, token)))
+		// If it committed, the record is complete and the fenced release changes
+		// nothing; if not, the redelivery runs afresh.
+		return Outcome{Action: Retry, Reason: StoreFailed, Delay: p.cfg.Backoff(r.attempt), Err: fmt.Errorf("consumer %s: the commit's outcome is unknown (the store answered neither the commit nor a read-back); the redelivery finds out: acked as a duplicate if it committed, run again if not: %w", p.cfg.Name, errors.Join(cerr, err, p.release(ctx, r)))}
 	}
 }
 
-func (p *Processor) leaseLost(err error) Outcome {
-	return Outcome{Action: Retry, Reason: LeaseLost, Delay: 10 * time.Millisecond, Err: fmt.Errorf("consumer %s: the lease lapsed and another delivery took the message over; nothing was committed: %w", p.cfg.Name, err)}
+func (p *Processor) leaseLost(err error, tx bool) Outcome {
+	what := "nothing this delivery did was committed"
+	if !tx {
+		what = "with a store without transactions its effects happened, and the other delivery's happen too"
+	}
+	return Outcome{Action: Retry, Reason: LeaseLost, Delay: 10 * time.Millisecond, Err: fmt.Errorf("consumer %s: the lease lapsed and another delivery took the message over; %s: %w", p.cfg.Name, what, err)}
 }
 
 // renew extends the lease every Lease/3 until the returned stop is called; when
 // the lease turns out to be lost it cancels the handler's context with cause
 // idem.ErrLockLost. Transient store errors are not a lost lease: the fenced
-// completion has the last word.
-func (p *Processor) renew(ctx context.Context, cancel context.CancelCauseFunc, key, token string) (stop func()) {
-	done := make(chan struct{})
+// completion has the last word. stop ends a renewal call in progress instead of
+// waiting for it: with SQLite that call waits for the write lock the handler's
+// own transaction holds until it commits, which comes after stop.
+func (p *Processor) renew(ctx context.Context, cancel context.CancelCauseFunc, r run) (stop func()) {
+	rctx, end := context.WithCancel(context.WithoutCancel(ctx))
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
@@ -514,15 +918,15 @@ func (p *Processor) renew(ctx context.Context, cancel context.CancelCauseFunc, k
 		defer t.Stop()
 		for {
 			select {
-			case <-done:
+			case <-rctx.Done():
 				return
 			case <-ctx.Done():
 				return
 			case <-t.C:
 			}
-			ectx, c := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.Lease/3)
+			ectx, c := context.WithTimeout(rctx, p.cfg.Lease/3)
 			at := p.cfg.NowFunc()
-			err := p.store.Extend(ectx, p.scope, key, token, at, at.Add(p.cfg.Lease))
+			err := p.store.Extend(ectx, r.scope, r.key, r.token, at, at.Add(p.cfg.Lease))
 			c()
 			if errors.Is(err, idem.ErrLockLost) {
 				cancel(idem.ErrLockLost)
@@ -532,6 +936,6 @@ func (p *Processor) renew(ctx context.Context, cancel context.CancelCauseFunc, k
 	}()
 	var once sync.Once
 	return func() {
-		once.Do(func() { close(done); wg.Wait() })
+		once.Do(func() { end(); wg.Wait() })
 	}
 }

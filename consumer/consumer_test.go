@@ -52,7 +52,7 @@ func TestOutcomes(t *testing.T) {
 	if runs.Load() != 1 {
 		t.Fatalf("handler ran %d times, want 1", runs.Load())
 	}
-	for _, id := range []string{"", "a b", `"quoted"`} {
+	for _, id := range []string{"", "a b", "caf\u00e9", "tab\tx"} {
 		if out := p.Process(ctx, &consumer.Message{ID: id}, ok); out.Action != consumer.DeadLetter || out.Reason != consumer.InvalidID {
 			t.Fatalf("ID %q: %+v", id, out)
 		}
@@ -96,7 +96,7 @@ func TestOutcomes(t *testing.T) {
 		t.Fatalf("past MaxDeliveries: %+v", out)
 	}
 	st := p.Stats()
-	if st.Executed != 2 || st.Duplicate != 1 || st.Mismatch != 1 || st.InvalidID != 3 || st.Failed != 3 || st.Poison != 3 {
+	if st.Executed != 2 || st.Duplicate != 1 || st.Mismatch != 1 || st.InvalidID != 4 || st.Failed != 3 || st.Poison != 3 {
 		t.Fatalf("stats %+v", st)
 	}
 }
@@ -200,7 +200,7 @@ func TestSQLiteTransaction(t *testing.T) {
 	if out := p.Process(ctx, &consumer.Message{ID: "o1", Payload: []byte("{}")}, h); out.Action != consumer.Retry || count() != 0 {
 		t.Fatalf("failed handler: %+v, %d rows", out, count())
 	}
-	if _, err := s.Get(ctx, "orders", "o1", time.Now()); !errors.Is(err, idem.ErrNotFound) {
+	if _, err := s.Get(ctx, consumer.StoredScope("orders", ""), "o1", time.Now()); !errors.Is(err, idem.ErrNotFound) {
 		t.Fatalf("record after a failed handler: %v", err)
 	}
 	fail = false
@@ -255,7 +255,7 @@ func TestSQLiteHandlerPastTimeoutCommitsNothing(t *testing.T) {
 	if out.Action != consumer.Retry || out.Reason != consumer.Failed || count() != 0 {
 		t.Fatalf("handler past HandlerTimeout: %+v, %d rows; want a failed delivery to retry and no row", out, count())
 	}
-	if _, err := s.Get(ctx, "orders", "o1", time.Now()); !errors.Is(err, idem.ErrNotFound) {
+	if _, err := s.Get(ctx, consumer.StoredScope("orders", ""), "o1", time.Now()); !errors.Is(err, idem.ErrNotFound) {
 		t.Fatalf("record after a handler past HandlerTimeout: %v; want the key released", err)
 	}
 	slow = false

@@ -29,6 +29,8 @@ type keyCtx struct{}
 // WithKey returns a copy of ctx whose calls use key instead of a new one: the
 // key of an operation the caller already retries itself (across restarts, from a
 // job record). A call whose outgoing metadata already holds MetadataKey keeps it.
+// The key is sent whether or not the method is in ClientConfig.Methods: asking
+// for a key is asking for it to be sent.
 func WithKey(ctx context.Context, key string) context.Context {
 	return context.WithValue(ctx, keyCtx{}, key)
 }
@@ -54,13 +56,13 @@ func UnaryClientInterceptor(cfg *ClientConfig) grpc.UnaryClientInterceptor {
 		}
 	}
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-		if methods != nil && !methods[method] {
+		key, _ := ctx.Value(keyCtx{}).(string)
+		if methods != nil && !methods[method] && key == "" {
 			return invoker(ctx, method, req, reply, cc, opts...)
 		}
 		if md, ok := metadata.FromOutgoingContext(ctx); ok && len(md.Get(MetadataKey)) > 0 {
 			return invoker(ctx, method, req, reply, cc, opts...)
 		}
-		key, _ := ctx.Value(keyCtx{}).(string)
 		if key == "" {
 			key = newKey()
 		}

@@ -6,11 +6,20 @@
 // own state machine — the same stores, states, leases, fencing, TTL and
 // transactional completion as the HTTP middleware — by handing each keyed call to
 // an idem middleware as an in-process request: method POST, path the full gRPC
-// method name, body the request message's deterministic protobuf encoding, the
-// key from the "idempotency-key" metadata entry and the call's context (so the
-// scope is what an authentication interceptor in front stored with
-// idem.WithScope). The fingerprint is therefore the full method name and the
-// request message; the same key with another message is refused.
+// method name, body the request message's canonical protobuf encoding, the
+// key from the "idempotency-key" metadata entry, the call's metadata as headers
+// (for a custom idem.Config.ScopeFunc) and the call's context (so the scope is
+// what an authentication interceptor in front stored with idem.WithScope). The
+// fingerprint is therefore the full method name and the request message; the
+// same key with another message is refused.
+//
+// The canonical encoding is what the message means, not the bytes a client's
+// codec chose: maps are sorted, unknown fields (from a client built from a
+// newer .proto) are put in field-number order with the entries of an unknown
+// map sorted, and the value of a google.protobuf.Any is decoded (with
+// Config.Types) and re-encoded the same way, so that a retry of one message
+// encoded afresh is a retry, not a key reuse. Config.KnownFieldsOnly leaves
+// unknown fields out of the fingerprint.
 //
 // The method's handler runs with the context idem gives a claimed request: the
 // call's values, not the client's cancellation, ending at idem.Config's
@@ -39,17 +48,27 @@
 // Each of these carries an ErrorInfo detail whose reason is idem's problem code
 // in upper case (IDEMPOTENCY_KEY_IN_USE, …) and whose domain is ErrorDomain.
 //
-// A handler's error is stored under an HTTP status derived from its gRPC code
-// (HTTPStatus), so idem.Config.KeepFunc decides by it: KeepFunc returning false
-// for 5xx releases the key after Internal or Unavailable errors, and the retry
-// runs again.
+// A handler's error status is stored unless Config.KeepCode says otherwise:
+// by default (DefaultKeepCode) Unavailable, ResourceExhausted, Aborted,
+// DeadlineExceeded and Canceled are not kept — they tell the client to retry,
+// and the key is released so that the retry runs the method again. The status
+// is also asked of idem.Config.KeepFunc, when set, under the HTTP status of its
+// code (HTTPStatus): KeepFunc returning false for 5xx releases the key after
+// Internal errors too.
+//
+// The in-flight answer (Aborted) and the store-unavailable answer carry the
+// trailer grpc-retry-pushback-ms (PushbackKey) with their RetryInfo delay:
+// grpc-go's built-in retry policy waits that long before its next attempt.
 //
 // The client interceptor (UnaryClientInterceptor) makes one key per call, before
 // its first attempt, and sends it with every attempt of that call: gRPC's own
 // retry policy (service config) and retry interceptors placed after it resend the
 // same metadata.
 //
-// Streaming RPCs are out of scope: there is no stream interceptor. A stream has
-// no single request and response to fingerprint and replay; make the write a
-// unary method, or key the stream's messages yourself.
+// Streaming RPCs are out of scope. A stream has no single request and response
+// to fingerprint and replay; make the write a unary method, or key the
+// stream's messages yourself. NewServer refuses a streaming method listed in
+// Config.Methods (found in Config.Files), and Server.StreamInterceptor refuses
+// the stream calls idem would otherwise let through unprotected: those of a
+// listed method, and, with Methods empty, those that carry a key.
 package idemgrpc

@@ -32,7 +32,8 @@ func Example() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(auth, keys.UnaryInterceptor()))
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(auth, keys.UnaryInterceptor()),
+		grpc.ChainStreamInterceptor(keys.StreamInterceptor())) // refuses keyed streams
 	orders := 0
 	srv.RegisterService(&ordersDesc, &ordersService{create: func(ctx context.Context, in *structpb.Struct) (*structpb.Struct, error) {
 		orders++ // with a SQL store: insert through pgstore.Tx(ctx) / sqlitestore.Tx(ctx)

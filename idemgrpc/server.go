@@ -33,6 +33,11 @@ const MetadataKey = "idempotency-key"
 // ReplayedKey is the response header set to "true" on a replayed answer.
 const ReplayedKey = "idempotent-replayed"
 
+// PushbackKey is the trailer idem's answers that say when to retry carry
+// (in flight, store unavailable): the milliseconds to wait, which grpc-go's
+// built-in retry policy honours.
+const PushbackKey = "grpc-retry-pushback-ms"
+
 // ErrorDomain is the domain of the ErrorInfo detail on idem's own errors.
 const ErrorDomain = "idem.idemkit.github.com"
 
@@ -51,7 +56,8 @@ var marshalOptions = proto.MarshalOptions{Deterministic: true}
 // Config configures a Server. The zero value keys every unary call that carries
 // a key, with idem's defaults.
 type Config struct {
-	// Idem configures the state machine: Lease, TTL, KeepFunc, Flow, Observer,
+	// Idem configures the state machine: Lease, TTL, KeepFunc (see also
+	// KeepCode), Flow, Observer,
 	// ScopeFunc, MaxKeyLength, MaxRequestBody (the largest request message),
 	// MaxStoredBody, HandlerTimeout, CleanupTimeout, NowFunc, LapsedLease.
 	// HeaderName and Methods are set by idemgrpc (the key comes from MetadataKey);
@@ -65,16 +71,52 @@ type Config struct {
 	// method called with a key is keyed, and calls without one pass through.
 	Methods []string
 
-	// Types finds the response message type of a replay by its full name.
+	// Types finds the response message type of a replay by its full name, and
+	// the type inside a google.protobuf.Any of a request (for its fingerprint).
 	// Defaults to protoregistry.GlobalTypes, where generated code registers.
 	Types protoregistry.MessageTypeResolver
+
+	// Files finds the descriptors of the methods in Methods, so that NewServer
+	// refuses a streaming one. Defaults to protoregistry.GlobalFiles. A method
+	// it does not know is accepted; StreamInterceptor refuses it at call time.
+	Files *protoregistry.Files
+
+	// KnownFieldsOnly leaves the request's unknown fields (those of a client
+	// built from a newer .proto) out of the fingerprint. By default they are in
+	// it, in a canonical order (see the package documentation), so that the
+	// same key with a different value of a field only the client knows is
+	// refused.
+	KnownFieldsOnly bool
+
+	// KeepCode decides whether a handler's error status with code c is stored.
+	// Defaults to DefaultKeepCode, which does not keep the codes that tell the
+	// client to retry (Unavailable, ResourceExhausted, Aborted,
+	// DeadlineExceeded, Canceled): the key is released and the retry runs the
+	// method again. Idem.KeepFunc, when set, is asked too (by HTTPStatus); an
+	// error status is stored only when both keep it.
+	KeepCode func(c codes.Code) bool
+}
+
+// DefaultKeepCode is the default Config.KeepCode: it keeps every code but
+// Unavailable, ResourceExhausted, Aborted, DeadlineExceeded and Canceled, the
+// gRPC counterparts of HTTP 503, 429, 409 and 504 (and of a call cut short).
+// Kept, they would answer every retry with "retry" for the record's TTL while
+// the operation never runs again.
+func DefaultKeepCode(c codes.Code) bool {
+	switch c {
+	case codes.Unavailable, codes.ResourceExhausted, codes.Aborted, codes.DeadlineExceeded, codes.Canceled:
+		return false
+	}
+	return true
 }
 
 // Server holds a unary server interceptor built on one idem middleware.
 type Server struct {
-	h       http.Handler
-	methods map[string]bool // nil: every method with a key
-	types   protoregistry.MessageTypeResolver
+	h        http.Handler
+	methods  map[string]bool // nil: every method with a key
+	types    protoregistry.MessageTypeResolver
+	canon    canonicalizer
+	keepCode func(codes.Code) bool
 }
 
 // NewServer returns a Server keeping its records in store. A nil cfg means all
@@ -102,9 +144,17 @@ func NewServer(store idem.Store, cfg *Config) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("idemgrpc: %w", err)
 	}
-	s := &Server{types: cfg.Types}
+	s := &Server{types: cfg.Types, keepCode: cfg.KeepCode}
 	if s.types == nil {
 		s.types = protoregistry.GlobalTypes
+	}
+	if s.keepCode == nil {
+		s.keepCode = DefaultKeepCode
+	}
+	s.canon = canonicalizer{types: s.types, dropUnknown: cfg.KnownFieldsOnly}
+	files := cfg.Files
+	if files == nil {
+		files = protoregistry.GlobalFiles
 	}
 	if len(cfg.Methods) > 0 {
 		s.methods = make(map[string]bool, len(cfg.Methods))
@@ -112,11 +162,47 @@ func NewServer(store idem.Store, cfg *Config) (*Server, error) {
 			if !strings.HasPrefix(m, "/") || strings.Count(m, "/") != 2 {
 				return nil, fmt.Errorf("idemgrpc: method %q is not a full method name; write it as /package.Service/Method", m)
 			}
+			if streaming(files, m) {
+				return nil, fmt.Errorf("idemgrpc: method %q in Config.Methods is a streaming method; idemgrpc keys unary methods only (a stream has no one request and response to fingerprint and replay): make the write a unary method, or remove it from Methods", m)
+			}
 			s.methods[m] = true
 		}
 	}
 	s.h = mw(http.HandlerFunc(runHandler))
 	return s, nil
+}
+
+// streaming reports whether files describes method (/pkg.Service/Method) as a
+// client- or server-streaming method.
+func streaming(files *protoregistry.Files, method string) bool {
+	svc, name, _ := strings.Cut(method[1:], "/")
+	d, err := files.FindDescriptorByName(protoreflect.FullName(svc))
+	if err != nil {
+		return false
+	}
+	sd, ok := d.(protoreflect.ServiceDescriptor)
+	if !ok {
+		return false
+	}
+	md := sd.Methods().ByName(protoreflect.Name(name))
+	return md != nil && (md.IsStreamingClient() || md.IsStreamingServer())
+}
+
+// StreamInterceptor returns a stream server interceptor that refuses, with
+// Unimplemented, a stream idem would otherwise let through unprotected: a
+// call of a method listed in Config.Methods (a streaming method NewServer did
+// not know of), and, when Methods is empty, a stream that carries a key. A
+// client that sends a key expects its write to run once; a stream cannot
+// promise that. Other streams pass through. Chain it with
+// grpc.ChainStreamInterceptor, after authentication.
+func (s *Server) StreamInterceptor() grpc.StreamServerInterceptor {
+	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+		md, _ := metadata.FromIncomingContext(ss.Context())
+		if s.keyed(info.FullMethod, len(md.Get(MetadataKey)) > 0) {
+			return status.Errorf(codes.Unimplemented, "idemgrpc: %s is a streaming method and idemgrpc keys unary methods only, so this call would run unprotected; call a unary method for the write, or (server) remove %s from idemgrpc.Config.Methods", info.FullMethod, info.FullMethod)
+		}
+		return handler(srv, ss)
+	}
 }
 
 // UnaryInterceptor returns the unary server interceptor. Put the interceptor
@@ -126,11 +212,12 @@ func (s *Server) UnaryInterceptor() grpc.UnaryServerInterceptor { return s.inter
 
 // call is one keyed call on its way through the idem middleware.
 type call struct {
-	req     any
-	handler grpc.UnaryHandler
-	ran     bool
-	resp    any
-	err     error
+	req      any
+	handler  grpc.UnaryHandler
+	keepCode func(codes.Code) bool
+	ran      bool
+	resp     any
+	err      error
 }
 
 type callKey struct{}
@@ -152,22 +239,54 @@ func (s *Server) intercept(ctx context.Context, req any, info *grpc.UnaryServerI
 	if !ok {
 		return nil, status.Errorf(codes.Internal, "idemgrpc: the request of %s is a %T, not a protobuf message; idemgrpc fingerprints protobuf requests only", info.FullMethod, req)
 	}
-	body, err := marshalOptions.Marshal(msg)
+	body, err := s.canon.fingerprintBytes(msg)
 	if err != nil {
 		return nil, status.Errorf(codes.Internal, "idemgrpc: the request of %s could not be encoded for its fingerprint: %v", info.FullMethod, err)
 	}
-	c := &call{req: req, handler: handler}
+	c := &call{req: req, handler: handler, keepCode: s.keepCode}
 	r, err := http.NewRequestWithContext(context.WithValue(ctx, callKey{}, c), http.MethodPost, info.FullMethod, bytes.NewReader(body))
 	if err != nil {
 		return nil, status.Errorf(codes.Internal, "idemgrpc: method name %q: %v", info.FullMethod, err)
 	}
 	r.Proto, r.ProtoMajor, r.ProtoMinor = "HTTP/2.0", 2, 0
+	// The call's metadata, as request headers: a custom Idem.ScopeFunc reads
+	// them as it would an HTTP request's (binary "-bin" entries and pseudo
+	// headers are left out).
+	for k, vs := range md {
+		if strings.HasPrefix(k, ":") || strings.HasSuffix(k, "-bin") {
+			continue
+		}
+		for _, v := range vs {
+			r.Header.Add(k, v)
+		}
+	}
 	if len(keys) > 0 {
 		r.Header[headerName] = keys
 	}
 	w := &responseWriter{header: make(http.Header, 4)}
-	s.h.ServeHTTP(w, r)
+	if released := serveCall(s.h, w, r); released {
+		return nil, c.err // not kept (KeepCode): the key was released
+	}
 	return s.answer(ctx, c, w)
+}
+
+// notKept is the panic with which runHandler asks the idem middleware to
+// release the key of a call whose error status is not kept: on a handler's
+// panic the middleware rolls back and releases, and stores nothing.
+type notKept struct{}
+
+// serveCall serves r and reports whether the call's outcome was not kept.
+func serveCall(h http.Handler, w http.ResponseWriter, r *http.Request) (released bool) {
+	defer func() {
+		if v := recover(); v != nil {
+			if _, ok := v.(notKept); !ok {
+				panic(v)
+			}
+			released = true
+		}
+	}()
+	h.ServeHTTP(w, r)
+	return false
 }
 
 // runHandler is the http.Handler idem runs for a claimed call: it calls the gRPC
@@ -178,7 +297,11 @@ func runHandler(w http.ResponseWriter, r *http.Request) {
 	c.ran = true
 	c.resp, c.err = c.handler(r.Context(), c.req)
 	if c.err != nil {
-		writeStatus(w, toStatus(c.err))
+		st := toStatus(c.err)
+		if !c.keepCode(st.Code()) {
+			panic(notKept{})
+		}
+		writeStatus(w, st)
 		return
 	}
 	m, ok := c.resp.(proto.Message)
@@ -248,7 +371,14 @@ func (s *Server) answer(ctx context.Context, c *call, w *responseWriter) (any, e
 		}
 		return nil, status.ErrorProto(&sp)
 	case problemType:
-		return nil, problemError(w)
+		err := problemError(w)
+		if d, ok := RetryDelay(err); ok {
+			// grpc-go's built-in retry waits this long before its next attempt
+			// (when the code is among the policy's retryableStatusCodes) instead
+			// of spending its attempts on a key still in use.
+			_ = grpc.SetTrailer(ctx, metadata.Pairs(PushbackKey, strconv.FormatInt(d.Milliseconds(), 10)))
+		}
+		return nil, err
 	}
 	return nil, status.Errorf(codes.Internal, "idemgrpc: unexpected answer %d with Content-Type %q from the idem middleware", w.status, w.header.Get("Content-Type"))
 }

@@ -3,6 +3,7 @@ package idemobs
 import (
 	"context"
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"strconv"
@@ -72,15 +73,34 @@ func Hash(s string) string {
 	return hex.EncodeToString(sum[:8])
 }
 
+// KeyHash returns the stand-in for key in scope that logs and spans carry
+// (idem.key_hash): like Hash, but over the scope and the key together, so that
+// the same key sent by two tenants (keys are chosen by clients) gives two
+// hashes, and one tenant's key hash says nothing about another's. A key drawn
+// from a small, guessable set (an order number rather than a random UUID) can
+// still be recovered by trying each with the scope: treat key hashes as
+// pseudonyms too.
+func KeyHash(scope, key string) string {
+	h := sha256.New()
+	var n [8]byte
+	binary.BigEndian.PutUint64(n[:], uint64(len(scope)))
+	h.Write([]byte("idem key\x00"))
+	h.Write(n[:])
+	h.Write([]byte(scope))
+	h.Write([]byte(key))
+	var sum [sha256.Size]byte
+	return hex.EncodeToString(h.Sum(sum[:0])[:8])
+}
+
 // Redact returns msg, an error's message, with the key and the scope replaced
-// by "key#"+Hash(key) and "scope#"+Hash(scope) wherever it names them: raw,
+// by "key#"+KeyHash(scope, key) and "scope#"+Hash(scope) wherever it names them: raw,
 // Go-quoted (as %q writes them: a key may hold '"' and '\', a scope any byte),
 // or cut short (a store that quotes only the first bytes of a long key). Store
 // errors name the key; observers that pass an error on use Redact to keep
 // hashes only.
 func Redact(msg, key, scope string) string {
 	if key != "" {
-		msg = redactOne(msg, key, "key#"+Hash(key))
+		msg = redactOne(msg, key, "key#"+KeyHash(scope, key))
 	}
 	if scope != "" {
 		msg = redactOne(msg, scope, "scope#"+Hash(scope))
@@ -176,18 +196,34 @@ func (m *multi) ObservesClaims() bool {
 	return false
 }
 
-// Observe passes e on.
+// Observe passes e on. Each observer is told whatever the others do: a panic
+// of one is held until every other one has been told, then goes on (the first
+// one, when several panic), so that a buggy exporter cannot keep the event
+// from the others (idem_in_flight would stay raised).
 func (m *multi) Observe(ctx context.Context, e idem.Event) {
+	var p any
 	for i, o := range m.all {
 		if e.Kind == idem.EventClaimed && !m.claims[i] {
 			continue
 		}
-		o.Observe(ctx, e)
+		if v := observeOne(ctx, o, e); v != nil && p == nil {
+			p = v
+		}
+	}
+	if p != nil {
+		panic(p)
 	}
 }
 
+func observeOne(ctx context.Context, o idem.Observer, e idem.Event) (p any) {
+	defer func() { p = recover() }()
+	o.Observe(ctx, e)
+	return nil
+}
+
 // MultiStore returns a StoreObserver that passes every operation to each of
-// obs, in order (StoreStart's contexts are chained).
+// obs, in order (StoreStart's contexts are chained). Like Multi, it tells each
+// observer whatever the others do and lets the first panic go on afterwards.
 func MultiStore(obs ...StoreObserver) StoreObserver {
 	var m multiStore
 	for _, o := range obs {
@@ -201,14 +237,42 @@ func MultiStore(obs ...StoreObserver) StoreObserver {
 type multiStore []StoreObserver
 
 func (m multiStore) StoreStart(ctx context.Context, op Op) context.Context {
+	var p any
 	for _, o := range m {
-		ctx = o.StoreStart(ctx, op)
+		next, v := startOne(ctx, o, op)
+		if v != nil {
+			if p == nil {
+				p = v
+			}
+			continue
+		}
+		ctx = next
+	}
+	if p != nil {
+		panic(p)
 	}
 	return ctx
 }
 
+func startOne(ctx context.Context, o StoreObserver, op Op) (next context.Context, p any) {
+	defer func() { p = recover() }()
+	return o.StoreStart(ctx, op), nil
+}
+
 func (m multiStore) StoreDone(ctx context.Context, op Op, took time.Duration, err error) {
+	var p any
 	for i := len(m) - 1; i >= 0; i-- {
-		m[i].StoreDone(ctx, op, took, err)
+		if v := doneOne(ctx, m[i], op, took, err); v != nil && p == nil {
+			p = v
+		}
 	}
+	if p != nil {
+		panic(p)
+	}
+}
+
+func doneOne(ctx context.Context, o StoreObserver, op Op, took time.Duration, err error) (p any) {
+	defer func() { p = recover() }()
+	o.StoreDone(ctx, op, took, err)
+	return nil
 }

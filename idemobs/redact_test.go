@@ -25,7 +25,7 @@ func TestRedactForms(t *testing.T) {
 			t.Errorf("Redact left %q in %.300q", leak, got)
 		}
 	}
-	for _, kept := range []string{"pgstore: claim of key", "in scope", "failed; raw", "short keep", "key#" + idemobs.Hash(key), "scope#" + idemobs.Hash(scope)} {
+	for _, kept := range []string{"pgstore: claim of key", "in scope", "failed; raw", "short keep", "key#" + idemobs.KeyHash(scope, key), "scope#" + idemobs.Hash(scope)} {
 		if !strings.Contains(got, kept) {
 			t.Errorf("Redact lost %q: %.300q", kept, got)
 		}

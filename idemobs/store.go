@@ -2,6 +2,7 @@ package idemobs
 
 import (
 	"context"
+	"log"
 	"time"
 
 	"github.com/idemkit/idem"
@@ -17,6 +18,12 @@ import (
 // LockedTx.Insert, LockedTx.Commit), and the context a transaction's BeginTx
 // or BeginLocked returns is the store's own, so its package's accessor
 // (sqlitestore.Tx, pgstore.Tx, …) finds the transaction. Unwrap returns s.
+//
+// An observer's panic never leaves a transaction open or a key claimed: the
+// operation runs and is reported, what its caller will never learn of is given
+// back (rolled back, released), and the panic goes on; on idem's own
+// goroutines (Extend for the lease renewal, DeleteExpired for the janitor) it
+// is logged and stopped.
 func Store(s idem.Store, o StoreObserver) idem.Store {
 	b := &base{s: s, o: o}
 	tx, isTx := s.(idem.TxStore)
@@ -101,70 +108,109 @@ func (b *base) CopiesResponses() bool {
 	return ok && c.CopiesResponses()
 }
 
-// start begins an operation; done ends it.
-func (b *base) start(ctx context.Context, op Op) (context.Context, time.Time) {
-	return b.o.StoreStart(ctx, op), time.Now()
+// An observer's panic never stops the operation it is told about, nor leaves
+// behind what the operation took. start and done catch it; the operation runs
+// and is reported; then the decorator gives back what its caller will never
+// learn of (a claim, a transaction: on SQLite an open transaction holds the
+// write lock, and every later request would wait for it and fail) and lets the
+// panic go on, as a panicking handler's would. On the goroutines idem runs
+// for itself (lease renewal, the janitor), where a panic would kill the
+// process, the panic is logged and goes no further.
+
+// start begins an operation: the observer's context, the start time, and the
+// observer's panic (nil when it did not panic).
+func (b *base) start(ctx context.Context, op Op) (out context.Context, t0 time.Time, p any) {
+	out = ctx
+	defer func() {
+		if p = recover(); p != nil {
+			t0 = time.Now()
+		}
+	}()
+	if c := b.o.StoreStart(ctx, op); c != nil {
+		out = c
+	}
+	return out, time.Now(), nil
 }
 
-func (b *base) done(ctx context.Context, op Op, t0 time.Time, err error) {
+// done ends an operation; it returns p, the panic of start, or else the
+// observer's panic in StoreDone.
+func (b *base) done(ctx context.Context, op Op, t0 time.Time, err error, p any) (out any) {
+	out = p
+	defer func() {
+		if v := recover(); v != nil && out == nil {
+			out = v
+		}
+	}()
 	b.o.StoreDone(ctx, op, time.Since(t0), err)
+	return p
 }
 
-// undoOnPanic, deferred after an operation that took something (a claim, a
-// transaction), runs undo and lets the panic go on when the observer panics
-// while told of it: the caller never gets what was taken, so nothing else would
-// give it back (a claimed key would stay held until its lease lapsed).
-func undoOnPanic(undo func()) {
-	if v := recover(); v != nil {
+// rethrow runs undo, then panics with p, when the observer panicked (p not nil).
+func rethrow(p any, undo func()) {
+	if p == nil {
+		return
+	}
+	if undo != nil {
 		undo()
-		panic(v)
+	}
+	panic(p)
+}
+
+// logPanic reports p, an observer's panic on one of idem's own goroutines,
+// instead of letting it kill the process.
+func logPanic(p any, op Op) {
+	if p != nil {
+		log.Printf("idemobs: the StoreObserver panicked on %s (the operation ran; the panic was stopped here, because it would kill the process): %v", op, p)
 	}
 }
 
 func (b *base) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record, bool, error) {
-	ctx, t0 := b.start(ctx, OpClaim)
+	ctx, t0, p := b.start(ctx, OpClaim)
 	rec, claimed, err := b.s.Claim(ctx, req)
-	defer undoOnPanic(func() {
+	rethrow(b.done(ctx, OpClaim, t0, err, p), func() {
 		if claimed && err == nil { // the caller never learns of its claim
 			_ = b.s.Release(context.WithoutCancel(ctx), req.Scope, req.Key, req.Token)
 		}
 	})
-	b.done(ctx, OpClaim, t0, err)
 	return rec, claimed, err
 }
 
 func (b *base) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, now, expiresAt time.Time) error {
-	ctx, t0 := b.start(ctx, OpComplete)
+	ctx, t0, p := b.start(ctx, OpComplete)
 	err := b.s.Complete(ctx, scope, key, token, resp, now, expiresAt)
-	b.done(ctx, OpComplete, t0, err)
+	rethrow(b.done(ctx, OpComplete, t0, err, p), nil) // what is stored stays stored
 	return err
 }
 
 func (b *base) Release(ctx context.Context, scope, key, token string) error {
-	ctx, t0 := b.start(ctx, OpRelease)
+	ctx, t0, p := b.start(ctx, OpRelease)
 	err := b.s.Release(ctx, scope, key, token)
-	b.done(ctx, OpRelease, t0, err)
+	rethrow(b.done(ctx, OpRelease, t0, err, p), nil)
 	return err
 }
 
+// Extend runs on the middleware's renewal goroutine: an observer's panic is
+// logged, not passed on (it would kill the process and stop the renewal).
 func (b *base) Extend(ctx context.Context, scope, key, token string, now, leaseUntil time.Time) error {
-	ctx, t0 := b.start(ctx, OpExtend)
+	ctx, t0, p := b.start(ctx, OpExtend)
 	err := b.s.Extend(ctx, scope, key, token, now, leaseUntil)
-	b.done(ctx, OpExtend, t0, err)
+	logPanic(b.done(ctx, OpExtend, t0, err, p), OpExtend)
 	return err
 }
 
 func (b *base) Get(ctx context.Context, scope, key string, now time.Time) (*idem.Record, error) {
-	ctx, t0 := b.start(ctx, OpGet)
+	ctx, t0, p := b.start(ctx, OpGet)
 	rec, err := b.s.Get(ctx, scope, key, now)
-	b.done(ctx, OpGet, t0, err)
+	rethrow(b.done(ctx, OpGet, t0, err, p), nil)
 	return rec, err
 }
 
+// DeleteExpired runs on the janitor's goroutine: an observer's panic is
+// logged, not passed on.
 func (b *base) DeleteExpired(ctx context.Context, now time.Time, limit int) (int, error) {
-	ctx, t0 := b.start(ctx, OpDeleteExpired)
+	ctx, t0, p := b.start(ctx, OpDeleteExpired)
 	n, err := b.s.DeleteExpired(ctx, now, limit)
-	b.done(ctx, OpDeleteExpired, t0, err)
+	logPanic(b.done(ctx, OpDeleteExpired, t0, err, p), OpDeleteExpired)
 	return n, err
 }
 
@@ -175,14 +221,13 @@ type txPart struct {
 }
 
 func (p txPart) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
-	octx, t0 := p.b.start(ctx, OpBegin)
+	octx, t0, pv := p.b.start(ctx, OpBegin)
 	txCtx, tx, err := p.tx.BeginTx(ctx)
-	defer undoOnPanic(func() {
+	rethrow(p.b.done(octx, OpBegin, t0, err, pv), func() {
 		if err == nil {
 			_ = tx.Rollback(context.WithoutCancel(ctx))
 		}
 	})
-	p.b.done(octx, OpBegin, t0, err)
 	if err != nil {
 		return txCtx, tx, err
 	}
@@ -194,17 +239,32 @@ type obsTx struct {
 	tx idem.Tx
 }
 
+// giveBack rolls the transaction back and releases the claim: the middleware,
+// unwound by the observer's panic, will neither commit nor roll back.
+func (t *obsTx) giveBack(ctx context.Context, scope, key, token string) {
+	ctx = context.WithoutCancel(ctx)
+	_ = t.tx.Rollback(ctx)
+	_ = t.b.s.Release(ctx, scope, key, token)
+}
+
 func (t *obsTx) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, now, expiresAt time.Time) error {
-	ctx, t0 := t.b.start(ctx, OpComplete)
+	ctx, t0, p := t.b.start(ctx, OpComplete)
 	err := t.tx.Complete(ctx, scope, key, token, resp, now, expiresAt)
-	t.b.done(ctx, OpComplete, t0, err)
+	rethrow(t.b.done(ctx, OpComplete, t0, err, p), func() { t.giveBack(ctx, scope, key, token) })
 	return err
 }
 
 func (t *obsTx) Commit(ctx context.Context) error {
-	ctx, t0 := t.b.start(ctx, OpCommit)
+	ctx, t0, p := t.b.start(ctx, OpCommit)
 	err := t.tx.Commit(ctx)
-	t.b.done(ctx, OpCommit, t0, err)
+	rethrow(t.b.done(ctx, OpCommit, t0, err, p), func() {
+		// Committed, the outcome is stored; otherwise the transaction must not
+		// stay open. A failed commit may have committed all the same: the claim
+		// is left to lapse, as the middleware would leave it.
+		if err != nil {
+			_ = t.tx.Rollback(context.WithoutCancel(ctx))
+		}
+	})
 	return err
 }
 
@@ -217,14 +277,13 @@ type singlePart struct {
 }
 
 func (p singlePart) BeginLocked(ctx context.Context, scope, key string, now time.Time) (context.Context, idem.LockedTx, *idem.Record, error) {
-	octx, t0 := p.b.start(ctx, OpBegin)
+	octx, t0, pv := p.b.start(ctx, OpBegin)
 	txCtx, tx, rec, err := p.single.BeginLocked(ctx, scope, key, now)
-	defer undoOnPanic(func() {
+	rethrow(p.b.done(octx, OpBegin, t0, err, pv), func() {
 		if err == nil {
 			_ = tx.Rollback(context.WithoutCancel(ctx))
 		}
 	})
-	p.b.done(octx, OpBegin, t0, err)
 	if err != nil {
 		return txCtx, tx, rec, err
 	}
@@ -237,16 +296,22 @@ type obsLockedTx struct {
 }
 
 func (t *obsLockedTx) Insert(ctx context.Context, rec *idem.Record) error {
-	ctx, t0 := t.b.start(ctx, OpInsert)
+	ctx, t0, p := t.b.start(ctx, OpInsert)
 	err := t.tx.Insert(ctx, rec)
-	t.b.done(ctx, OpInsert, t0, err)
+	// The rollback frees the lock and drops the record with the handler's
+	// writes: the key is free again, as after a release.
+	rethrow(t.b.done(ctx, OpInsert, t0, err, p), func() { _ = t.tx.Rollback(context.WithoutCancel(ctx)) })
 	return err
 }
 
 func (t *obsLockedTx) Commit(ctx context.Context) error {
-	ctx, t0 := t.b.start(ctx, OpCommit)
+	ctx, t0, p := t.b.start(ctx, OpCommit)
 	err := t.tx.Commit(ctx)
-	t.b.done(ctx, OpCommit, t0, err)
+	rethrow(t.b.done(ctx, OpCommit, t0, err, p), func() {
+		if err != nil {
+			_ = t.tx.Rollback(context.WithoutCancel(ctx))
+		}
+	})
 	return err
 }
 

@@ -16,17 +16,30 @@
 // context (an otelhttp server span, for example).
 //
 // Span attributes: idem.outcome (executed, replayed, in_flight, mismatch,
-// rejected, store_error, lease_lost, released), idem.key_hash and
-// idem.scope_hash (idemobs.Hash: never the raw key or scope),
+// rejected, store_error, lease_lost, released), idem.key_hash
+// (idemobs.KeyHash of the scope and key) and idem.scope_hash (idemobs.Hash:
+// never the raw key or scope),
 // http.response.status_code; the events idem.claimed and idem.taken_over. A
 // store_error or lease_lost outcome, and a failed store operation, set the
 // span's status to Error.
 //
-// Metrics: idem.requests {idem.outcome}, idem.request.duration (s)
-// {idem.outcome}, idem.store.duration (s) {idem.store.op}, idem.store.errors
-// {idem.store.op}, idem.in_flight, idem.janitor.deleted, idem.janitor.errors,
-// idem.janitor.last_sweep (Unix seconds). Exported to Prometheus they take the
-// idemprom names.
+// With idemgrpc the Observer (without Middleware) records the span as a child
+// of the gRPC server span in the call's context (otelgrpc's, which carries
+// rpc.grpc.status_code); its http.response.status_code is then the HTTP
+// status idemgrpc stores the call's outcome under (idemgrpc.HTTPStatus), not
+// what the client heard: read the gRPC code from the parent span.
+//
+// Metrics: idem.requests {outcome}, idem.request.duration (s) {outcome},
+// idem.store.duration (s) {op}, idem.store.errors {op}, idem.in_flight,
+// idem.janitor.deleted, idem.janitor.errors, idem.janitor.last_sweep_timestamp
+// (Unix seconds). The durations have explicit second-scale bucket boundaries
+// (RequestBuckets, StoreBuckets: idemprom's). Exported to Prometheus (the
+// OpenTelemetry Prometheus exporter, or a collector's prometheus exporter)
+// they take the idemprom names and labels — idem_requests_total{outcome},
+// idem_request_duration_seconds, idem_store_duration_seconds{op},
+// idem_store_errors_total, idem_in_flight, idem_janitor_deleted_total,
+// idem_janitor_errors_total, idem_janitor_last_sweep_timestamp_seconds — so
+// deploy's rules and dashboard work for both; a test pins the mapping.
 package idemotel
 
 import (
@@ -48,6 +61,15 @@ import (
 
 // ScopeName is the instrumentation scope of idem's tracer and meter.
 const ScopeName = "github.com/idemkit/idem/idemotel"
+
+// RequestBuckets are the bucket boundaries of idem.request.duration, in
+// seconds (idemprom.DefaultBuckets). The SDK's default boundaries are made for
+// milliseconds (0, 5, 10, …): every request under 5 s would share a bucket.
+var RequestBuckets = []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30}
+
+// StoreBuckets are the bucket boundaries of idem.store.duration, in seconds
+// (idemprom.DefaultStoreBuckets).
+var StoreBuckets = []float64{.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5}
 
 // Config configures the telemetry. A nil *Config means all defaults.
 type Config struct {
@@ -107,9 +129,9 @@ func New(cfg *Config) (*Telemetry, error) {
 	}
 	t.requests, err = meter.Int64Counter("idem.requests", metric.WithDescription("Keyed requests by how idem answered them."), metric.WithUnit("{request}"))
 	var e error
-	t.durations, e = meter.Float64Histogram("idem.request.duration", metric.WithDescription("Time from a keyed request reaching idem to its outcome, handler included."), metric.WithUnit("s"))
+	t.durations, e = meter.Float64Histogram("idem.request.duration", metric.WithDescription("Time from a keyed request reaching idem to its outcome, handler included."), metric.WithUnit("s"), metric.WithExplicitBucketBoundaries(RequestBuckets...))
 	must(e)
-	t.storeDur, e = meter.Float64Histogram("idem.store.duration", metric.WithDescription("Duration of idem store operations."), metric.WithUnit("s"))
+	t.storeDur, e = meter.Float64Histogram("idem.store.duration", metric.WithDescription("Duration of idem store operations."), metric.WithUnit("s"), metric.WithExplicitBucketBoundaries(StoreBuckets...))
 	must(e)
 	t.storeErrs, e = meter.Int64Counter("idem.store.errors", metric.WithDescription("Store operations that failed."), metric.WithUnit("{error}"))
 	must(e)
@@ -119,16 +141,16 @@ func New(cfg *Config) (*Telemetry, error) {
 	must(e)
 	t.janErrs, e = meter.Int64Counter("idem.janitor.errors", metric.WithDescription("Janitor sweeps that failed."), metric.WithUnit("{sweep}"))
 	must(e)
-	t.janLast, e = meter.Float64Gauge("idem.janitor.last_sweep", metric.WithDescription("Unix time at which the last successful janitor sweep ended."), metric.WithUnit("s"))
+	t.janLast, e = meter.Float64Gauge("idem.janitor.last_sweep_timestamp", metric.WithDescription("Unix time at which the last successful janitor sweep ended."), metric.WithUnit("s"))
 	must(e)
 	if err != nil {
 		return nil, err
 	}
 	for _, k := range idemobs.Outcomes {
-		t.outcome[k] = metric.WithAttributeSet(attribute.NewSet(attribute.String("idem.outcome", k.String())))
+		t.outcome[k] = metric.WithAttributeSet(attribute.NewSet(attribute.String("outcome", k.String())))
 	}
 	for op := idemobs.Op(0); op < idemobs.NumOps; op++ {
-		t.opAttrs[op] = metric.WithAttributeSet(attribute.NewSet(attribute.String("idem.store.op", op.String())))
+		t.opAttrs[op] = metric.WithAttributeSet(attribute.NewSet(attribute.String("op", op.String())))
 	}
 	return t, nil
 }
@@ -192,7 +214,7 @@ func (t *Telemetry) Observe(ctx context.Context, e idem.Event) {
 	attrs := make([]attribute.KeyValue, 0, 4)
 	attrs = append(attrs, attribute.String("idem.outcome", e.Kind.String()))
 	if e.Key != "" {
-		attrs = append(attrs, attribute.String("idem.key_hash", idemobs.Hash(e.Key)))
+		attrs = append(attrs, attribute.String("idem.key_hash", idemobs.KeyHash(e.Scope, e.Key)))
 	}
 	if e.Scope != "" {
 		attrs = append(attrs, attribute.String("idem.scope_hash", idemobs.Hash(e.Scope)))

@@ -237,8 +237,20 @@ type routeKey struct{}
 //	mux.Handle("POST /orders", idemprom.WithRoute("POST /orders", protect(orders)))
 func WithRoute(route string, next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		next.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), routeKey{}, route)))
+		next.ServeHTTP(w, r.WithContext(ContextWithRoute(r.Context(), route)))
 	})
+}
+
+// ContextWithRoute returns ctx carrying route, for Config.Route = RouteFrom:
+// the counterpart of WithRoute where there is no http.Handler to wrap. With
+// idemgrpc, an interceptor in front of the idem interceptor names each call's
+// route by its method:
+//
+//	route := func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+//		return h(idemprom.ContextWithRoute(ctx, info.FullMethod), req)
+//	}
+func ContextWithRoute(ctx context.Context, route string) context.Context {
+	return context.WithValue(ctx, routeKey{}, route)
 }
 
 // RouteFrom returns the route WithRoute put in ctx, or "" when none.

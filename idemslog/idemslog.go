@@ -3,7 +3,8 @@
 //
 //	idem.outcome     executed, replayed, in_flight, mismatch, rejected, store_error,
 //	                 lease_lost, released or taken_over
-//	idem.key_hash    idemobs.Hash of the key (16 hex characters); absent when
+//	idem.key_hash    idemobs.KeyHash of the scope and key (16 hex characters):
+//	                 the same key in two scopes gives two hashes; absent when
 //	                 the request was rejected before its key was read
 //	idem.scope_hash  idemobs.Hash of the scope; absent for the empty scope
 //	idem.status      the status sent, when one was
@@ -92,7 +93,7 @@ func (o *Observer) Observe(ctx context.Context, e idem.Event) {
 	var buf [9]slog.Attr
 	attrs := append(buf[:0], slog.String("idem.outcome", e.Kind.String()))
 	if e.Key != "" { // a request rejected before its key was read has none
-		attrs = append(attrs, slog.String("idem.key_hash", idemobs.Hash(e.Key)))
+		attrs = append(attrs, slog.String("idem.key_hash", idemobs.KeyHash(e.Scope, e.Key)))
 	}
 	if e.Scope != "" {
 		attrs = append(attrs, slog.String("idem.scope_hash", idemobs.Hash(e.Scope)))

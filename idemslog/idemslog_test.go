@@ -121,7 +121,7 @@ func TestLogsEveryOutcome(t *testing.T) {
 			t.Errorf("record %d: idem.scope_hash %v, want %s", i, r["idem.scope_hash"], idemobs.Hash("tenant-acme"))
 		}
 	}
-	if recs[0]["idem.key_hash"] != idemobs.Hash("raw-key-1") || recs[0]["idem.status"] != float64(201) {
+	if recs[0]["idem.key_hash"] != idemobs.KeyHash("tenant-acme", "raw-key-1") || recs[0]["idem.status"] != float64(201) {
 		t.Errorf("executed: %v", recs[0])
 	}
 	if e, _ := recs[4]["idem.err"].(string); !strings.Contains(e, "connection refused") {
@@ -145,5 +145,32 @@ func TestRawKeysAndLevels(t *testing.T) {
 	}
 	if recs[0]["idem.key"] != "raw-key-1" || recs[0]["idem.scope"] != "tenant-acme" {
 		t.Errorf("RawKeys: %v", recs[0])
+	}
+}
+
+// TestKeyHashIsScoped: the same key sent by two tenants logs two key hashes
+// (before, one: a key hash linked the tenants' requests), and the hash is
+// idemobs.KeyHash of scope and key.
+func TestKeyHashIsScoped(t *testing.T) {
+	t.Parallel()
+	var buf bytes.Buffer
+	o := idemslog.New(&idemslog.Config{Logger: slog.New(slog.NewJSONHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))})
+	for _, scope := range []string{"tenant-a", "tenant-b"} {
+		o.Observe(context.Background(), idem.Event{Kind: idem.EventExecuted, Key: "order-42", Scope: scope, Status: 201})
+	}
+	var hashes []string
+	for _, line := range strings.Split(strings.TrimSpace(buf.String()), "\n") {
+		var r map[string]any
+		if err := json.Unmarshal([]byte(line), &r); err != nil {
+			t.Fatal(err)
+		}
+		h, _ := r["idem.key_hash"].(string)
+		hashes = append(hashes, h)
+	}
+	if len(hashes) != 2 || hashes[0] == hashes[1] || hashes[0] != idemobs.KeyHash("tenant-a", "order-42") {
+		t.Fatalf("key hashes %v for one key in two scopes; want two different ones, the first %s", hashes, idemobs.KeyHash("tenant-a", "order-42"))
+	}
+	if idemobs.KeyHash("ab", "c") == idemobs.KeyHash("a", "bc") {
+		t.Fatal("KeyHash(ab, c) == KeyHash(a, bc): scope and key must not run together")
 	}
 }

@@ -24,8 +24,10 @@ const migrateLockKey = int64(0x6964656d_70676d67) // "idempgmg"
 
 // Migrate creates or upgrades the store's table and index. It is idempotent and
 // safe to run from many processes at once: it applies every up migration, each of
-// which is written to be re-run, in one transaction under an advisory lock. The
-// table's schema must exist.
+// which is written to be re-run, in one transaction under an advisory lock.
+// Migrate never creates a schema: for a schema-qualified Config.Table such as
+// "billing.idem_records", the schema must exist (CREATE SCHEMA IF NOT EXISTS
+// billing first, as idem migrate --schema does), or Migrate fails.
 func (s *Store) Migrate(ctx context.Context) error {
 	files, err := migrations.Up(Migrations)
 	if err != nil {

@@ -41,7 +41,7 @@ func BenchmarkOverhead(b *testing.B) {
 	rpSrv := httptest.NewServer(rp)
 	defer rpSrv.Close()
 	newProxy := func(store idem.Store) *httptest.Server {
-		p, err := proxy.New(proxy.Config{Upstream: u, Store: store, ErrorLog: quiet})
+		p, err := proxy.New(proxy.Config{Upstream: u, Store: store, Scope: proxy.NoScope(), ErrorLog: quiet})
 		if err != nil {
 			b.Fatal(err)
 		}

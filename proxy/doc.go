@@ -25,9 +25,18 @@
 // 503 idempotency_outcome_unknown until an operator resolves the key with
 // `idem resolve`.
 //
-// Upstream failures are answered with problems of the proxy's own (see the
-// Code constants): an upstream that cannot be reached (502
-// upstream_unreachable, the key released: nothing was sent), one that fails
-// mid-request (502 upstream_failed, outcome unknown) and one that does not
-// answer within Config.UpstreamTimeout (504 upstream_timeout, outcome unknown).
+// A keyed request goes upstream on a new connection, with the Content-Length
+// of the body it was fingerprinted by. Upstream failures are answered with
+// problems of the proxy's own (see the Code constants): a request that did not
+// reach the upstream (502 upstream_unreachable, the key released: the
+// connection or its TLS handshake failed, or not a byte was written), one that
+// fails mid-request (502 upstream_failed, outcome unknown) and one that does
+// not answer within Config.UpstreamTimeout (504 upstream_timeout, outcome
+// unknown). "Not now" answers (Route.ReleaseStatus: 401, 403, 408, 425, 429 by
+// default) are passed on without being kept.
+//
+// Routes match loosely (method and path case, a trailing slash, ";" segment
+// parameters), so that a route protects what a loose upstream router sends to
+// its handler; a request with a key that matches no route is reported
+// (Config.OnUnrouted), or keyed anyway (Config.KeyUnrouted).
 package proxy

@@ -2,7 +2,10 @@ package proxy
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
+	"io"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -15,13 +18,23 @@ import (
 // File is a proxy configuration file (YAML), for more than one route:
 //
 //	listen: 127.0.0.1:8081
+//	admin_addr: 127.0.0.1:9081  # /healthz and /metrics; empty: not served
 //	upstream: http://127.0.0.1:3000
 //	db: sqlite:keys.db          # or postgres://…, mysql://…
 //	keys: redis://127.0.0.1:6379/0   # optional: the key records in Redis
 //	repeat_safe: false          # true: a lapsed lease runs the operation again
 //	upstream_timeout: 30s
+//	upstream_idle_timeout: 1s   # below the upstream's keep-alive timeout
+//	upstream_ca: ca.pem         # an https upstream's private CA
+//	upstream_server_name: orders.internal
+//	upstream_proxy: ""          # a forward proxy; HTTP_PROXY is ignored
+//	trust_forwarded: [10.0.0.0/8]   # gateways whose X-Forwarded-Proto/-Host pass
+//	preserve_host: false
+//	key_unrouted: false         # true: key requests with a key that match no route
+//	read_timeout: 60s
+//	idle_timeout: 120s
 //	scope:
-//	  header: X-Tenant-ID       # or bearer: true, or jwt: {…}
+//	  header: X-Tenant-ID       # or bearer: true, or jwt: {…}, or scope: none
 //	routes:
 //	  - match: POST /orders
 //	    ttl: 24h
@@ -29,30 +42,72 @@ import (
 //	    stored_headers: [Content-Type, Location]
 //	    max_request_body: 1MiB
 //	    max_stored_body: 1MiB
-//	    release_5xx: false      # true: an upstream 5xx is not kept; a retry runs again
+//	    release_status: [401, 403, 408, 425, 429]   # passed on, not kept
+//	    release_5xx: false      # true: an upstream 5xx is not kept either
 //	  - match: PATCH /orders/{id}
 //	    key: optional
 //
-// Unknown fields are errors. Relative file paths (jwt.jwks_file) are relative
-// to the file's directory.
+// Unknown fields are errors, as are a file with no document or more than one.
+// Relative file paths (jwt.jwks_file, upstream_ca) are relative to the file's
+// directory.
 type File struct {
-	Listen          string      `yaml:"listen"`
-	Upstream        string      `yaml:"upstream"`
-	DB              string      `yaml:"db"`
-	Keys            string      `yaml:"keys"`
-	Table           string      `yaml:"table"`
-	RepeatSafe      bool        `yaml:"repeat_safe"`
-	UpstreamTimeout Duration    `yaml:"upstream_timeout"`
-	Scope           FileScope   `yaml:"scope"`
-	Routes          []FileRoute `yaml:"routes"`
-	dir             string
+	Listen          string   `yaml:"listen"`
+	Upstream        string   `yaml:"upstream"`
+	DB              string   `yaml:"db"`
+	Keys            string   `yaml:"keys"`
+	Table           string   `yaml:"table"`
+	RepeatSafe      bool     `yaml:"repeat_safe"`
+	UpstreamTimeout Duration `yaml:"upstream_timeout"`
+	// UpstreamIdleTimeout, UpstreamCA (a PEM file), UpstreamServerName and
+	// UpstreamProxy configure the connections to the upstream.
+	UpstreamIdleTimeout Duration `yaml:"upstream_idle_timeout"`
+	UpstreamCA          string   `yaml:"upstream_ca"`
+	UpstreamServerName  string   `yaml:"upstream_server_name"`
+	UpstreamProxy       string   `yaml:"upstream_proxy"`
+	// AdminAddr serves /healthz and /metrics.
+	AdminAddr string `yaml:"admin_addr"`
+	// TrustForwarded are CIDRs whose forwarding headers are passed on.
+	TrustForwarded []string `yaml:"trust_forwarded"`
+	PreserveHost   bool     `yaml:"preserve_host"`
+	KeyUnrouted    bool     `yaml:"key_unrouted"`
+	// ReadTimeout and IdleTimeout are the listener's.
+	ReadTimeout Duration    `yaml:"read_timeout"`
+	IdleTimeout Duration    `yaml:"idle_timeout"`
+	Scope       FileScope   `yaml:"scope"`
+	Routes      []FileRoute `yaml:"routes"`
+	dir         string
 }
 
 // FileScope is the scope section of a File; at most one source may be set.
+// "scope: none" (None) says that every caller shares one key space.
 type FileScope struct {
 	Header string   `yaml:"header"`
 	Bearer bool     `yaml:"bearer"`
 	JWT    *FileJWT `yaml:"jwt"`
+	None   bool     `yaml:"-"`
+}
+
+// UnmarshalYAML reads "scope: none" or a mapping with one source.
+func (s *FileScope) UnmarshalYAML(n *yaml.Node) error {
+	if n.Kind == yaml.ScalarNode {
+		if n.Value != "none" {
+			return fmt.Errorf("line %d: scope %q: write none, or a mapping with one of header, bearer and jwt", n.Line, n.Value)
+		}
+		s.None = true
+		return nil
+	}
+	if n.Kind != yaml.MappingNode {
+		return fmt.Errorf("line %d: scope: write none, or a mapping with one of header, bearer and jwt", n.Line)
+	}
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		switch k := n.Content[i].Value; k {
+		case "header", "bearer", "jwt":
+		default:
+			return fmt.Errorf("line %d: field %s not found in scope; use header, bearer or jwt", n.Content[i].Line, k)
+		}
+	}
+	type plain FileScope
+	return n.Decode((*plain)(s))
 }
 
 // FileJWT configures JWTScope from a File.
@@ -62,6 +117,9 @@ type FileJWT struct {
 	Issuer   string   `yaml:"issuer"`
 	Audience string   `yaml:"audience"`
 	Leeway   Duration `yaml:"leeway"`
+	// MaxTokenAge is JWTConfig.MaxTokenAge; AllowNoExp JWTConfig.AllowNoExp.
+	MaxTokenAge Duration `yaml:"max_token_age"`
+	AllowNoExp  bool     `yaml:"allow_no_exp"`
 }
 
 // FileRoute is one route of a File.
@@ -73,6 +131,7 @@ type FileRoute struct {
 	StoredHeaders  []string `yaml:"stored_headers"`
 	MaxRequestBody Size     `yaml:"max_request_body"`
 	MaxStoredBody  Size     `yaml:"max_stored_body"`
+	ReleaseStatus  []int    `yaml:"release_status"`
 	Release5xx     bool     `yaml:"release_5xx"`
 }
 
@@ -102,13 +161,19 @@ func (s *Size) UnmarshalYAML(n *yaml.Node) error {
 	return nil
 }
 
+var sizeUnits = []struct {
+	suffix string
+	mul    int64
+}{{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}}
+
 // ParseSize parses a positive byte count: a number, optionally followed by
 // KiB, MiB or GiB.
 func ParseSize(s string) (int64, error) {
 	num, mul := strings.TrimSpace(s), int64(1)
-	for suffix, m := range map[string]int64{"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30} {
-		if v, ok := strings.CutSuffix(num, suffix); ok {
-			num, mul = strings.TrimSpace(v), m
+	for _, u := range sizeUnits { // one suffix at most: "1MiBKiB" is no size
+		if v, ok := strings.CutSuffix(num, u.suffix); ok {
+			num, mul = strings.TrimSpace(v), u.mul
+			break
 		}
 	}
 	n, err := strconv.ParseInt(num, 10, 64)
@@ -128,7 +193,19 @@ func LoadFile(path string) (*File, error) {
 	dec.KnownFields(true)
 	f := &File{dir: filepath.Dir(path)}
 	if err := dec.Decode(f); err != nil {
+		if errors.Is(err, io.EOF) {
+			return nil, fmt.Errorf("%s is empty; write at least upstream: and db: (see idem proxy --help)", path)
+		}
 		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	var more yaml.Node
+	if err := dec.Decode(&more); !errors.Is(err, io.EOF) {
+		return nil, fmt.Errorf("%s holds more than one YAML document (a second \"---\"); the proxy reads one: merge them, or remove the extra", path)
+	}
+	for _, c := range f.TrustForwarded {
+		if _, err := ParsePrefix(c); err != nil {
+			return nil, fmt.Errorf("%s: trust_forwarded: %w", path, err)
+		}
 	}
 	if _, err := f.ProxyRoutes(); err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
@@ -146,10 +223,35 @@ func LoadFile(path string) (*File, error) {
 			return nil, fmt.Errorf("%s: scope.jwt needs jwks_file: the issuer's public keys, to verify tokens", path)
 		}
 	}
+	if f.Scope.None {
+		n++
+	}
 	if n > 1 {
 		return nil, fmt.Errorf("%s: scope: set one of header, bearer and jwt", path)
 	}
 	return f, nil
+}
+
+// Path resolves a path given in the file (jwt.jwks_file, upstream_ca)
+// against the file's directory.
+func (f *File) Path(p string) string {
+	if p == "" || filepath.IsAbs(p) || f.dir == "" {
+		return p
+	}
+	return filepath.Join(f.dir, p)
+}
+
+// ParsePrefix parses a CIDR (10.0.0.0/8) or a single address (127.0.0.1).
+func ParsePrefix(s string) (netip.Prefix, error) {
+	s = strings.TrimSpace(s)
+	if p, err := netip.ParsePrefix(s); err == nil {
+		return p.Masked(), nil
+	}
+	if a, err := netip.ParseAddr(s); err == nil {
+		a = a.Unmap()
+		return netip.PrefixFrom(a, a.BitLen()), nil
+	}
+	return netip.Prefix{}, fmt.Errorf("%q is not a CIDR such as 10.0.0.0/8 or an address such as 127.0.0.1", s)
 }
 
 // ProxyRoutes returns the file's routes as Routes.
@@ -162,6 +264,7 @@ func (f *File) ProxyRoutes() ([]Route, error) {
 		rt := Route{
 			Pattern: r.Match, TTL: time.Duration(r.TTL), Lease: time.Duration(r.Lease), StoredHeaders: r.StoredHeaders,
 			MaxRequestBody: int64(r.MaxRequestBody), MaxStoredBody: int(r.MaxStoredBody), Release5xx: r.Release5xx,
+			ReleaseStatus: r.ReleaseStatus,
 		}
 		switch r.Key {
 		case "", "required":
@@ -175,9 +278,12 @@ func (f *File) ProxyRoutes() ([]Route, error) {
 	return out, nil
 }
 
-// ProxyScope builds the file's Scope; nil when the file sets none.
+// ProxyScope builds the file's Scope: NoScope() for "scope: none", nil when
+// the file has no scope section.
 func (f *File) ProxyScope() (Scope, error) {
 	switch s := f.Scope; {
+	case s.None:
+		return NoScope(), nil
 	case s.Header != "":
 		return HeaderScope(s.Header), nil
 	case s.Bearer:
@@ -191,7 +297,8 @@ func (f *File) ProxyScope() (Scope, error) {
 		if err != nil {
 			return nil, err
 		}
-		return JWTScope(JWTConfig{Keys: keys, Claim: s.JWT.Claim, Issuer: s.JWT.Issuer, Audience: s.JWT.Audience, Leeway: time.Duration(s.JWT.Leeway)})
+		return JWTScope(JWTConfig{Keys: keys, Claim: s.JWT.Claim, Issuer: s.JWT.Issuer, Audience: s.JWT.Audience, Leeway: time.Duration(s.JWT.Leeway),
+			MaxTokenAge: time.Duration(s.JWT.MaxTokenAge), AllowNoExp: s.JWT.AllowNoExp})
 	}
 	return nil, nil
 }

@@ -80,3 +80,44 @@ routes:
 		}
 	}
 }
+
+// TestLoadFileRefusesAmbiguity (issue 23 item 15): a file of several YAML
+// documents, an empty file, and a size with two units are errors that say
+// what to do (before: the first document was used silently, an empty file
+// was a bare EOF, and "1MiBKiB" parsed or not depending on map order);
+// "scope: none" is the explicit shared key space, and release_status a
+// route's list.
+func TestLoadFileRefusesAmbiguity(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	for name, c := range map[string]struct{ text, want string }{
+		"two.yaml":   {"upstream: http://a\ndb: sqlite:a.db\n---\nupstream: http://b\n", "more than one YAML document"},
+		"empty.yaml": {"", "is empty"},
+		"size.yaml":  {"upstream: http://a\nroutes:\n  - match: POST /x\n    max_request_body: 1MiBKiB\n", "not a size"},
+		"scope.yaml": {"upstream: http://a\nscope: all\n", "write none"},
+		"field.yaml": {"upstream: http://a\nscope: {headr: X}\n", "headr"},
+		"cidr.yaml":  {"upstream: http://a\ntrust_forwarded: [10.0.0.0/33]\n", "not a CIDR"},
+	} {
+		_, err := proxy.LoadFile(writeFile(t, dir, name, c.text))
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v, want an error saying %q", name, err, c.want)
+		}
+	}
+	for range 20 { // map iteration order used to decide
+		if _, err := proxy.ParseSize("1MiBKiB"); err == nil {
+			t.Fatal(`ParseSize("1MiBKiB") succeeded`)
+		}
+	}
+	f, err := proxy.LoadFile(writeFile(t, dir, "ok.yaml", "upstream: http://a\nscope: none\nroutes:\n  - match: POST /x\n    release_status: [429, 503]\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := f.ProxyScope()
+	if err != nil || s == nil {
+		t.Fatalf("scope: none: %v %v", s, err)
+	}
+	rts, err := f.ProxyRoutes()
+	if err != nil || len(rts) != 1 || len(rts[0].ReleaseStatus) != 2 || rts[0].ReleaseStatus[1] != 503 {
+		t.Fatalf("routes %+v %v", rts, err)
+	}
+}

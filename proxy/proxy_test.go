@@ -67,6 +67,9 @@ func startProxy(t *testing.T, upstream string, cfg proxy.Config) *fixture {
 	if cfg.ErrorLog == nil {
 		cfg.ErrorLog = log.New(io.Discard, "", 0)
 	}
+	if cfg.Scope == nil {
+		cfg.Scope = proxy.NoScope()
+	}
 	p, err := proxy.New(cfg)
 	if err != nil {
 		t.Fatal(err)

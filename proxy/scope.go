@@ -34,9 +34,19 @@ var ErrNoScope = errors.New("no scope")
 // HeaderScope takes the scope from a request header, such as X-Tenant-ID, set by
 // a gateway in front of the proxy that authenticated the caller. A missing or
 // empty header is refused. Use it only when clients cannot set the header
-// themselves.
+// themselves. HeaderScope("Host") keys by the request's host (lower case,
+// port included): one tenant per host name.
 func HeaderScope(name string) Scope {
 	name = http.CanonicalHeaderKey(name)
+	if name == "Host" {
+		// net/http moves Host out of the header map, into Request.Host.
+		return ScopeFunc(func(r *http.Request) (string, error) {
+			if h := strings.ToLower(strings.TrimSpace(r.Host)); h != "" {
+				return h, nil
+			}
+			return "", fmt.Errorf("%w: send a Host header", ErrNoScope)
+		})
+	}
 	return ScopeFunc(func(r *http.Request) (string, error) {
 		if n := len(r.Header.Values(name)); n > 1 {
 			// A gateway that appends its header after the client's would
@@ -110,9 +120,19 @@ type JWTConfig struct {
 	Algorithms []jose.SignatureAlgorithm
 	// Leeway is the clock skew allowed on exp, nbf and iat. Defaults to 30 s.
 	Leeway time.Duration
+	// AllowNoExp accepts tokens without an exp claim. Defaults to false: a
+	// token that never expires is refused.
+	AllowNoExp bool
+	// MaxTokenAge is the longest lifetime accepted: a token whose exp is
+	// further than this after its iat (or, without iat, after now) is refused.
+	// Defaults to DefaultMaxTokenAge; negative for no bound.
+	MaxTokenAge time.Duration
 	// NowFunc is the clock. Defaults to time.Now.
 	NowFunc func() time.Time
 }
+
+// DefaultMaxTokenAge is JWTConfig.MaxTokenAge when zero.
+const DefaultMaxTokenAge = 24 * time.Hour
 
 // DefaultJWTAlgorithms are the algorithms JWTScope accepts unless configured:
 // the asymmetric ones (a proxy holds no shared secret).
@@ -129,13 +149,35 @@ func JWTScope(cfg JWTConfig) (Scope, error) {
 	if cfg.Keys == nil || len(cfg.Keys.Keys) == 0 {
 		return nil, errors.New("proxy: JWTScope needs a key set (a JWKS with at least one key) to verify tokens")
 	}
-	for _, k := range cfg.Keys.Keys {
+	var sig []jose.JSONWebKey // the keys that verify signatures
+	for i, k := range cfg.Keys.Keys {
+		name := k.KeyID
+		if name == "" {
+			name = fmt.Sprint("number ", i+1)
+		}
 		if !k.Valid() {
-			return nil, fmt.Errorf("proxy: JWKS key %q is not valid", k.KeyID)
+			return nil, fmt.Errorf("proxy: JWKS key %q is not valid", name)
 		}
 		if _, sym := k.Key.([]byte); sym {
-			return nil, fmt.Errorf("proxy: JWKS key %q is a symmetric (oct) key; give the issuer's public keys", k.KeyID)
+			return nil, fmt.Errorf("proxy: JWKS key %q is a symmetric (oct) key; give the issuer's public keys", name)
 		}
+		if k.Use != "" && k.Use != "sig" {
+			continue // an encryption key (use: enc) never verifies a signature
+		}
+		sig = append(sig, k)
+	}
+	if len(sig) == 0 {
+		return nil, errors.New("proxy: the JWKS has no signature key (every key is marked use: enc); give the issuer's signing keys")
+	}
+	if len(sig) > 1 {
+		for i, k := range sig {
+			if k.KeyID == "" {
+				return nil, fmt.Errorf("proxy: JWKS signature key number %d has no kid; with more than one key every key needs a kid (tokens name theirs in their header)", i+1)
+			}
+		}
+	}
+	if cfg.MaxTokenAge == 0 {
+		cfg.MaxTokenAge = DefaultMaxTokenAge
 	}
 	if cfg.Claim == "" {
 		cfg.Claim = "sub"
@@ -161,17 +203,35 @@ func JWTScope(cfg JWTConfig) (Scope, error) {
 		if err != nil {
 			return "", fmt.Errorf("the bearer token is not a JWT signed with an accepted algorithm: %v", err)
 		}
+		h := tok.Headers[0]
+		key, err := pickKey(sig, h)
+		if err != nil {
+			return "", err
+		}
 		var std jwt.Claims
 		var all map[string]json.RawMessage
-		if err := tok.Claims(cfg.Keys, &std, &all); err != nil {
+		if err := tok.Claims(key.Key, &std, &all); err != nil {
 			return "", errors.New("the bearer token's signature does not verify with the configured keys")
 		}
-		exp := jwt.Expected{Issuer: cfg.Issuer, Time: cfg.NowFunc()}
+		now := cfg.NowFunc()
+		exp := jwt.Expected{Issuer: cfg.Issuer, Time: now}
 		if cfg.Audience != "" {
 			exp.AnyAudience = jwt.Audience{cfg.Audience}
 		}
 		if err := std.ValidateWithLeeway(exp, cfg.Leeway); err != nil {
 			return "", fmt.Errorf("the bearer token is not valid here: %v", err)
+		}
+		if std.Expiry == nil && !cfg.AllowNoExp {
+			return "", errors.New("the bearer token has no exp claim; the proxy accepts only tokens that expire")
+		}
+		if std.Expiry != nil && cfg.MaxTokenAge > 0 {
+			from := now
+			if std.IssuedAt != nil {
+				from = std.IssuedAt.Time()
+			}
+			if life := std.Expiry.Time().Sub(from); life > cfg.MaxTokenAge+cfg.Leeway {
+				return "", fmt.Errorf("the bearer token lives %v, longer than the %v the proxy accepts", life.Round(time.Second), cfg.MaxTokenAge)
+			}
 		}
 		var scope string
 		if err := json.Unmarshal(all[cfg.Claim], &scope); err != nil || scope == "" {
@@ -179,6 +239,29 @@ func JWTScope(cfg JWTConfig) (Scope, error) {
 		}
 		return scope, nil
 	}), nil
+}
+
+// pickKey returns the key of keys that verifies a token with header h: the one
+// its kid names (or the only key, when neither names one), refusing a key
+// whose alg is not the token's.
+func pickKey(keys []jose.JSONWebKey, h jose.Header) (jose.JSONWebKey, error) {
+	var key *jose.JSONWebKey
+	for i := range keys {
+		if keys[i].KeyID == h.KeyID || (len(keys) == 1 && keys[i].KeyID == "") {
+			key = &keys[i]
+			break
+		}
+	}
+	if key == nil {
+		if h.KeyID == "" {
+			return jose.JSONWebKey{}, errors.New("the bearer token names no key (no kid in its header), and the configured key set has more than one")
+		}
+		return jose.JSONWebKey{}, fmt.Errorf("the bearer token is signed with key %q, which is not a signature key of the configured key set", h.KeyID)
+	}
+	if key.Algorithm != "" && key.Algorithm != h.Algorithm {
+		return jose.JSONWebKey{}, fmt.Errorf("the bearer token is signed with %s, but its key %q is for %s", h.Algorithm, key.KeyID, key.Algorithm)
+	}
+	return *key, nil
 }
 
 // LoadJWKS reads a JSON Web Key Set ({"keys":[…]}) from a file.

@@ -14,7 +14,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/go-sql-driver/mysql"
 	"github.com/idemkit/idem/internal/bench"
 	"github.com/idemkit/idem/internal/dbopen"
 	"github.com/idemkit/idem/internal/orders"
@@ -26,7 +25,7 @@ func init() {
 
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("idem bench", flag.ContinueOnError)
-	stores := fs.String("stores", strings.Join(bench.Stores, ","), "comma-separated stores to benchmark: "+strings.Join(bench.Stores, ", "))
+	stores := fs.String("stores", strings.Join(bench.Stores, ","), "comma-separated stores to benchmark: "+strings.Join(bench.Stores, ", ")+" (or the store packages' names: memstore, sqlitestore, pgstore, mysqlstore, redisstore)")
 	duration := fs.Duration("duration", 3*time.Second, "measured time per cell (store × variant × clients), split over the rounds")
 	rounds := fs.Int("rounds", 3, "interleaved rounds per cell: each round runs every variant once, so drift hits all alike")
 	concurrency := fs.String("concurrency", "1,8,64", "comma-separated numbers of concurrent closed-loop clients")
@@ -53,12 +52,9 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	if len(pos) > 0 {
 		return storeUsageError(stderr, fs, fmt.Sprintf("unexpected argument %q; all options are flags", pos[0]))
 	}
-	myDSN, note, err := benchMySQL(*myURL)
+	myDSN, err := benchMySQL(*myURL)
 	if err != nil {
 		return storeUsageError(stderr, fs, err.Error())
-	}
-	if note != "" {
-		fmt.Fprintf(stderr, "idem bench: %s\n", note)
 	}
 	if _, err := benchURL("--postgres", *pgURL, orders.Postgres, "postgres://USER[:PASS]@HOST:PORT/DB?sslmode=disable"); err != nil {
 		return storeUsageError(stderr, fs, err.Error())
@@ -111,14 +107,11 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		if s == "" {
 			continue
 		}
-		known := false
-		for _, k := range bench.Stores {
-			known = known || k == s
-		}
+		name, known := benchStoreName(s)
 		if !known {
 			return storeUsageError(stderr, fs, fmt.Sprintf("--stores: unknown store %q; use some of %s", s, strings.Join(bench.Stores, ",")))
 		}
-		cfg.Stores = append(cfg.Stores, s)
+		cfg.Stores = append(cfg.Stores, name)
 	}
 	if len(cfg.Stores) == 0 && !cfg.Fiber && !cfg.Growth {
 		return storeUsageError(stderr, fs, "nothing to run; name at least one store with --stores")
@@ -150,6 +143,28 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return exitFailure
 	}
 	return exitOK
+}
+
+// benchStoreAliases are the other names --stores takes for bench.Stores: the
+// store packages' names (memstore, pgstore, …) and the databases' own.
+var benchStoreAliases = map[string]string{
+	"memstore": "memory", "sqlitestore": "sqlite", "pgstore": "postgres", "postgresql": "postgres",
+	"mysqlstore": "mysql", "mariadb": "mysql", "redisstore": "redis",
+}
+
+// benchStoreName returns the bench.Stores name of s, a name or an alias of one
+// in any letter case, and whether there is one.
+func benchStoreName(s string) (string, bool) {
+	s = strings.ToLower(s)
+	if a, ok := benchStoreAliases[s]; ok {
+		s = a
+	}
+	for _, k := range bench.Stores {
+		if k == s {
+			return s, true
+		}
+	}
+	return "", false
 }
 
 // writeBenchOutputs prints the markdown table and writes results.md,
@@ -223,7 +238,7 @@ The servers are named by URL, in the forms idem demo --db and --keys take; the
 environment variables in brackets set them too (a flag wins).
 
 Example:
-  idem bench --stores memstore,postgres --concurrency 1,8 --duration 2s
+  idem bench --stores memory,postgres --concurrency 1,8 --duration 2s
   idem bench --stores mysql --mysql mysql://root@127.0.0.1:3306/test
 
 Exit codes: 0 done, 1 a cell's counts are inconsistent (a replay that executed, a
@@ -240,17 +255,11 @@ Flags:
 // so both get them.
 const benchMySQLDefault = "mysql://root@127.0.0.1:3306/test?multiStatements=true&interpolateParams=true"
 
-// benchMySQL turns --mysql into a go-sql-driver DSN. It takes the mysql:// URL
-// of idem demo --db and, for scripts written before, the DSN form
-// (root@tcp(127.0.0.1:3306)/test), with a note saying how to write it now.
-func benchMySQL(raw string) (dsn, note string, err error) {
-	if u, ok := dbopen.MySQLURLFromDSN(raw); ok {
-		if _, err := mysql.ParseDSN(raw); err == nil {
-			return raw, fmt.Sprintf("--mysql: the go-sql-driver DSN form is deprecated; write the URL %s, as idem demo --db takes it", u), nil
-		}
-	}
+// benchMySQL turns --mysql into a go-sql-driver DSN. It takes what idem demo
+// --db takes: the mysql:// URL or the DSN form (root@tcp(127.0.0.1:3306)/test).
+func benchMySQL(raw string) (dsn string, err error) {
 	t, err := benchURL("--mysql", raw, orders.MySQL, "mysql://USER[:PASS]@HOST:PORT/DB, such as mysql://root@127.0.0.1:3306/test")
-	return t.DSN, "", err
+	return t.DSN, err
 }
 
 // benchURL parses the URL of a server flag, which must be of dialect d; use

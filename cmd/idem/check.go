@@ -36,6 +36,11 @@ The body is a template: {{marker}} becomes a marker unique to each case of a
 run, {{n}} a number unique to each operation. With --count-url the checker
 counts on the server what a case created (a race must leave exactly 1).
 
+A replay is an answer with "Idempotent-Replayed: true" (Stripe's convention,
+what clients look for). The other spellings servers use set to "true"
+(Idempotency-Replayed, X-Idempotent-Replayed, X-Idempotency-Replayed, …) count
+as a replay mark too, with a warning that clients look for Idempotent-Replayed.
+
 Example:
   idem check http://127.0.0.1:8080/orders \
     --header 'Authorization: Bearer tenant-a' \

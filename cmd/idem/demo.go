@@ -192,7 +192,17 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		KeepFunc: func(status int) bool { return status < 500 },
 	}
 	if err := mwCfg.Validate(); err != nil {
-		return storeUsageError(stderr, fs, strings.NewReplacer("Lease", "--lease", "TTL", "--ttl").Replace(err.Error()))
+		// The core's error reads "idem: invalid config: …"; after this
+		// command's own "idem demo: " prefix only the finding is news.
+		msg := strings.TrimPrefix(err.Error(), "idem: invalid config: ")
+		return storeUsageError(stderr, fs, strings.NewReplacer("Lease", "--lease", "TTL", "--ttl").Replace(msg))
+	}
+	// 0 means the default: the banner shows what is in force.
+	if *lease == 0 {
+		*lease = idem.DefaultLease
+	}
+	if *ttl == 0 {
+		*ttl = idem.DefaultTTL
 	}
 	opts := dbopen.Options{DB: *dbURL, Keys: *keys, KeyTable: *table}
 	if err := opts.Check(); err != nil {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -1200,4 +1201,31 @@ func raceOneKey(t *testing.T, urls [2]string, n int, key string, body []byte, ab
 		}
 	}
 	t.Logf("%d requests over 2 processes: 1 executed, %d replayed, %d answered 409", n, replayed, inFlight)
+}
+
+// TestDemoBannerShowsEffectiveLease: --lease 0 and --ttl 0 mean the defaults,
+// and the banner says what is in force (it printed "lease 0s").
+func TestDemoBannerShowsEffectiveLease(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	d := startDemo(t, dir, nil, "--db", "sqlite:"+filepath.Join(dir, "b.db"), "--lease", "0", "--ttl", "0", "--metrics-addr", "")
+	deadline := time.Now().Add(60 * time.Second)
+	for !strings.Contains(d.output(), "handler delay") && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	want := fmt.Sprintf("lease %v, ttl %v,", idem.DefaultLease, idem.DefaultTTL)
+	if out := d.output(); !strings.Contains(out, want) {
+		t.Fatalf("the banner does not say %q:\n%s", want, out)
+	}
+}
+
+// TestDemoConfigErrorPrefix: a refused --ttl says "idem demo: invalid --ttl …"
+// once, not "idem demo: idem: invalid config: …".
+func TestDemoConfigErrorPrefix(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	code, _, stderr := runIdem(t, dir, nil, "demo", "--db", "sqlite:"+filepath.Join(dir, "t.db"), "--ttl", "1s")
+	if code != exitUsage || !strings.HasPrefix(stderr, "idem demo: invalid --ttl 1s: shorter than --lease (30s)") || strings.Contains(stderr, "idem: ") {
+		t.Fatalf("--ttl 1s: exit %d, stderr %q; want 2 and one prefix", code, stderr)
+	}
 }

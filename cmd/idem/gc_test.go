@@ -96,3 +96,17 @@ func TestGCUsage(t *testing.T) {
 		t.Errorf("gc without a table: exit %d, stderr %q", code, stderr)
 	}
 }
+
+// TestGCFailurePrefixedOnce: a sweep that fails says "idem gc: janitor …", not
+// "idem gc: idem: janitor …".
+func TestGCFailurePrefixedOnce(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	if code, out, stderr := runIdem(t, dir, nil, "migrate", "--db", "sqlite:app.db"); code != exitOK {
+		t.Fatalf("migrate: exit %d %s%s", code, out, stderr)
+	}
+	code, _, stderr := runIdem(t, dir, nil, "gc", "--db", "sqlite:app.db", "--table", "nosuch")
+	if code != exitFailure || !strings.HasPrefix(stderr, "idem gc: janitor deleted 0 records, then: ") || strings.Contains(stderr, "idem gc: idem:") {
+		t.Fatalf("gc of a missing table: exit %d, stderr %q; want 1 and one prefix", code, stderr)
+	}
+}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/base64"
 	"errors"
 	"flag"
 	"fmt"
@@ -45,6 +46,10 @@ Example:
   idem inspect --db sqlite:idem-demo.db --scope t1 8e03978e-40d5-43e8-bc93-6894a57f9324
   idem inspect --db postgres://postgres@127.0.0.1:5432/app --scope acme --body -- -odd-key
   idem inspect --db sqlite:idem-demo.db --summary
+  idem inspect --db postgres://postgres@127.0.0.1:5432/app --schema shop --prefix p_ --scope t1 KEY
+
+--prefix and --schema name the table as idem demo, migrate and gc do. A key
+not found in --scope but kept under other scopes is named with them.
 
 Exit codes: 0 a record exists, 1 no record (never used, or expired) or the
 database failed, 2 bad usage.
@@ -55,16 +60,18 @@ Flags:
 func runInspect(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("idem inspect", flag.ContinueOnError)
 	db, keys, table := storeFlags(fs, "")
+	prefix, schema := storeNameFlags(fs)
 	scope := fs.String("scope", "", "the tenant or principal the key belongs to (idem demo: the bearer token); empty for unscoped services")
 	showBody := fs.Bool("body", false, "also print the stored response body")
 	summary := fs.Bool("summary", false, "count the records by state and show those past their lease, instead of one KEY")
-	fs.Usage = storeUsage(fs, inspectUsage, storeCmdEnv)
-	pos, code, ok := storeParse(fs, args, storeCmdEnv, stdout, stderr)
+	fs.Usage = storeUsage(fs, inspectUsage, storeNameEnv)
+	pos, code, ok := storeParse(fs, args, storeNameEnv, stdout, stderr)
 	if !ok {
 		return code
 	}
+	opts := dbopen.Options{DB: *db, Keys: *keys, KeyTable: *table, Prefix: *prefix, Schema: *schema, MustExist: true}
 	if *summary {
-		return runInspectSummary(ctx, fs, pos, *db, *keys, *table, stdout, stderr)
+		return runInspectSummary(ctx, fs, pos, opts, stdout, stderr)
 	}
 	if len(pos) != 1 {
 		return storeUsageError(stderr, fs, fmt.Sprintf("give exactly one KEY (got %d arguments); for example idem inspect --db sqlite:idem-demo.db --scope t1 KEY", len(pos)))
@@ -76,7 +83,6 @@ func runInspect(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	if err != nil {
 		return storeUsageError(stderr, fs, err.Error())
 	}
-	opts := dbopen.Options{DB: *db, Keys: *keys, KeyTable: *table, MustExist: true}
 	if err := opts.Check(); err != nil {
 		return storeUsageError(stderr, fs, err.Error())
 	}
@@ -90,6 +96,7 @@ func runInspect(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	rec, err := h.Store.Get(ctx, idem.StoredScope(*scope), key, now) // the form the middleware stored it under
 	if errors.Is(err, idem.ErrNotFound) {
 		fmt.Fprintf(stdout, "no record for key %q in scope %q (%s): it was never used, or it expired and the next request with it runs afresh\n", key, *scope, h.KeysAt)
+		inspectOtherScopes(ctx, stdout, h, *scope, key, now)
 		return exitFailure
 	}
 	if err != nil {
@@ -193,14 +200,13 @@ type recordSummarizer interface {
 	Summary(ctx context.Context, now time.Time, limit int) (recordSummary, error)
 }
 
-func runInspectSummary(ctx context.Context, fs *flag.FlagSet, pos []string, db, keys, table string, stdout, stderr io.Writer) int {
+func runInspectSummary(ctx context.Context, fs *flag.FlagSet, pos []string, opts dbopen.Options, stdout, stderr io.Writer) int {
 	if len(pos) != 0 {
 		return storeUsageError(stderr, fs, fmt.Sprintf("--summary takes no KEY (got %d arguments); drop --summary to inspect one key", len(pos)))
 	}
-	if db == "" {
+	if opts.DB == "" {
 		return storeUsageError(stderr, fs, "--db is required; for example --db sqlite:idem-demo.db or --db postgres://…")
 	}
-	opts := dbopen.Options{DB: db, Keys: keys, KeyTable: table, MustExist: true}
 	if err := opts.Check(); err != nil {
 		return storeUsageError(stderr, fs, err.Error())
 	}
@@ -228,21 +234,14 @@ func runInspectSummary(ctx context.Context, fs *flag.FlagSet, pos []string, db, 
 	return exitOK
 }
 
-// summarizeSQL counts the records of the SQL store in h with plain queries on
-// its table (the schema each store documents).
-func summarizeSQL(ctx context.Context, h *dbopen.Handle, now time.Time, limit int) (recordSummary, error) {
+// sqlRecords returns the quoted table of the SQL store in h, and how its
+// dialect keeps times: t converts a time to it, back converts a scanned value
+// into a time.
+func sqlRecords(h *dbopen.Handle) (table string, t func(time.Time) any, back func(any) (time.Time, error), err error) {
 	tabler, ok := h.Store.(interface{ Table() string })
 	if !ok {
-		return recordSummary{}, fmt.Errorf("the store %T does not name its table", h.Store)
+		return "", nil, nil, fmt.Errorf("the store %T does not name its table", h.Store)
 	}
-	var sum recordSummary
-	// Each dialect keeps times its own way; t converts a time to it, back
-	// converts a scanned value into a time.
-	var (
-		table string
-		t     func(time.Time) any
-		back  func(any) (time.Time, error)
-	)
 	switch h.Target.Dialect {
 	case orders.SQLite:
 		table = `"` + strings.ReplaceAll(tabler.Table(), `"`, `""`) + `"`
@@ -282,7 +281,173 @@ func summarizeSQL(ctx context.Context, h *dbopen.Handle, now time.Time, limit in
 			return x, nil
 		}
 	default:
-		return sum, fmt.Errorf("--summary does not know the dialect of %s", h.Target.Display)
+		return "", nil, nil, fmt.Errorf("idem inspect does not know the dialect of %s", h.Target.Display)
+	}
+	return table, t, back, nil
+}
+
+// inspectOtherScopes says, after a key was not found in scope, under which
+// other scopes a live record with the key exists (the --scope was wrong or
+// missing), so that the user does not conclude the key was never used. It
+// searches the SQL stores' tables and Redis's keys; a failure of the search
+// only omits the hint.
+func inspectOtherScopes(ctx context.Context, w io.Writer, h *dbopen.Handle, scope, key string, now time.Time) {
+	const most = 5
+	scopes, more, err := scopesWithKey(ctx, h, key, now, most)
+	if err != nil || len(scopes) == 0 {
+		return
+	}
+	quoted := make([]string, len(scopes))
+	for i, s := range scopes {
+		quoted[i] = fmt.Sprintf("%q", s)
+	}
+	list := strings.Join(quoted, ", ")
+	if more {
+		list += ", …"
+	}
+	// A stored scope that is a digest (a scope too long or not printable, or a
+	// message consumer's) cannot be typed back: --scope takes the original.
+	plain := ""
+	for _, s := range scopes {
+		if !strings.HasPrefix(s, "sha256:") {
+			plain = s
+			break
+		}
+	}
+	if plain != "" {
+		fmt.Fprintf(w, "but the key has a record under scope %s (as stored): the scope is the tenant the service put the request under (idem demo: the bearer token); run again with --scope %s\n", list, shellQuote(plain))
+	} else {
+		fmt.Fprintf(w, "but the key has a record under scope %s (as stored): a digest of a scope longer than %d bytes or not printable (or a message consumer's); run again with --scope and the original value\n", list, idem.MaxStoredScopeLength)
+	}
+	if scope == "" {
+		fmt.Fprintln(w, "(no --scope was given: the empty scope is only for services that do not scope their keys)")
+	}
+}
+
+// shellQuote quotes s for a POSIX shell when it needs it.
+func shellQuote(s string) string {
+	if s != "" && strings.Trim(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/@") == "" {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+}
+
+// scopesWithKey returns the stored scopes (at most most of them, and whether
+// there are more) under which key has a record that has not expired.
+func scopesWithKey(ctx context.Context, h *dbopen.Handle, key string, now time.Time, most int) (scopes []string, more bool, err error) {
+	if h.Redis != nil {
+		return redisScopesWithKey(ctx, h, key, now, most)
+	}
+	table, t, _, err := sqlRecords(h)
+	if err != nil {
+		return nil, false, err
+	}
+	var q string
+	var k any = []byte(key)
+	switch h.Target.Dialect {
+	case orders.Postgres:
+		q = `SELECT scope FROM ` + table + ` WHERE key = $1 AND expires_at > $2 ORDER BY scope LIMIT ` + fmt.Sprint(most+1)
+	case orders.MySQL:
+		q = "SELECT scope FROM " + table + " WHERE `key` = ? AND expires_at > ? ORDER BY scope LIMIT " + fmt.Sprint(most+1)
+	default:
+		k = key // TEXT: a BLOB argument would never equal it
+		q = `SELECT scope FROM ` + table + ` WHERE key = ? AND expires_at > ? ORDER BY scope LIMIT ` + fmt.Sprint(most+1)
+	}
+	add := func(s []byte) {
+		if len(scopes) < most {
+			scopes = append(scopes, string(s))
+		} else {
+			more = true
+		}
+	}
+	if h.Pool != nil {
+		rows, err := h.Pool.Query(ctx, q, k, t(now))
+		if err != nil {
+			return nil, false, err
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var s []byte
+			if err := rows.Scan(&s); err != nil {
+				return nil, false, err
+			}
+			add(s)
+		}
+		return scopes, more, rows.Err()
+	}
+	rows, err := h.SQL.QueryContext(ctx, q, k, t(now))
+	if err != nil {
+		return nil, false, err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var s []byte
+		if err := rows.Scan(&s); err != nil {
+			return nil, false, err
+		}
+		add(s)
+	}
+	return scopes, more, rows.Err()
+}
+
+// redisScanLimit bounds the keys one hint looks at in Redis, so that a hint
+// never walks a large keyspace.
+const redisScanLimit = 100_000
+
+// redisScopesWithKey finds the records of key under any scope in Redis by
+// their names: PREFIX{base64url(scope).base64url(key)} (redisstore's layout).
+func redisScopesWithKey(ctx context.Context, h *dbopen.Handle, key string, now time.Time, most int) (scopes []string, more bool, err error) {
+	p, ok := h.Store.(interface{ Prefix() string })
+	if !ok {
+		return nil, false, fmt.Errorf("the store %T does not name its prefix", h.Store)
+	}
+	enc := base64.RawURLEncoding
+	suffix := "." + enc.EncodeToString([]byte(key)) + "}"
+	pattern := globEscape(p.Prefix()) + "{*" + suffix
+	var cursor uint64
+	seen := 0
+	for {
+		names, next, err := h.Redis.Scan(ctx, cursor, pattern, 1000).Result()
+		if err != nil {
+			return nil, false, err
+		}
+		for _, n := range names {
+			inner := strings.TrimSuffix(strings.TrimPrefix(n, p.Prefix()+"{"), suffix)
+			s, err := enc.DecodeString(inner)
+			if err != nil {
+				continue
+			}
+			// The name may outlive the record's expiry: ask the store.
+			if _, err := h.Store.Get(ctx, string(s), key, now); err != nil {
+				continue
+			}
+			if len(scopes) < most {
+				scopes = append(scopes, string(s))
+			} else {
+				more = true
+			}
+		}
+		seen += 1000
+		if next == 0 || more || seen >= redisScanLimit {
+			sort.Strings(scopes)
+			return scopes, more, nil
+		}
+		cursor = next
+	}
+}
+
+// globEscape escapes the characters Redis's MATCH patterns treat specially.
+func globEscape(s string) string {
+	return strings.NewReplacer(`\`, `\\`, "*", `\*`, "?", `\?`, "[", `\[`, "]", `\]`).Replace(s)
+}
+
+// summarizeSQL counts the records of the SQL store in h with plain queries on
+// its table (the schema each store documents).
+func summarizeSQL(ctx context.Context, h *dbopen.Handle, now time.Time, limit int) (recordSummary, error) {
+	var sum recordSummary
+	table, t, back, err := sqlRecords(h)
+	if err != nil {
+		return sum, err
 	}
 	ph := func(n int) string { // the n-th placeholder
 		if h.Target.Dialect == orders.Postgres {

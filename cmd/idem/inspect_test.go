@@ -95,16 +95,17 @@ func seedSummary(t *testing.T, s idem.Store) {
 	claim("expired", now.Add(-3*time.Hour), now.Add(-3*time.Hour).Add(time.Minute), now.Add(-time.Hour))
 }
 
-// TestInspectSummary seeds each SQL store and checks the counts, the oldest
-// in-flight record and the list of records past their lease.
-func TestInspectSummary(t *testing.T) {
-	t.Parallel()
+// sqlKeyStore is a way to open a migrated key store of one SQL database.
+type sqlKeyStore struct {
+	name string
+	open func(t *testing.T) (db string, s idem.Store) // the --db URL and the store
+}
+
+// sqlKeyStores opens a migrated key store with the given table on each SQL
+// database, dropped when the test ends.
+func sqlKeyStores(table string) []sqlKeyStore {
 	ctx := context.Background()
-	table := "insp_" + cliRandHex(4)
-	cases := []struct {
-		name string
-		open func(t *testing.T) (db string, s idem.Store)
-	}{
+	return []sqlKeyStore{
 		{"sqlite", func(t *testing.T) (string, idem.Store) {
 			path := filepath.Join(t.TempDir(), "sum.db")
 			return "sqlite:" + path, sqliteKeyStore(t, path, &sqlitestore.Config{Table: table})
@@ -149,6 +150,14 @@ func TestInspectSummary(t *testing.T) {
 			return url, s
 		}},
 	}
+}
+
+// TestInspectSummary seeds each SQL store and checks the counts, the oldest
+// in-flight record and the list of records past their lease.
+func TestInspectSummary(t *testing.T) {
+	t.Parallel()
+	table := "insp_" + cliRandHex(4)
+	cases := sqlKeyStores(table)
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
@@ -190,7 +199,7 @@ func TestInspectMissingDatabase(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(dir, "missing.db")); !os.IsNotExist(err) {
 		t.Errorf("inspect created the SQLite file (stat: %v)", err)
 	}
-	if code, out, stderr := runIdem(t, dir, nil, "migrate", "--db", "sqlite:app.db", "--orders=false"); code != 0 {
+	if code, out, stderr := runIdem(t, dir, nil, "migrate", "--db", "sqlite:app.db"); code != 0 {
 		t.Fatalf("migrate: exit %d %s%s", code, out, stderr)
 	}
 	code, _, stderr = runIdem(t, dir, nil, "inspect", "--db", "sqlite:app.db", "--table", "nosuch", "--scope", "t1", "k")

@@ -46,7 +46,6 @@ func TestCLIUsageErrors(t *testing.T) {
 		{[]string{"gc", "--db", "sqlite:x.db", "--prefix", "Bad-"}, nil, []string{`--prefix "Bad-" is not usable`}},
 		{[]string{"migrate", "--db", "sqlite:x.db", "--schema", "shop"}, nil, []string{"--schema works on PostgreSQL only"}},
 		{[]string{"migrate", "--db", "sqlite:x.db"}, []string{"IDEM_PREFIX=Bad"}, []string{`--prefix "Bad" is not usable`}},
-		{[]string{"migrate", "--db", "root@tcp(127.0.0.1:3306)/test"}, nil, []string{"--db takes a URL, not a go-sql-driver DSN; write the same database as a URL: mysql://root@127.0.0.1:3306/test"}},
 	} {
 		dir := t.TempDir()
 		code, stdout, stderr := runIdem(t, dir, c.env, c.args...)
@@ -176,15 +175,15 @@ func pgTables(t *testing.T, dbURL string) []string {
 	return names
 }
 
-// TestMigrateAsDemo: `idem migrate` with the demo's --prefix and --schema
-// creates exactly the tables `idem demo` with the same flags creates, and the
-// demo then serves on them.
+// TestMigrateAsDemo: `idem migrate --with-demo-orders` with the demo's --prefix
+// and --schema creates exactly the tables `idem demo` with the same flags
+// creates, and the demo then serves on them.
 func TestMigrateAsDemo(t *testing.T) {
 	t.Parallel()
 	t.Run("postgres", func(t *testing.T) {
 		t.Parallel()
 		migrated, demoed := newPostgresDatabase(t), newPostgresDatabase(t)
-		code, out, stderr := runIdem(t, t.TempDir(), []string{"IDEM_SCHEMA=shop"}, "migrate", "--db", migrated, "--prefix", "p_")
+		code, out, stderr := runIdem(t, t.TempDir(), []string{"IDEM_SCHEMA=shop"}, "migrate", "--db", migrated, "--prefix", "p_", "--with-demo-orders")
 		if code != exitOK || !strings.Contains(out, "table shop.p_orders") {
 			t.Fatalf("migrate: exit %d\n%s%s", code, out, stderr)
 		}
@@ -206,7 +205,7 @@ func TestMigrateAsDemo(t *testing.T) {
 		t.Parallel()
 		dir := t.TempDir()
 		migrated, demoed := filepath.Join(dir, "m.db"), filepath.Join(dir, "d.db")
-		if code, out, stderr := runIdem(t, dir, nil, "migrate", "--db", "sqlite:"+migrated, "--prefix", "demo_"); code != exitOK {
+		if code, out, stderr := runIdem(t, dir, nil, "migrate", "--db", "sqlite:"+migrated, "--prefix", "demo_", "--with-demo-orders"); code != exitOK {
 			t.Fatalf("migrate: exit %d\n%s%s", code, out, stderr)
 		}
 		d := startDemo(t, dir, nil, "--db", "sqlite:"+demoed, "--prefix", "demo_")
@@ -223,25 +222,54 @@ func TestMigrateAsDemo(t *testing.T) {
 	})
 }
 
-// TestBenchMySQLURL: bench --mysql takes the mysql:// URL idem demo --db takes,
-// and still the go-sql-driver DSN of older scripts, with a note.
-func TestBenchMySQLURL(t *testing.T) {
-	t.Parallel()
-	myURL := testenv.MySQLURL(t)
+// mysqlDSNOf writes a mysql:// URL in go-sql-driver's DSN form.
+func mysqlDSNOf(myURL string) string {
 	dsn := strings.TrimPrefix(myURL, "mysql://")
 	at := strings.LastIndex(dsn, "@")
 	slash := strings.Index(dsn[at:], "/") + at
-	dsn = dsn[:at] + "@tcp(" + dsn[at+1:slash] + ")" + dsn[slash:]
-	for _, c := range []struct{ value, note string }{{myURL, ""}, {dsn, "the go-sql-driver DSN form is deprecated; write the URL mysql://"}} {
+	return dsn[:at] + "@tcp(" + dsn[at+1:slash] + ")" + dsn[slash:]
+}
+
+// TestBenchMySQLURL: bench --mysql takes the mysql:// URL idem demo --db takes,
+// and the go-sql-driver DSN form.
+func TestBenchMySQLURL(t *testing.T) {
+	t.Parallel()
+	myURL := testenv.MySQLURL(t)
+	for _, value := range []string{myURL, mysqlDSNOf(myURL)} {
 		dir := t.TempDir()
-		code, out, stderr := runIdem(t, dir, nil, "bench", "--stores", "mysql", "--mysql", c.value, "--fiber=false", "--isolate=false",
+		code, out, stderr := runIdem(t, dir, nil, "bench", "--stores", "mysql", "--mysql", value, "--fiber=false", "--isolate=false",
 			"--duration", "20ms", "--rounds", "1", "--concurrency", "1", "--replay-keys", "2", "--out", dir)
 		if code != exitOK || !strings.Contains(out, "| mysql | first | 1 |") {
-			t.Errorf("--mysql %s: exit %d\n%s\n%s", c.value, code, out, stderr)
+			t.Errorf("--mysql %s: exit %d\n%s\n%s", value, code, out, stderr)
 		}
-		if c.note != "" && !strings.Contains(stderr, c.note) || c.note == "" && strings.Contains(stderr, "deprecated") {
-			t.Errorf("--mysql %s: stderr %q, want note %q", c.value, stderr, c.note)
+	}
+}
+
+// TestMySQLDSNFormEverywhere: every store command takes the go-sql-driver DSN
+// form the Go examples take (root@tcp(127.0.0.1:3306)/test, bare or after
+// mysql://) as well as the mysql:// URL; --db refused it with exit 2.
+func TestMySQLDSNFormEverywhere(t *testing.T) {
+	t.Parallel()
+	myURL, db := newMySQLDatabase(t)
+	dsn := mysqlDSNOf(myURL)
+	dir := t.TempDir()
+	for _, args := range [][]string{
+		{"migrate", "--db", dsn, "--with-demo-orders"},
+		{"migrate", "--db", "mysql://" + dsn},
+		{"gc", "--db", dsn},
+		{"inspect", "--db", dsn, "--summary"},
+	} {
+		if code, out, stderr := runIdem(t, dir, nil, args...); code != exitOK {
+			t.Errorf("idem %q: exit %d\n%s%s", args, code, out, stderr)
 		}
+	}
+	d := startDemo(t, dir, nil, "--db", dsn)
+	if a := sendHTTP(t, "POST", d.URL+"/orders", "t1", "dsn-"+cliRandHex(4), `{"cart_id":"c_dsn","total_cents":1}`); a.Status != 201 {
+		t.Fatalf("POST to the demo on --db %s: %d %s", dsn, a.Status, a.Body)
+	}
+	var n int
+	if err := db.QueryRow("SELECT count(*) FROM orders WHERE cart_id = 'c_dsn'").Scan(&n); err != nil || n != 1 {
+		t.Fatalf("orders in the DSN's database: %d, %v", n, err)
 	}
 }
 

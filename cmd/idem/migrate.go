@@ -14,7 +14,7 @@ import (
 func init() {
 	register(&command{
 		name:    "migrate",
-		summary: "create or upgrade the key records' table (and the demo's orders table) in a database",
+		summary: "create or upgrade the key records' table in a database (the demo's orders table only with --with-demo-orders)",
 		run:     runMigrate,
 	})
 }
@@ -22,21 +22,23 @@ func init() {
 const migrateUsage = `Usage: idem migrate --db URL [flags]
 
 Creates or upgrades the table that keeps idempotency key records (the store's
-embedded migrations; safe to run again, and from several processes at once), and
-the orders table of the reference service (idem demo). Run it at deploy time, or
-let your service call the store's Migrate at start-up.
+embedded migrations; safe to run again, and from several processes at once).
+Run it at deploy time, or let your service call the store's Migrate at start-up.
+It never touches a table of yours: an existing "orders" table is left alone.
 
-It creates the tables idem demo would use with the same flags: "idem_records"
-(and "idem_records_migrations" on MySQL, "idem_migrations" on SQLite) and
-"orders"; --prefix puts a prefix on both names, --schema (PostgreSQL) puts both
-in a schema of their own, created if missing; --table names the key records'
-table alone.
+It creates the key records' table idem demo would use with the same flags:
+"idem_records" (and "idem_records_migrations" on MySQL, "idem_migrations" on
+SQLite); --prefix puts a prefix on the names, --schema (PostgreSQL) puts them in
+a schema of its own, created if missing; --table names the key records' table
+alone. --with-demo-orders also creates the "orders" table of the reference
+service (idem demo creates it itself at start, so this is only for preparing a
+demo database ahead of time).
 
 Example:
   idem migrate --db postgres://postgres@127.0.0.1:5432/app
   idem migrate --db postgres://postgres@127.0.0.1:5432/app --schema shop
-  idem migrate --db sqlite:idem-demo.db --prefix demo_
-  idem migrate --db mysql://root@127.0.0.1:3306/app --orders=false
+  idem migrate --db mysql://root@127.0.0.1:3306/app --table billing_keys
+  idem migrate --db sqlite:idem-demo.db --prefix demo_ --with-demo-orders
 
 Exit codes: 0 migrated, 1 the database failed, 2 bad usage.
 
@@ -69,7 +71,8 @@ func storeNameFlags(fs *flag.FlagSet) (prefix, schema *string) {
 // storeFailure reports err of a store command that opened h, adding the advice
 // to migrate unless the error already gives it.
 func storeFailure(stderr io.Writer, name string, err error, h *dbopen.Handle) {
-	fmt.Fprintf(stderr, "%s: %v\n", name, err)
+	// The library's errors start with "idem: "; after "idem gc: " it is noise.
+	fmt.Fprintf(stderr, "%s: %s\n", name, strings.TrimPrefix(err.Error(), "idem: "))
 	if h != nil && h.Redis == nil && !strings.Contains(err.Error(), "idem migrate") {
 		fmt.Fprintf(stderr, "%s: if the table does not exist, run `idem migrate` with the same --db (and --prefix, --schema, --table) first\n", name)
 	}
@@ -79,7 +82,11 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	fs := flag.NewFlagSet("idem migrate", flag.ContinueOnError)
 	db, keys, table := storeFlags(fs, "")
 	prefix, schema := storeNameFlags(fs)
-	withOrders := fs.Bool("orders", true, "also create the orders table of idem demo")
+	withOrders := fs.Bool("with-demo-orders", false, "also create the orders table of idem demo (PREFIXorders); never needed by your own service")
+	// --orders was the name (default true) before migrate stopped creating the
+	// demo's table unless asked; it stays accepted so scripts that pass
+	// --orders=false keep working.
+	fs.BoolVar(withOrders, "orders", false, "deprecated: the old name of --with-demo-orders")
 	fs.Usage = storeUsage(fs, migrateUsage, storeNameEnv)
 	pos, code, ok := parseFlags(fs, args, storeNameEnv, stdout, stderr)
 	if !ok {

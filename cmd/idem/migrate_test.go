@@ -38,7 +38,7 @@ func TestMigrateSQLite(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "m.db")
 	for i := range 2 { // the second run finds everything in place
-		code, out, stderr := runIdem(t, dir, nil, "migrate", "--db", "sqlite:"+path)
+		code, out, stderr := runIdem(t, dir, nil, "migrate", "--db", "sqlite:"+path, "--with-demo-orders")
 		if code != 0 || !strings.Contains(out, "key records: ready (table idem_records of sqlite:"+path+")") || !strings.Contains(out, "orders:      ready (table orders of sqlite:"+path+")") {
 			t.Fatalf("run %d: exit %d\n%s%s", i+1, code, out, stderr)
 		}
@@ -48,30 +48,90 @@ func TestMigrateSQLite(t *testing.T) {
 		t.Fatalf("tables after migrate: %s", tables)
 	}
 
-	// --orders=false and a custom table, from the environment.
-	path2 := filepath.Join(dir, "keys-only.db")
-	code, out, stderr := runIdem(t, dir, []string{"IDEM_DB=sqlite:" + path2, "IDEM_TABLE=billing_keys"}, "migrate", "--orders=false")
-	if code != 0 || strings.Contains(out, "orders:") || !strings.Contains(out, "billing_keys") {
-		t.Fatalf("keys only: exit %d\n%s%s", code, out, stderr)
-	}
-	tables = strings.Join(sqliteTables(t, path2), " ")
-	if !strings.Contains(tables, "billing_keys") || strings.Contains(tables, "orders") {
-		t.Fatalf("tables after migrate --orders=false --table billing_keys: %s", tables)
+	// The default creates the key records' table only; a custom table, from
+	// the environment. The old --orders=false stays accepted.
+	for _, args := range [][]string{{"migrate"}, {"migrate", "--orders=false"}} {
+		path2 := filepath.Join(dir, "keys-only-"+cliRandHex(4)+".db")
+		code, out, stderr := runIdem(t, dir, []string{"IDEM_DB=sqlite:" + path2, "IDEM_TABLE=billing_keys"}, args...)
+		if code != 0 || strings.Contains(out, "orders:") || !strings.Contains(out, "billing_keys") {
+			t.Fatalf("%v: exit %d\n%s%s", args, code, out, stderr)
+		}
+		tables = strings.Join(sqliteTables(t, path2), " ")
+		if !strings.Contains(tables, "billing_keys") || strings.Contains(tables, "orders") {
+			t.Fatalf("tables after %v --table billing_keys: %s", args, tables)
+		}
 	}
 }
 
 func TestMigratePostgres(t *testing.T) {
 	t.Parallel()
 	dbURL := newPostgresDatabase(t)
+	count := func() int {
+		var n int
+		err := pgConnect(t, dbURL).QueryRow(context.Background(),
+			"SELECT count(*) FROM information_schema.tables WHERE table_name IN ('idem_records', 'orders')").Scan(&n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
 	code, out, stderr := runIdem(t, t.TempDir(), nil, "migrate", "--db", dbURL)
-	if code != 0 || !strings.Contains(out, "key records: ready") {
+	if code != 0 || !strings.Contains(out, "key records: ready") || strings.Contains(out, "orders:") {
 		t.Fatalf("exit %d\n%s%s", code, out, stderr)
 	}
+	if n := count(); n != 1 {
+		t.Fatalf("after idem migrate, %d of idem_records and orders exist; want idem_records alone", n)
+	}
+	code, out, stderr = runIdem(t, t.TempDir(), nil, "migrate", "--db", dbURL, "--with-demo-orders")
+	if code != 0 || !strings.Contains(out, "orders:      ready") {
+		t.Fatalf("--with-demo-orders: exit %d\n%s%s", code, out, stderr)
+	}
+	if n := count(); n != 2 {
+		t.Fatalf("after --with-demo-orders, %d of the 2 tables exist", n)
+	}
+}
+
+// TestMigrateLeavesUsersOrders is the deploy of a service that has an orders
+// table of its own (other columns than the demo's): idem migrate creates the key
+// records and succeeds, and the user's table is untouched.
+func TestMigrateLeavesUsersOrders(t *testing.T) {
+	t.Parallel()
+	dbURL := newPostgresDatabase(t)
+	conn := pgConnect(t, dbURL)
+	ctx := context.Background()
+	if _, err := conn.Exec(ctx, `CREATE TABLE orders (order_no bigint PRIMARY KEY, customer text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Exec(ctx, `INSERT INTO orders VALUES (1, 'ada')`); err != nil {
+		t.Fatal(err)
+	}
+	code, out, stderr := runIdem(t, t.TempDir(), nil, "migrate", "--db", dbURL)
+	if code != 0 || !strings.Contains(out, "key records: ready") {
+		t.Fatalf("idem migrate in a database with its own orders table: exit %d\n%s%s", code, out, stderr)
+	}
+	var cols []string
+	rows, err := conn.Query(ctx, `SELECT column_name FROM information_schema.columns WHERE table_name = 'orders' ORDER BY ordinal_position`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var c string
+		if err := rows.Scan(&c); err != nil {
+			t.Fatal(err)
+		}
+		cols = append(cols, c)
+	}
+	rows.Close()
+	var customer string
+	if err := conn.QueryRow(ctx, `SELECT customer FROM orders WHERE order_no = 1`).Scan(&customer); err != nil || customer != "ada" {
+		t.Fatalf("the user's order: %q, %v", customer, err)
+	}
+	if got := strings.Join(cols, ","); got != "order_no,customer" {
+		t.Fatalf("the user's orders table now has columns %s", got)
+	}
 	var n int
-	err := pgConnect(t, dbURL).QueryRow(context.Background(),
-		"SELECT count(*) FROM information_schema.tables WHERE table_name IN ('idem_records', 'orders')").Scan(&n)
-	if err != nil || n != 2 {
-		t.Fatalf("%d of the 2 tables exist (err %v)", n, err)
+	if err := conn.QueryRow(ctx, `SELECT count(*) FROM information_schema.tables WHERE table_name = 'idem_records'`).Scan(&n); err != nil || n != 1 {
+		t.Fatalf("idem_records: %d tables, %v", n, err)
 	}
 }
 

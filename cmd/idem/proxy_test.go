@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -16,15 +17,34 @@ import (
 	"github.com/idemkit/idem/internal/pyorders"
 )
 
-var proxyListenRE = regexp.MustCompile(`^idem proxy: listening on (http://127\.0\.0\.1:\d+),`)
+var (
+	proxyListenRE = regexp.MustCompile(`^idem proxy: listening on (http://127\.0\.0\.1:\d+),`)
+	proxyAdminRE  = regexp.MustCompile(`^idem proxy: GET /healthz and GET /metrics on (http://127\.0\.0\.1:\d+)`)
+)
 
-// startProxyCmd runs `idem proxy --listen 127.0.0.1:0 args…` and returns its URL.
-func startProxyCmd(t *testing.T, args ...string) string {
+// proxyProc is a running `idem proxy`.
+type proxyProc struct {
+	URL, Admin string // Admin is "" without --admin-addr
+	Banner     string // the lines up to the routes and scope
+	Cmd        *exec.Cmd
+	stderr     *syncBuffer
+	stdout     *bufio.Reader
+}
+
+// startProxyProc runs `idem proxy --listen 127.0.0.1:0 args…` and reads its
+// banner.
+func startProxyProc(t *testing.T, args ...string) *proxyProc {
+	t.Helper()
+	return startProxyProcEnv(t, nil, args...)
+}
+
+// startProxyProcEnv is startProxyProc with more environment variables.
+func startProxyProcEnv(t *testing.T, env []string, args ...string) *proxyProc {
 	t.Helper()
 	cmd := exec.Command(idemBin, append([]string{"proxy", "--listen", "127.0.0.1:0"}, args...)...)
-	cmd.Env = cliEnv()
-	var errb strings.Builder
-	cmd.Stderr = &errb
+	cmd.Env = cliEnv(env...)
+	errb := &syncBuffer{}
+	cmd.Stderr = errb
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -33,14 +53,45 @@ func startProxyCmd(t *testing.T, args ...string) string {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = cmd.Process.Signal(syscall.SIGINT); _ = cmd.Wait() })
-	line, _ := bufio.NewReader(out).ReadString('\n')
-	m := proxyListenRE.FindStringSubmatch(line)
-	if m == nil {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-		t.Fatalf("idem proxy printed %q; stderr:\n%s", line, errb.String())
+	r := bufio.NewReader(out)
+	pp := &proxyProc{Cmd: cmd, stderr: errb, stdout: r}
+	for {
+		line, err := r.ReadString('\n')
+		pp.Banner += line
+		if m := proxyListenRE.FindStringSubmatch(line); m != nil {
+			pp.URL = m[1]
+		}
+		if m := proxyAdminRE.FindStringSubmatch(line); m != nil {
+			pp.Admin = m[1]
+		}
+		if strings.HasPrefix(line, "idem proxy: keyed routes:") && pp.URL != "" {
+			return pp
+		}
+		if err != nil {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+			t.Fatalf("idem proxy printed %q; stderr:\n%s", pp.Banner, errb.String())
+		}
 	}
-	return m[1]
+}
+
+// syncBuffer is a strings.Builder safe for a process's writes and a test's
+// reads.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
 
 type proxyAnswer struct {
@@ -73,14 +124,15 @@ func TestProxyUnknownOutcomeThenResolve(t *testing.T) {
 	ordersDB := filepath.Join(dir, "orders.db")
 	app := pyorders.Start(t, ordersDB)
 	keysDB := "sqlite:" + filepath.Join(dir, "keys.db")
-	px := startProxyCmd(t, "--upstream", app.URL, "--db", keysDB, "--route", "POST /orders",
-		"--scope-header", "X-Tenant-ID", "--lease", "3s", "--upstream-timeout", "2s")
+	pp := startProxyProc(t, "--upstream", app.URL, "--db", keysDB, "--route", "POST /orders",
+		"--scope-header", "X-Tenant-ID", "--lease", "3s", "--upstream-timeout", "2s", "--admin-addr", "127.0.0.1:0")
+	px := pp.URL
 	// A 3 s lease: the retry right after the 502 must land before the lease
 	// lapses (a 1 s lease, renewed every 1/3 s, left it under 700 ms on a
 	// loaded machine); the sleeps below wait it out.
 	const pastLease = 3500 * time.Millisecond
 
-	if resp, err := http.Get(px + "/healthz"); err != nil || resp.StatusCode != 200 {
+	if resp, err := http.Get(pp.Admin + "/healthz"); err != nil || resp.StatusCode != 200 {
 		t.Fatalf("/healthz: %v %v", resp, err)
 	}
 
@@ -138,7 +190,7 @@ func TestProxyUnknownOutcomeThenResolve(t *testing.T) {
 	if n := app.Executions(t); n != before+1 {
 		t.Errorf("upstream executions after the release: %d, want %d", n, before+1)
 	}
-	resp, err := http.Get(px + "/metrics")
+	resp, err := http.Get(pp.Admin + "/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}

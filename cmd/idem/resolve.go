@@ -42,6 +42,8 @@ Example:
   idem resolve --db sqlite:keys.db --scope acme --status 201 \
     --header 'Content-Type: application/json' --body '{"id":"ord_42"}' 8e03978e-40d5-43e8
   idem resolve --db sqlite:keys.db --scope acme --release 8e03978e-40d5-43e8
+  idem resolve --db postgres://postgres@127.0.0.1:5432/app --schema shop \
+    --scope t1 --release 8e03978e-40d5-43e8
 
 Exit codes: 0 resolved, 1 nothing to resolve (no record, already complete, held
 now) or the database failed, 2 bad usage.
@@ -52,6 +54,7 @@ Flags:
 func runResolve(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("idem resolve", flag.ContinueOnError)
 	db, keys, table := storeFlags(fs, "")
+	prefix, schema := storeNameFlags(fs)
 	scope := fs.String("scope", "", "the tenant the key belongs to (idem proxy --scope-header: the header's value; --scope-jwt-claim: the claim's)")
 	bearer := fs.String("bearer", "", "with idem proxy --scope-bearer: the client's bearer token, instead of --scope")
 	status := fs.Int("status", 0, "mark the key complete with this status")
@@ -62,8 +65,8 @@ func runResolve(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	release := fs.Bool("release", false, "release the key: the next request with it runs the operation")
 	ttl := fs.Duration("ttl", idem.DefaultTTL, "with --status: how long the answer is kept and replayed")
 	force := fs.Bool("force", false, "also settle a key whose lease is live (its holder is running now, or hung)")
-	fs.Usage = storeUsage(fs, resolveUsage, storeCmdEnv)
-	pos, code, ok := storeParse(fs, args, storeCmdEnv, stdout, stderr)
+	fs.Usage = storeUsage(fs, resolveUsage, storeNameEnv)
+	pos, code, ok := storeParse(fs, args, storeNameEnv, stdout, stderr)
 	if !ok {
 		return code
 	}
@@ -116,7 +119,7 @@ func runResolve(ctx context.Context, args []string, stdout, stderr io.Writer) in
 		}
 		resp.Header.Add(strings.TrimSpace(name), strings.TrimSpace(value))
 	}
-	opts := dbopen.Options{DB: *db, Keys: *keys, KeyTable: *table}
+	opts := dbopen.Options{DB: *db, Keys: *keys, KeyTable: *table, Prefix: *prefix, Schema: *schema}
 	if err := opts.Check(); err != nil {
 		return storeUsageError(stderr, fs, err.Error())
 	}

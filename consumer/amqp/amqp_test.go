@@ -38,6 +38,8 @@ type child struct {
 	Consumer string
 	N        int
 	Sleep    time.Duration
+	Crash    bool // the crash-loop proof's consumer (runCrashChild)
+	Max      int  // its MaxDeliveries
 }
 
 // runChild consumes with dedupe and never acknowledges; it exits (closing the
@@ -48,6 +50,9 @@ func runChild() int {
 	var c child
 	if err := json.Unmarshal([]byte(os.Getenv(prooftest.ChildEnv)), &c); err != nil {
 		return fail(err)
+	}
+	if c.Crash {
+		return runCrashChild(c)
 	}
 	ctx := context.Background()
 	tg, _ := prooftest.Decode(c.Target)
@@ -130,7 +135,7 @@ func newBroker(t *testing.T) *broker {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		for _, q := range []string{b.queue, b.queue + ".retry", b.queue + ".dead"} {
+		for _, q := range append([]string{b.queue, b.queue + ".retry", b.queue + ".dead"}, idemamqp.RetryQueues(b.queue)...) {
 			_, _ = ch.QueueDelete(q, false, false, false)
 		}
 	})
@@ -298,9 +303,8 @@ func TestExactlyOnce(t *testing.T) {
 			delivered := map[string]int{}
 			stop := consume(t, b, p, env.Insert, "", func(d *amqp091.Delivery, out consumer.Outcome) {
 				if out.Action == consumer.Ack {
-					m := idemamqp.Message(d, "")
 					mu.Lock()
-					delivered[m.ID] = max(delivered[m.ID], m.Delivery)
+					delivered[d.MessageId] = max(delivered[d.MessageId], brokerDeliveries(d))
 					mu.Unlock()
 				}
 			})
@@ -599,4 +603,26 @@ func TestStoreOutageIsNotPoison(t *testing.T) {
 		t.Fatalf("dead-lettered %d, executed %d, handler runs %d, store failures %d; want 0, 1, 2 (one failure, one success) and 6",
 			dead.Load(), executed.Load(), runs.Load(), outages.Load())
 	}
+}
+
+// brokerDeliveries is the count of a delivery as RabbitMQ and the retry
+// copies carry it: 1 + x-idem-retries (a copy carries the deliveries before it
+// there) + the quorum queue's x-delivery-count, at least 2 when flagged
+// Redelivered.
+func brokerDeliveries(d *amqp091.Delivery) int {
+	n := 1
+	for _, h := range []string{idemamqp.RetriesHeader, "x-delivery-count"} {
+		switch v := d.Headers[h].(type) {
+		case int64:
+			n += int(v)
+		case int32:
+			n += int(v)
+		case int:
+			n += v
+		}
+	}
+	if d.Redelivered && n < 2 {
+		n = 2
+	}
+	return n
 }

@@ -42,6 +42,8 @@ type child struct {
 	Consumer string
 	N        int           // exit once this many IDs were settled
 	Sleep    time.Duration // per message, so that a kill lands mid-batch
+	Crash    bool          // the crash-loop proof's consumer (runCrashChild)
+	Max      int           // its MaxDeliveries
 }
 
 // runChild consumes with dedupe but never acknowledges: every message it sees
@@ -51,6 +53,9 @@ func runChild() int {
 	if err := json.Unmarshal([]byte(os.Getenv(prooftest.ChildEnv)), &c); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
+	}
+	if c.Crash {
+		return runCrashChild(c)
 	}
 	ctx := context.Background()
 	tg, _ := prooftest.Decode(c.Target)

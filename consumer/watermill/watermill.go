@@ -3,8 +3,16 @@
 // brings idem's once-per-message-ID processing to every broker Watermill
 // supports (Kafka, SQS, Google Pub/Sub, AMQP, SQL, …).
 //
-//	mw, err := watermill.Middleware(proc, watermill.Config{Poison: pub, PoisonTopic: "orders.dead"})
-//	router.AddMiddleware(mw)
+//	h, err := watermill.Handler(proc, watermill.Config{Poison: pub, PoisonTopic: "orders.dead"}, handle)
+//	router.AddHandler("orders", "orders", sub, "orders.out", pub, h)
+//
+// Handler wraps the handler itself, so idem sits innermost, inside every
+// router middleware. That order is the safe one, and the only one Handler
+// allows: a Retry middleware inside idem would run every attempt in one idem
+// transaction, and a failed attempt's writes would commit together with the
+// successful one's. idem retries by itself (MaxDeliveries, Backoff), so a
+// Retry middleware is not needed; one outside idem is harmless. Middleware is
+// the same as a router middleware: add it last (innermost), after any Retry.
 //
 // The key is the message's UUID, which Watermill producers set once per
 // message (Config.KeyMetadata names a metadata field instead). The messages a
@@ -12,9 +20,13 @@
 // duplicate, with their UUIDs, so that downstream consumers dedupe them too.
 //
 // Watermill reports no delivery count, so the middleware carries the
-// Processor's policy out itself, inside one delivery: a failed handler is
-// retried after Config.Backoff up to MaxDeliveries, each attempt with a fresh
-// claim and transaction; a delivery in flight elsewhere waits out the lease;
+// Processor's policy out itself, inside one delivery, and the Processor counts
+// the attempts in the store (Message.Delivery 0), where they survive a crash:
+// a failed handler is retried after Config.Backoff up to MaxDeliveries, each
+// attempt with a fresh claim and transaction; a redelivery after a consumer
+// crashed takes the lapsed claim over, which counts as an attempt, so a
+// message that crashes every consumer is dead-lettered unrun after
+// MaxDeliveries crashes; a delivery in flight elsewhere waits out the lease;
 // a store failure is retried after Config.Backoff until the store answers or
 // the message's context ends, and does not count toward MaxDeliveries.
 // A dead-lettered message (MaxDeliveries reached, a Permanent error, one ID with
@@ -41,7 +53,8 @@ const (
 	MetaDeadReason = "idem_dead_reason"
 	// MetaDeadError holds the error text.
 	MetaDeadError = "idem_dead_error"
-	// MetaDeadAttempts holds how many times the handler ran for it.
+	// MetaDeadAttempts holds the attempt number it was dead-lettered at (0 for
+	// a mismatch or a message without an ID, which never got one).
 	MetaDeadAttempts = "idem_dead_attempts"
 )
 
@@ -82,6 +95,20 @@ func Middleware(p *consumer.Processor, cfg Config) (message.HandlerMiddleware, e
 	}, nil
 }
 
+// Handler returns h wrapped with the Processor, for Router.AddHandler: idem
+// is then innermost, inside every router middleware (see the package doc).
+// It returns an error, saying what to set, when cfg is incomplete.
+func Handler(p *consumer.Processor, cfg Config, h message.HandlerFunc) (message.HandlerFunc, error) {
+	if h == nil {
+		return nil, errors.New("watermill: the handler is nil")
+	}
+	mw, err := Middleware(p, cfg)
+	if err != nil {
+		return nil, err
+	}
+	return mw(h), nil
+}
+
 func handle(p *consumer.Processor, cfg *Config, h message.HandlerFunc, msg *message.Message) ([]*message.Message, error) {
 	ctx := msg.Context()
 	m := &consumer.Message{ID: msg.UUID, Payload: msg.Payload, Header: map[string][]string{}}
@@ -92,9 +119,7 @@ func handle(p *consumer.Processor, cfg *Config, h message.HandlerFunc, msg *mess
 		m.Header[k] = []string{v}
 	}
 	var out []*message.Message
-	ran := 0
 	handler := func(hctx context.Context, m *consumer.Message) ([]byte, error) {
-		ran++
 		orig := msg.Context()
 		msg.SetContext(hctx)
 		defer msg.SetContext(orig)
@@ -106,7 +131,8 @@ func handle(p *consumer.Processor, cfg *Config, h message.HandlerFunc, msg *mess
 		return encode(msgs)
 	}
 	outages := 0
-	for m.Delivery = 1; ; {
+	for {
+		m.Delivery = 0 // the Processor counts the attempts, in the store
 		o := p.Process(ctx, m, handler)
 		switch o.Action {
 		case consumer.Ack:
@@ -115,7 +141,10 @@ func handle(p *consumer.Processor, cfg *Config, h message.HandlerFunc, msg *mess
 			}
 			return out, nil
 		case consumer.DeadLetter:
-			return nil, poison(cfg, msg, o, ran)
+			if err := poison(cfg, msg, o, m.Delivery); err != nil {
+				return nil, err
+			}
+			return nil, p.DeadLettered(ctx, m, o)
 		}
 		wait := o.Delay
 		switch o.Reason {
@@ -124,7 +153,6 @@ func handle(p *consumer.Processor, cfg *Config, h message.HandlerFunc, msg *mess
 			// lease: look again soon rather than wait the whole lease out.
 			wait = min(wait, inFlightPoll)
 		case consumer.Failed:
-			m.Delivery++
 		default:
 			// The store failed, or the lease was lost: the handler did not fail,
 			// so this is no delivery for MaxDeliveries (past it the Processor

@@ -2,9 +2,10 @@
 // order in the transaction idem opened, and the stored answer commits with it.
 // Run it with `go run ./examples/mysql` (it creates the tables example_orders,
 // idem_records and idem_records_migrations in the database; -dsn names another
-// one, in go-sql-driver/mysql's form):
+// one, in go-sql-driver/mysql's form or as the mysql:// URL idem's CLI takes):
 //
 //	go run ./examples/mysql -dsn 'root@tcp(127.0.0.1:3306)/test' -addr 127.0.0.1:8080
+//	go run ./examples/mysql -dsn mysql://root@127.0.0.1:3306/test
 package main
 
 import (
@@ -14,18 +15,26 @@ import (
 	"flag"
 	"fmt"
 	"log"
+	"net"
 	"net/http"
+	"net/url"
+	"strings"
+	"time"
 
-	_ "github.com/go-sql-driver/mysql" // the driver mysqlstore is tested with; the store registers none
+	"github.com/go-sql-driver/mysql" // the driver mysqlstore is tested with; the store registers none
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/mysqlstore"
 )
 
 func main() {
-	dsn := flag.String("dsn", "root@tcp(127.0.0.1:3306)/test", "go-sql-driver/mysql DSN: USER[:PASS]@tcp(HOST:PORT)/DB")
+	dsn := flag.String("dsn", "root@tcp(127.0.0.1:3306)/test", "the database: a go-sql-driver/mysql DSN, USER[:PASS]@tcp(HOST:PORT)/DB, or the URL idem's CLI takes, mysql://USER[:PASS]@HOST:PORT/DB")
 	addr := flag.String("addr", "127.0.0.1:8080", "listen address")
 	flag.Parse()
-	db, err := sql.Open("mysql", *dsn)
+	driverDSN, err := mysqlDSN(*dsn)
+	if err != nil {
+		log.Fatal(err)
+	}
+	db, err := sql.Open("mysql", driverDSN)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -34,9 +43,43 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	log.Printf("listening on http://%s", *addr)
-	log.Fatal(http.ListenAndServe(*addr, handler))
+	ln, err := net.Listen("tcp", *addr)
+	if err != nil {
+		log.Fatal(err)
+	}
+	log.Printf("listening on http://%s", ln.Addr())
+	log.Fatal(http.Serve(ln, handler))
 }
+
+// mysqlDSN returns the go-sql-driver/mysql DSN of s: s itself, or the DSN of a
+// mysql://USER[:PASS]@HOST[:PORT]/DB[?options] URL.
+func mysqlDSN(s string) (string, error) {
+	if !strings.HasPrefix(s, "mysql://") {
+		return s, nil
+	}
+	u, err := url.Parse(s)
+	if err != nil {
+		return "", fmt.Errorf("-dsn %q: %w", s, err)
+	}
+	cfg := mysql.NewConfig()
+	cfg.User = u.User.Username()
+	cfg.Passwd, _ = u.User.Password()
+	cfg.Net, cfg.Addr, cfg.DBName = "tcp", u.Host, strings.TrimPrefix(u.Path, "/")
+	if u.Port() == "" {
+		cfg.Addr = net.JoinHostPort(u.Hostname(), "3306")
+	}
+	dsn := cfg.FormatDSN()
+	if u.RawQuery != "" {
+		dsn += "?" + u.RawQuery // driver options (tls=true, timeout=5s, …)
+	}
+	if _, err := mysql.ParseDSN(dsn); err != nil {
+		return "", fmt.Errorf("-dsn %q: %w", s, err)
+	}
+	return dsn, nil
+}
+
+// janitorEvery is how often the janitor deletes expired key records.
+var janitorEvery = time.Minute
 
 func newServer(ctx context.Context, db *sql.DB) (http.Handler, error) {
 	// The business table lives in the same database as idem's records (InnoDB,
@@ -76,5 +119,13 @@ func newServer(ctx context.Context, db *sql.DB) (http.Handler, error) {
 	})
 	mux := http.NewServeMux()
 	mux.Handle("POST /orders", protect(orders))
+	// Expired key records stay in the table until they are deleted: the janitor
+	// sweeps them in bounded batches, in the background, until ctx ends.
+	janitor := &idem.Janitor{Store: store, Interval: janitorEvery, OnSweep: func(_ int, err error) {
+		if err != nil {
+			log.Printf("janitor: %v", err)
+		}
+	}}
+	go func() { _ = janitor.Run(ctx) }()
 	return mux, nil
 }

@@ -7,6 +7,15 @@
 //	go run ./examples/orders-worker -publish -id o-1 '{"cart_id":"c_1","total_cents":500}'
 //	go run ./examples/orders-worker -publish -id o-1 '{"cart_id":"c_1","total_cents":500}'
 //	go run ./examples/orders-worker -count               # 1 order
+//	go run ./examples/orders-worker -publish -tenant t2 -id o-1 '{"cart_id":"c_9","total_cents":900}'
+//	go run ./examples/orders-worker -count               # 2 orders (past JetStream's window): t2's o-1 is not t1's
+//
+// Each order is filed under its Tenant header (default "demo"), and dedupe is
+// per tenant (consumer.Config.Scope): two tenants' message o-1 are two
+// orders. (JetStream's own duplicate window, 2 min by default, knows no
+// tenants: within it, it drops t2's o-1 at publish, and the publisher is told
+// so in the ack's Duplicate flag.) The worker's records share the demo's idem_records table but never
+// an HTTP tenant's scope (consumer.StoredScope).
 //
 // -db takes a SQLite file (default orders.db) or a postgres:// URL; -nats the
 // server (default nats://127.0.0.1:4222, started with nats-server -js).
@@ -45,11 +54,29 @@ const (
 	Stream  = "ORDERS"
 )
 
+// TenantHeader names the tenant an order belongs to; DefaultTenant is the
+// tenant of an order without it.
+const (
+	TenantHeader  = "Tenant"
+	DefaultTenant = "demo"
+)
+
+// tenantOf is the message's tenant: the dedupe scope (consumer.Config.Scope)
+// and the tenant the order is filed under, read in one place so that both
+// always agree.
+func tenantOf(m *consumer.Message) string {
+	if t := m.Header[TenantHeader]; len(t) > 0 && t[0] != "" {
+		return t[0]
+	}
+	return DefaultTenant
+}
+
 func main() {
 	dbURL := flag.String("db", "orders.db", "SQLite file or postgres:// URL")
 	natsURL := flag.String("nats", nats.DefaultURL, "NATS server with JetStream")
 	publish := flag.Bool("publish", false, "publish the order given as the argument instead of consuming")
 	id := flag.String("id", "", "with -publish: the message ID (Nats-Msg-Id); publish twice with one ID to see one order")
+	tenant := flag.String("tenant", "", "with -publish: the Tenant header (default: none, filed as \"demo\")")
 	count := flag.Bool("count", false, "print how many orders the table holds and exit")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
@@ -65,7 +92,7 @@ func main() {
 		log.Fatal(err)
 	}
 	if *publish {
-		if err := publishOrder(ctx, js, *id, flag.Arg(0)); err != nil {
+		if err := publishOrder(ctx, js, *id, *tenant, flag.Arg(0)); err != nil {
 			log.Fatal(err)
 		}
 		return
@@ -89,17 +116,23 @@ func main() {
 	}
 }
 
-// publishOrder publishes body on Subject with id as its Nats-Msg-Id. A second
-// publish with the same id after JetStream's own duplicate window (2 min by
-// default) would be stored again: the worker's dedupe is what keeps one order.
-func publishOrder(ctx context.Context, js jetstream.JetStream, id, body string) error {
+// publishOrder publishes body on Subject with id as its Nats-Msg-Id and
+// tenant, if any, in the Tenant header. A second publish with the same id
+// after JetStream's own duplicate window (2 min by default) would be stored
+// again: the worker's dedupe is what keeps one order.
+func publishOrder(ctx context.Context, js jetstream.JetStream, id, tenant, body string) error {
 	if id == "" || body == "" {
 		return errors.New(`-publish needs -id and the order as the argument, for example -publish -id o-1 '{"cart_id":"c_1","total_cents":500}'`)
 	}
 	if _, err := EnsureStream(ctx, js); err != nil {
 		return err
 	}
-	ack, err := js.Publish(ctx, Subject, []byte(body), jetstream.WithMsgID(id))
+	msg := nats.NewMsg(Subject)
+	msg.Data = []byte(body)
+	if tenant != "" {
+		msg.Header.Set(TenantHeader, tenant)
+	}
+	ack, err := js.PublishMsg(ctx, msg, jetstream.WithMsgID(id))
 	if err != nil {
 		return err
 	}
@@ -198,10 +231,7 @@ func (w *Worker) insert(ctx context.Context, m *consumer.Message) ([]byte, error
 	if err := json.Unmarshal(m.Payload, &o); err != nil || o.CartID == "" || o.TotalCents < 0 {
 		return nil, consumer.Permanent(fmt.Errorf("not an order (want {\"cart_id\":\"c_1\",\"total_cents\":500}): %q", m.Payload))
 	}
-	tenant := "demo"
-	if t := m.Header["Tenant"]; len(t) > 0 {
-		tenant = t[0]
-	}
+	tenant := tenantOf(m)
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	id := "ord_" + hex.EncodeToString(b[:])
@@ -236,11 +266,15 @@ func (w *Worker) Run(ctx context.Context, js jetstream.JetStream) error {
 
 // consume runs cons through the Processor until ctx ends.
 func (w *Worker) consume(ctx context.Context, cons jetstream.Consumer) error {
-	p, err := consumer.New(w.store, consumer.Config{Name: w.Durable, OnOutcome: func(m *consumer.Message, out consumer.Outcome) {
-		if out.Reason != consumer.Executed {
-			log.Printf("message %s: %s (%s) %v", m.ID, out.Action, out.Reason, out.Err)
-		}
-	}})
+	p, err := consumer.New(w.store, consumer.Config{Name: w.Durable,
+		// Dedupe per tenant: t2's message o-1 is not t1's. The header the scope
+		// reads is fingerprinted too.
+		Scope: tenantOf, FingerprintHeaders: []string{TenantHeader},
+		OnOutcome: func(m *consumer.Message, out consumer.Outcome) {
+			if out.Reason != consumer.Executed {
+				log.Printf("message %s: %s (%s) %v", m.ID, out.Action, out.Reason, out.Err)
+			}
+		}})
 	if err != nil {
 		return err
 	}

@@ -12,7 +12,9 @@ import (
 	"flag"
 	"fmt"
 	"log"
+	"net"
 	"net/http"
+	"time"
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/pgstore"
@@ -33,9 +35,16 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	log.Printf("listening on http://%s", *addr)
-	log.Fatal(http.ListenAndServe(*addr, handler))
+	ln, err := net.Listen("tcp", *addr)
+	if err != nil {
+		log.Fatal(err)
+	}
+	log.Printf("listening on http://%s", ln.Addr())
+	log.Fatal(http.Serve(ln, handler))
 }
+
+// janitorEvery is how often the janitor deletes expired key records.
+var janitorEvery = time.Minute
 
 func newServer(ctx context.Context, pool *pgxpool.Pool) (http.Handler, error) {
 	// The business table lives in the same database as idem's records.
@@ -73,5 +82,13 @@ func newServer(ctx context.Context, pool *pgxpool.Pool) (http.Handler, error) {
 	})
 	mux := http.NewServeMux()
 	mux.Handle("POST /orders", protect(orders))
+	// Expired key records stay in the table until they are deleted: the janitor
+	// sweeps them in bounded batches, in the background, until ctx ends.
+	janitor := &idem.Janitor{Store: store, Interval: janitorEvery, OnSweep: func(_ int, err error) {
+		if err != nil {
+			log.Printf("janitor: %v", err)
+		}
+	}}
+	go func() { _ = janitor.Run(ctx) }()
 	return mux, nil
 }

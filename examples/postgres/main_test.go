@@ -7,8 +7,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/examples/internal/exampletest"
 	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/pgstore"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -69,4 +71,30 @@ func schemaPool(t *testing.T, ctx context.Context, url string) *pgxpool.Pool {
 	}
 	t.Cleanup(pool.Close)
 	return pool
+}
+
+// The example runs the janitor: a key record that expired is deleted in the
+// background (no example ran idem.Janitor, so a library user's table grew).
+func TestPostgresExampleJanitor(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	pool := schemaPool(t, ctx, testenv.PostgresURL(t))
+	janitorEvery = 10 * time.Millisecond
+	defer func() { janitorEvery = time.Minute }()
+	if _, err := newServer(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	store, err := pgstore.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	if _, ok, err := store.Claim(ctx, idem.ClaimRequest{Key: "old", Fingerprint: "v2:x", Token: "t", Now: now.Add(-2 * time.Hour), LeaseUntil: now.Add(-2 * time.Hour).Add(time.Minute), ExpiresAt: now.Add(-time.Hour)}); err != nil || !ok {
+		t.Fatalf("claim an expired record: %v %v", ok, err)
+	}
+	exampletest.WaitGone(t, "the expired key record", func() (bool, error) {
+		var n int
+		err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_records WHERE key = 'old'::bytea`).Scan(&n)
+		return n == 0, err
+	})
 }

@@ -1,11 +1,14 @@
 // Command quickstart is the README's quick start: an orders endpoint that runs
 // once per Idempotency-Key, on the in-memory store. Run it with
-// `go run ./examples/quickstart` and send the README's curl command twice.
+// `go run ./examples/quickstart` and send the README's curl command twice
+// (-addr listens elsewhere than 127.0.0.1:8080).
 package main
 
 import (
+	"flag"
 	"fmt"
 	"log"
+	"net"
 	"net/http"
 	"sync/atomic"
 
@@ -14,8 +17,15 @@ import (
 )
 
 func main() {
-	log.Println("listening on http://127.0.0.1:8080")
-	log.Fatal(http.ListenAndServe("127.0.0.1:8080", newServer()))
+	addr := flag.String("addr", "127.0.0.1:8080", "listen address")
+	flag.Parse()
+	handler := newServer()
+	ln, err := net.Listen("tcp", *addr)
+	if err != nil {
+		log.Fatal(err)
+	}
+	log.Printf("listening on http://%s", ln.Addr())
+	log.Fatal(http.Serve(ln, handler))
 }
 
 var orderIDs atomic.Int64

@@ -6,6 +6,8 @@ import (
 	"net/http/httptest"
 	"strings"
 	"testing"
+
+	"github.com/idemkit/idem/examples/internal/exampletest"
 )
 
 // The quick start answers a retry with the stored answer.
@@ -29,5 +31,17 @@ func TestQuickstart(t *testing.T) {
 	}
 	if bodies[0] != `{"id":1}` || bodies[1] != bodies[0] || orderIDs.Load() != 1 {
 		t.Fatalf("answers %q, %d orders; want one order, replayed", bodies, orderIDs.Load())
+	}
+}
+
+// The command honours -addr, as the README says the examples do: it listened
+// on 127.0.0.1:8080 whatever it was given.
+func TestQuickstartAddrFlag(t *testing.T) {
+	url := exampletest.RunMain(t, "-addr", "127.0.0.1:0")
+	if strings.HasSuffix(url, ":8080") {
+		t.Fatalf("asked for a free port, listening on %s", url)
+	}
+	if status, _, body := exampletest.Post(t, url+"/orders", "qs-addr-1"); status != http.StatusCreated {
+		t.Fatalf("POST %s/orders: %d %s", url, status, body)
 	}
 }

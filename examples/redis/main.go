@@ -18,7 +18,9 @@ import (
 	"flag"
 	"fmt"
 	"log"
+	"net"
 	"net/http"
+	"time"
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/redisstore"
@@ -39,9 +41,16 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	log.Printf("listening on http://%s", *addr)
-	log.Fatal(http.ListenAndServe(*addr, handler))
+	ln, err := net.Listen("tcp", *addr)
+	if err != nil {
+		log.Fatal(err)
+	}
+	log.Printf("listening on http://%s", ln.Addr())
+	log.Fatal(http.Serve(ln, handler))
 }
+
+// janitorEvery is how often the janitor deletes expired key records.
+var janitorEvery = time.Minute
 
 // newServer keeps idem's records under prefix+"idem:" and the orders under
 // prefix+"order:".
@@ -79,5 +88,14 @@ func newServer(ctx context.Context, rdb redis.UniversalClient, prefix string) (h
 	})
 	mux := http.NewServeMux()
 	mux.Handle("POST /orders", protect(orders))
+	// The janitor deletes expired key records in bounded batches, in the
+	// background, until ctx ends. Redis expires records by itself, so here it
+	// finds none; it stays so that a switch to a SQL store keeps the sweep.
+	janitor := &idem.Janitor{Store: store, Interval: janitorEvery, OnSweep: func(_ int, err error) {
+		if err != nil {
+			log.Printf("janitor: %v", err)
+		}
+	}}
+	go func() { _ = janitor.Run(ctx) }()
 	return mux, nil
 }

@@ -1,14 +1,20 @@
 // Command sqlite is the README's SQLite example: the handler inserts its order
 // in the transaction idem opened, and the stored answer commits with it. Run it
-// with `go run ./examples/sqlite` (it writes app.db in the working directory).
+// with `go run ./examples/sqlite` (it writes app.db in the working directory;
+// -db names another file):
+//
+//	go run ./examples/sqlite -db app.db -addr 127.0.0.1:8080
 package main
 
 import (
 	"context"
 	"database/sql"
+	"flag"
 	"fmt"
 	"log"
+	"net"
 	"net/http"
+	"time"
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/sqlitestore"
@@ -16,7 +22,10 @@ import (
 )
 
 func main() {
-	db, err := embedded.Open("app.db")
+	path := flag.String("db", "app.db", "SQLite file (created if missing)")
+	addr := flag.String("addr", "127.0.0.1:8080", "listen address")
+	flag.Parse()
+	db, err := embedded.Open(*path)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -25,9 +34,16 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	log.Println("listening on http://127.0.0.1:8080")
-	log.Fatal(http.ListenAndServe("127.0.0.1:8080", handler))
+	ln, err := net.Listen("tcp", *addr)
+	if err != nil {
+		log.Fatal(err)
+	}
+	log.Printf("listening on http://%s", ln.Addr())
+	log.Fatal(http.Serve(ln, handler))
 }
+
+// janitorEvery is how often the janitor deletes expired key records.
+var janitorEvery = time.Minute
 
 func newServer(ctx context.Context, db *sql.DB) (http.Handler, error) {
 	// The business table lives in the same database as idem's records.
@@ -59,5 +75,13 @@ func newServer(ctx context.Context, db *sql.DB) (http.Handler, error) {
 	})
 	mux := http.NewServeMux()
 	mux.Handle("POST /orders", protect(orders))
+	// Expired key records stay in the table until they are deleted: the janitor
+	// sweeps them in bounded batches, in the background, until ctx ends.
+	janitor := &idem.Janitor{Store: store, Interval: janitorEvery, OnSweep: func(_ int, err error) {
+		if err != nil {
+			log.Printf("janitor: %v", err)
+		}
+	}}
+	go func() { _ = janitor.Run(ctx) }()
 	return mux, nil
 }

@@ -9,6 +9,8 @@ import (
 	"slices"
 	"sort"
 	"strings"
+
+	"github.com/idemkit/idem/client"
 )
 
 // verdict collects what one case found.
@@ -188,10 +190,17 @@ func (c *checker) checkReplay(ctx context.Context) Case {
 		v.fail("the retry's Location %q differs from the first answer's %q", b, a)
 	}
 	_, counted := c.checkCount(ctx, &v, c.marker("first"), 1, "the retry ran the operation again")
-	if !e.replayed() && len(v.fails) == 0 {
+	mark := e.replayMark()
+	switch {
+	case mark == "" && len(v.fails) == 0:
 		v.warn("same status and body, but no Idempotent-Replayed: true header (Stripe's convention, docs/design.md §1): clients cannot tell a replay from an execution")
+	case mark != "" && mark != client.ReplayedHeader:
+		v.warn("the replay is marked with %s: true, but clients look for Idempotent-Replayed: true (Stripe's convention, what idem's client.Replayed reads; docs/design.md §1): rename the header, or send both", mark)
 	}
-	sum := status(e) + ", byte-identical body, Idempotent-Replayed: true"
+	if mark == "" {
+		mark = client.ReplayedHeader
+	}
+	sum := status(e) + ", byte-identical body, " + mark + ": true"
 	if counted {
 		sum += ", still 1 resource"
 	}

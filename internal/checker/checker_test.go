@@ -454,3 +454,65 @@ func TestCanceledContext(t *testing.T) {
 		t.Fatal("no report")
 	}
 }
+
+// renamedMark rewrites the correct server's replay mark to another spelling,
+// as servers in the wild do.
+type renamedMark struct {
+	http.ResponseWriter
+	name string
+}
+
+func (w renamedMark) WriteHeader(code int) {
+	if v := w.Header().Get("Idempotent-Replayed"); v != "" {
+		w.Header().Del("Idempotent-Replayed")
+		w.Header().Set(w.name, v)
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w renamedMark) Write(p []byte) (int, error) {
+	if w.Header().Get("Idempotent-Replayed") != "" {
+		w.WriteHeader(http.StatusOK)
+	}
+	return w.ResponseWriter.Write(p)
+}
+
+// TestOtherReplayMarkSpellings: a correct server that marks its replays with
+// another common spelling (Idempotency-Replayed: true, X-Idempotent-Replayed, …)
+// is seen to mark them: the replay case warns about the spelling, naming the
+// header clients look for, not about a missing mark, and every other case
+// passes as it does with the right spelling.
+func TestOtherReplayMarkSpellings(t *testing.T) {
+	t.Parallel()
+	for _, name := range []string{"Idempotency-Replayed", "X-Idempotent-Replayed", "X-Idempotency-Replayed"} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			inner := checkertest.Handler(checkertest.Correct)
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				inner.ServeHTTP(renamedMark{w, name}, r)
+			}))
+			defer srv.Close()
+			o := options(srv, true)
+			o.Only = []string{checker.CaseFirstRequest, checker.CaseReplay, checker.CaseRace, checker.CaseTenantIsolation}
+			rep := run(t, o)
+			for _, c := range rep.Cases {
+				want := checker.Pass
+				if c.Name == checker.CaseReplay {
+					want = checker.Warn
+				}
+				if c.Result != want {
+					t.Errorf("case %s: %s (%s %q), want %s\n%s", c.Name, c.Result, c.Summary, c.Evidence, want, table(rep))
+				}
+				if c.Name != checker.CaseReplay {
+					continue
+				}
+				if !strings.Contains(c.Summary, "marked with "+name+": true") || !strings.Contains(c.Summary, "clients look for Idempotent-Replayed: true") {
+					t.Errorf("replay case says %q; want the spelling %s named and Idempotent-Replayed as the header clients read", c.Summary, name)
+				}
+				if strings.Contains(c.Summary, "no Idempotent-Replayed") || strings.Contains(c.Summary, "cannot tell a replay") {
+					t.Errorf("replay case reports a missing mark: %q", c.Summary)
+				}
+			}
+		})
+	}
+}

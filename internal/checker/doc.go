@@ -54,7 +54,11 @@
 //
 // An answer is a replay when its Idempotent-Replayed header is "true" in any
 // letter case, as client.Replayed decides: the header is Stripe's convention,
-// not an RFC 9651 structured field, so "?1" does not count.
+// not an RFC 9651 structured field, so "?1" does not count. The other spellings
+// servers use (Idempotency-Replayed, X-Idempotent-Replayed, …: OtherReplayMarks)
+// set to "true" count as a replay mark too, and the replay case then warns that
+// clients look for Idempotent-Replayed, so that the warning is about the
+// spelling, not about a missing mark.
 //
 // Error answers (400, 422) that are not application/problem+json (RFC 9457) are
 // warnings.

@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptrace"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -36,11 +37,46 @@ type exchange struct {
 
 func (e *exchange) ok() bool { return e.err == nil && e.status >= 200 && e.status < 300 }
 
-// replayed reports whether the answer is marked as a replay. It is the client
+// replayed reports whether the answer is marked as a replay: by the client
 // package's test (Idempotent-Replayed: "true" in any case, around it optional
-// whitespace), so that the checker and the client never disagree on it.
+// whitespace), so that the checker and the client never disagree on it, or by
+// one of the other spellings servers use (OtherReplayMarks), which the replay
+// case reports as a warning: clients look for Idempotent-Replayed.
 func (e *exchange) replayed() bool {
-	return e.header != nil && client.Replayed(&http.Response{Header: e.header})
+	return e.replayMark() != ""
+}
+
+// OtherReplayMarks are the headers other than Idempotent-Replayed that servers
+// in the wild set to "true" on a replay. The checker counts them as a replay
+// mark, so that its findings are about the replays themselves, and warns that
+// clients (idem's client.Replayed, Stripe's libraries) read Idempotent-Replayed
+// only.
+var OtherReplayMarks = []string{
+	"Idempotency-Replayed",
+	"X-Idempotent-Replayed",
+	"X-Idempotency-Replayed",
+	"Idempotent-Replay",
+	"Idempotency-Replay",
+	"X-Idempotent-Replay",
+	"X-Idempotency-Replay",
+	"X-Replayed",
+}
+
+// replayMark returns the name of the header that marks the answer as a replay:
+// client.ReplayedHeader, one of OtherReplayMarks, or "" when it is not marked.
+func (e *exchange) replayMark() string {
+	if e.header == nil {
+		return ""
+	}
+	if client.Replayed(&http.Response{Header: e.header}) {
+		return client.ReplayedHeader
+	}
+	for _, name := range OtherReplayMarks {
+		if strings.EqualFold(strings.TrimSpace(e.header.Get(name)), "true") {
+			return name
+		}
+	}
+	return ""
 }
 
 // newClient returns a client that sends each request exactly once on a fresh

@@ -50,6 +50,9 @@ type Target struct {
 //	postgres://… or postgresql://…       PostgreSQL, any pgx connection URL
 //	mysql://USER[:PASS]@HOST[:PORT]/DB    MySQL or MariaDB; query parameters are
 //	                                      passed to go-sql-driver/mysql
+//	USER[:PASS]@tcp(HOST:PORT)/DB         the same in go-sql-driver/mysql's DSN form
+//	                                      (also after mysql://), as the Go examples
+//	                                      take it
 //
 // Errors start with "--db" and say what to write instead.
 func ParseDB(raw string) (Target, error) { return ParseDBFlag("--db", raw) }
@@ -61,8 +64,10 @@ func ParseDBFlag(flag, raw string) (Target, error) {
 	if raw == "" {
 		return Target{}, fmt.Errorf("%s is empty; use sqlite:PATH, postgres://… or mysql://…", flag)
 	}
-	if u, ok := MySQLURLFromDSN(raw); ok {
-		return Target{}, fmt.Errorf("%s takes a URL, not a go-sql-driver DSN; write the same database as a URL: %s", flag, u)
+	// The go-sql-driver form the Go examples use ("root@tcp(127.0.0.1:3306)/test",
+	// also after "mysql://") names the same database as the URL form.
+	if dsn := strings.TrimPrefix(strings.TrimPrefix(raw, "mysql://"), "mariadb://"); !strings.Contains(dsn, "://") && (strings.Contains(dsn, "@tcp(") || strings.HasPrefix(dsn, "tcp(")) {
+		return mysqlFromDSN(flag, dsn)
 	}
 	scheme, rest, ok := strings.Cut(raw, ":")
 	if !ok || strings.ContainsAny(scheme, `/\.@(`) {
@@ -131,6 +136,31 @@ func mysqlDSN(flag, raw string) (string, error) {
 		return "", fmt.Errorf("%s %s: %v; see the go-sql-driver/mysql DSN parameters", flag, redact(raw), err)
 	}
 	return dsn, nil
+}
+
+// mysqlFromDSN is the Target of a go-sql-driver/mysql DSN over TCP, with
+// parseTime=true and UTC as a URL would give; its Display is the URL form.
+func mysqlFromDSN(flag, dsn string) (Target, error) {
+	display, ok := MySQLURLFromDSN(dsn)
+	if !ok {
+		// Not parseable: show it with what may be a password hidden.
+		display = dsn
+		if at := strings.LastIndex(dsn, "@tcp("); at >= 0 {
+			if user, _, hasPass := strings.Cut(dsn[:at], ":"); hasPass {
+				display = user + ":xxxxx" + dsn[at:]
+			}
+		}
+	}
+	cfg, err := mysql.ParseDSN(dsn)
+	if err == nil && (cfg.Net != "tcp" || cfg.DBName == "") {
+		err = errors.New("name the server and the database, as in root@tcp(127.0.0.1:3306)/test")
+	}
+	if err != nil {
+		return Target{}, fmt.Errorf("%s %s: %v; see the go-sql-driver/mysql DSN parameters, or write a URL such as mysql://root@127.0.0.1:3306/test", flag, display, redactErr(err, dsn))
+	}
+	cfg.ParseTime = true
+	cfg.Loc = time.UTC
+	return Target{Dialect: orders.MySQL, DSN: cfg.FormatDSN(), Display: display}, nil
 }
 
 // MySQLURLFromDSN converts a go-sql-driver/mysql DSN over TCP

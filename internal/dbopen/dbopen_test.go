@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/go-sql-driver/mysql"
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/internal/dbopen"
 	"github.com/idemkit/idem/internal/orders"
@@ -256,9 +257,26 @@ func TestParseFlagsOfOtherNames(t *testing.T) {
 	if _, err := dbopen.ParseDBFlag("--mysql", "mysql://root@127.0.0.1"); err == nil || !strings.HasPrefix(err.Error(), "--mysql ") {
 		t.Errorf("ParseDBFlag(--mysql, no database) = %v, want an error about --mysql", err)
 	}
-	_, err := dbopen.ParseDB("root:secret@tcp(127.0.0.1:3306)/test")
-	if err == nil || !strings.Contains(err.Error(), "--db takes a URL, not a go-sql-driver DSN; write the same database as a URL: mysql://root:xxxxx@127.0.0.1:3306/test") || strings.Contains(err.Error(), "secret") {
-		t.Errorf("ParseDB(a go-sql-driver DSN) = %v, want the URL to write, without the password", err)
+	// The go-sql-driver DSN form names the same database as the URL.
+	for _, in := range []string{"root:secret@tcp(127.0.0.1:3306)/test?timeout=5s", "mysql://root:secret@tcp(127.0.0.1:3306)/test?timeout=5s"} {
+		got, err := dbopen.ParseDB(in)
+		if err != nil {
+			t.Errorf("ParseDB(%q): %v", in, err)
+			continue
+		}
+		cfg, err := mysql.ParseDSN(got.DSN)
+		if got.Dialect != orders.MySQL || err != nil || cfg.Addr != "127.0.0.1:3306" || cfg.DBName != "test" || cfg.Passwd != "secret" || !cfg.ParseTime || cfg.Timeout != 5*time.Second {
+			t.Errorf("ParseDB(%q) = %+v (%v); want MySQL test at 127.0.0.1:3306 with the password, parseTime and timeout", in, got, err)
+		}
+		if got.Display != "mysql://root:xxxxx@127.0.0.1:3306/test" {
+			t.Errorf("ParseDB(%q).Display = %q; want the URL without the password", in, got.Display)
+		}
+	}
+	if _, err := dbopen.ParseDB("root:secret@tcp(127.0.0.1:3306)/test?parseTime=maybe"); err == nil || !strings.Contains(err.Error(), "--db root:xxxxx@tcp(127.0.0.1:3306)/test?parseTime=maybe: invalid bool value") || strings.Contains(err.Error(), "secret") {
+		t.Errorf("ParseDB(a DSN with a bad parameter) = %v; want an error naming it, without the password", err)
+	}
+	if _, err := dbopen.ParseDB("root@tcp(127.0.0.1:3306)/"); err == nil || !strings.Contains(err.Error(), "name the server and the database") {
+		t.Errorf("ParseDB(a DSN without a database) = %v", err)
 	}
 	for in, want := range map[string]string{
 		"root@tcp(127.0.0.1:3306)/test":       "mysql://root@127.0.0.1:3306/test",

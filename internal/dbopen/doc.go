@@ -2,8 +2,9 @@
 // database and an idem store, for `idem demo`, `idem migrate`, `idem gc` and
 // `idem inspect`. Every command names a database in the same URL forms: `idem
 // bench --postgres/--mysql/--redis` are checked with ParseDBFlag and
-// ParseRedis, whose errors name the flag and say what to write instead (a
-// go-sql-driver DSN gets the mysql:// URL to write, see MySQLURLFromDSN).
+// ParseRedis, whose errors name the flag and say what to write instead. A
+// go-sql-driver DSN (root@tcp(127.0.0.1:3306)/test, the form the Go examples
+// and database/sql programs use) is accepted wherever a mysql:// URL is.
 //
 // # --db
 //
@@ -15,6 +16,8 @@
 //	mysql://USER[:PASS]@HOST[:PORT]/DB  MySQL or MariaDB through go-sql-driver/mysql,
 //	                                    with parseTime=true; other query parameters are
 //	                                    driver options (tls=true, timeout=5s, …)
+//	USER[:PASS]@tcp(HOST:PORT)/DB       the same database in go-sql-driver/mysql's DSN
+//	                                    form (also after mysql://); parseTime=true too
 //
 // # --keys
 //

@@ -135,7 +135,7 @@ func Open(ctx context.Context, tg Target) (*Env, error) {
 func (e *Env) Close(drop bool) {
 	if e.pool != nil {
 		if drop {
-			_, _ = e.pool.Exec(context.Background(), fmt.Sprintf(`DROP TABLE IF EXISTS %s; DROP TABLE IF EXISTS %s`, e.Orders, e.Table))
+			_, _ = e.pool.Exec(context.Background(), fmt.Sprintf(`DROP TABLE IF EXISTS %s; DROP TABLE IF EXISTS %s; DROP TABLE IF EXISTS %s_def`, e.Orders, e.Table, e.Orders))
 		}
 		e.pool.Close()
 	}
@@ -194,3 +194,34 @@ const ChildEnv = "IDEM_CONSUMER_PROOF_CHILD"
 
 // IsChild reports whether this process is a re-executed child.
 func IsChild() bool { return os.Getenv(ChildEnv) != "" }
+
+// CreateRefusedAtCommit creates the tables InsertRefusedAtCommit writes to: a
+// constraint the database checks only at COMMIT (a DEFERRABLE unique key in
+// PostgreSQL, a deferred foreign key in SQLite), already bound to fail.
+func (e *Env) CreateRefusedAtCommit(ctx context.Context) error {
+	if e.pool != nil {
+		_, err := e.pool.Exec(ctx, fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s_def (v INT, CONSTRAINT %s_def_u UNIQUE (v) DEFERRABLE INITIALLY DEFERRED); INSERT INTO %s_def VALUES (1)`, e.Orders, e.Orders, e.Orders))
+		return err
+	}
+	_, err := e.db.ExecContext(ctx, fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s_parent (id INTEGER PRIMARY KEY); CREATE TABLE IF NOT EXISTS %s_child (pid INTEGER REFERENCES %s_parent(id) DEFERRABLE INITIALLY DEFERRED)`, e.Orders, e.Orders, e.Orders))
+	return err
+}
+
+// InsertRefusedAtCommit is a handler whose statements succeed and whose
+// transaction the database refuses at COMMIT, every time.
+func (e *Env) InsertRefusedAtCommit(ctx context.Context, m *consumer.Message) ([]byte, error) {
+	if e.pool != nil {
+		tx := pgstore.Tx(ctx)
+		if tx == nil {
+			return nil, errors.New("no transaction in the context")
+		}
+		_, err := tx.Exec(ctx, fmt.Sprintf(`INSERT INTO %s_def VALUES (1)`, e.Orders))
+		return nil, err
+	}
+	tx := sqlitestore.Tx(ctx)
+	if tx == nil {
+		return nil, errors.New("no transaction in the context")
+	}
+	_, err := tx.ExecContext(ctx, fmt.Sprintf(`INSERT INTO %s_child VALUES (42)`, e.Orders))
+	return nil, err
+}

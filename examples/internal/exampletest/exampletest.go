@@ -1,17 +1,113 @@
 // Package exampletest holds what the store examples' tests share: a burst of
-// requests with one key released at the same moment, a keyed POST, and random
-// names for each test's own schema, database or key prefix.
+// requests with one key released at the same moment, a keyed POST, random
+// names for each test's own schema, database or key prefix, running the
+// example's command as a user does, and waiting for its janitor.
 package exampletest
 
 import (
+	"bufio"
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"io"
 	"net/http"
+	"os/exec"
+	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 )
+
+// listening is the line every example logs once it accepts connections.
+var listening = regexp.MustCompile(`listening on ((?:http|grpc)://\S+)`)
+
+// RunMain builds the example in the working directory (the test's package)
+// and runs it with args, as `go run . ARGS` would, until the test ends. It
+// returns the URL of the "listening on" line the example logs once it accepts
+// connections.
+func RunMain(t *testing.T, args ...string) string {
+	t.Helper()
+	return Start(t, Build(t), args...)
+}
+
+// Build builds the example in the working directory (the test's package) and
+// returns the binary's path.
+func Build(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "example")
+	build := exec.Command("go", "build", "-o", bin, ".")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	return bin
+}
+
+// Start runs bin with args until the test ends, and returns the URL of the
+// "listening on" line it logs once it accepts connections.
+func Start(t *testing.T, bin string, args ...string) string {
+	t.Helper()
+	dir := t.TempDir()
+	ctx, cancel := context.WithCancel(context.Background())
+	cmd := exec.CommandContext(ctx, bin, args...)
+	cmd.Dir = dir
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cancel(); _ = cmd.Wait() })
+	found := make(chan string, 1)
+	var mu sync.Mutex
+	var log strings.Builder
+	go func() {
+		sc := bufio.NewScanner(stderr)
+		for sc.Scan() {
+			mu.Lock()
+			log.WriteString(sc.Text() + "\n")
+			mu.Unlock()
+			if m := listening.FindStringSubmatch(sc.Text()); m != nil {
+				found <- m[1]
+			}
+		}
+		close(found)
+	}()
+	select {
+	case u, ok := <-found:
+		if ok {
+			return u
+		}
+	case <-time.After(2 * time.Minute):
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	t.Fatalf("example %v did not log its listening address; it logged:\n%s", args, log.String())
+	return ""
+}
+
+// WaitGone polls gone (every 10ms, for at most a minute) until it reports true,
+// and fails the test when it never does: for a janitor whose sweeps run in the
+// background.
+func WaitGone(t *testing.T, what string, gone func() (bool, error)) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		ok, err := gone()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s is still there a minute later: nothing deletes it", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
 
 // Burst sends n identical requests with one key at the same moment and returns
 // the body of the 201 they share; every other answer must be 409 in flight.

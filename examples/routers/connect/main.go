@@ -10,10 +10,25 @@
 // the Idempotency-Key header and the answer — message or Connect error — is
 // stored and replayed byte for byte. Authentication must run in front of idem,
 // at the HTTP level (like connectrpc.com/authn), not in a Connect interceptor,
-// which runs inside the handler, after idem. The gRPC and gRPC-Web protocols of
-// the same handler end their answers in trailers, which idem does not store:
-// serve them with idemgrpc on a grpc-go server, or key only Connect-protocol
-// calls.
+// which runs inside the handler, after idem.
+//
+// Three things keep the stored answer the method's own (keyed, below):
+//
+//   - The client's deadline (Connect-Timeout-Ms, Grpc-Timeout) is taken off
+//     the request before idem: connect would rebuild it on idem's detached
+//     context, and a claimed call must run to its end whatever the client's
+//     deadline (the client enforces its deadline itself). Otherwise a deadline
+//     already passed makes connect answer deadline_exceeded without running
+//     the method, and that answer would be stored for the TTL.
+//   - An answer connect produced without running the method (a bad protocol
+//     header, an undecodable message, …) is not stored: the method marks that
+//     it ran (method), and when it did not, the key is released — by a panic
+//     idem answers by releasing, recovered in front of idem — and the client
+//     gets connect's answer.
+//   - gRPC-Web answers are replayed with the grpc-* headers they need
+//     (Grpc-Encoding, and the status of a trailers-only error); gRPC calls, whose
+//     status travels in HTTP trailers that idem does not store, are refused with
+//     Unimplemented: serve gRPC with idemgrpc on a grpc-go server.
 //
 // The messages are google.protobuf.Struct, so the example needs no generated
 // code; a real service uses its generated types the same way.
@@ -22,8 +37,12 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"log"
 	"net/http"
+	"slices"
+	"strings"
+	"sync/atomic"
 	"time"
 
 	"connectrpc.com/connect"
@@ -36,12 +55,17 @@ import (
 // CreateOrderProcedure is the Connect procedure, served at this path.
 const CreateOrderProcedure = "/shop.v1.OrderService/CreateOrder"
 
+// grpcWebHeaders are the response headers a gRPC-Web answer needs on replay,
+// besides idem's defaults: the message encoding and a trailers-only error's
+// status.
+var grpcWebHeaders = []string{"Grpc-Encoding", "Grpc-Accept-Encoding", "Grpc-Status", "Grpc-Message", "Grpc-Status-Details-Bin"}
+
 func newMux(store idem.Store, orders *shop.Orders) (*http.ServeMux, error) {
-	protect, err := idem.New(store, nil)
+	protect, err := idem.New(store, &idem.Config{StoredHeaders: append(slices.Clone(idem.DefaultStoredHeaders), grpcWebHeaders...)})
 	if err != nil {
 		return nil, err
 	}
-	create := connect.NewUnaryHandler(CreateOrderProcedure, func(ctx context.Context, req *connect.Request[structpb.Struct]) (*connect.Response[structpb.Struct], error) {
+	create := connect.NewUnaryHandler(CreateOrderProcedure, method(func(ctx context.Context, req *connect.Request[structpb.Struct]) (*connect.Response[structpb.Struct], error) {
 		f := req.Msg.GetFields()
 		ord, err := orders.Create(idem.ScopeFrom(ctx), shop.NewOrder{
 			CartID: f["cart_id"].GetStringValue(), TotalCents: int64(f["total_cents"].GetNumberValue()),
@@ -54,14 +78,111 @@ func newMux(store idem.Store, orders *shop.Orders) (*http.ServeMux, error) {
 			return nil, connect.NewError(connect.CodeInternal, err)
 		}
 		return connect.NewResponse(msg), nil
-	})
+	}))
 	mux := http.NewServeMux()
-	mux.Handle("POST "+CreateOrderProcedure, shop.Auth(protect(create)))
+	mux.Handle("POST "+CreateOrderProcedure, shop.Auth(keyed(protect, create)))
 	mux.Handle("GET /orders", shop.Auth(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		_ = json.NewEncoder(w).Encode(map[string][]shop.Order{"orders": orders.List(idem.ScopeFrom(r.Context()), r.URL.Query().Get("cart_id"))})
 	})))
 	return mux, nil
+}
+
+type (
+	ranKey     struct{} // *atomic.Bool: the method ran
+	refusedKey struct{} // bool: a gRPC call, refused
+	answerKey  struct{} // *buffered: connect's answer when the method did not run
+)
+
+// notRun is the panic with which the handler inside idem asks idem to
+// release the key: connect answered without running the method.
+type notRun struct{}
+
+// method wraps a Connect unary method for keyed: it records that the method
+// ran, and refuses gRPC calls.
+func method[Req, Res any](f func(context.Context, *connect.Request[Req]) (*connect.Response[Res], error)) func(context.Context, *connect.Request[Req]) (*connect.Response[Res], error) {
+	return func(ctx context.Context, req *connect.Request[Req]) (*connect.Response[Res], error) {
+		if refused, _ := ctx.Value(refusedKey{}).(bool); refused {
+			return nil, connect.NewError(connect.CodeUnimplemented, errors.New("this procedure is idempotent under Idempotency-Key, and a gRPC answer's status travels in HTTP trailers, which are not stored: call it with the Connect or gRPC-Web protocol"))
+		}
+		if ran, ok := ctx.Value(ranKey{}).(*atomic.Bool); ok {
+			ran.Store(true)
+		}
+		return f(ctx, req)
+	}
+}
+
+// keyed returns h, a Connect handler whose method is wrapped with method,
+// behind protect (the idem middleware), as the package documentation says.
+func keyed(protect func(http.Handler) http.Handler, h http.Handler) http.Handler {
+	inner := protect(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var ran atomic.Bool
+		buf := &buffered{header: make(http.Header)}
+		h.ServeHTTP(buf, r.WithContext(context.WithValue(r.Context(), ranKey{}, &ran)))
+		if !ran.Load() {
+			if out, ok := r.Context().Value(answerKey{}).(*buffered); ok {
+				*out = *buf
+				panic(notRun{}) // idem releases the key; recovered below
+			}
+		}
+		buf.writeTo(w)
+	}))
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ct := r.Header.Get("Content-Type")
+		if strings.HasPrefix(ct, "application/grpc") && !strings.HasPrefix(ct, "application/grpc-web") {
+			h.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), refusedKey{}, true)))
+			return
+		}
+		r.Header.Del("Connect-Timeout-Ms")
+		r.Header.Del("Grpc-Timeout")
+		out := &buffered{}
+		defer func() {
+			if v := recover(); v != nil {
+				if _, ok := v.(notRun); !ok {
+					panic(v)
+				}
+				out.writeTo(w)
+			}
+		}()
+		inner.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), answerKey{}, out)))
+	})
+}
+
+// buffered is a unary answer held until it is known whether the method ran.
+type buffered struct {
+	header http.Header
+	status int
+	body   []byte
+}
+
+func (b *buffered) Header() http.Header { return b.header }
+
+func (b *buffered) WriteHeader(status int) {
+	if b.status == 0 {
+		b.status = status
+	}
+}
+
+func (b *buffered) Write(p []byte) (int, error) {
+	if b.status == 0 {
+		b.status = http.StatusOK
+	}
+	b.body = append(b.body, p...)
+	return len(p), nil
+}
+
+// Flush implements http.Flusher: the answer is written whole, at the end.
+func (b *buffered) Flush() {}
+
+func (b *buffered) writeTo(w http.ResponseWriter) {
+	for k, v := range b.header {
+		w.Header()[k] = v
+	}
+	if b.status == 0 {
+		b.status = http.StatusOK
+	}
+	w.WriteHeader(b.status)
+	_, _ = w.Write(b.body)
 }
 
 func main() {

@@ -1,0 +1,18 @@
+module github.com/idemkit/idem/mysqlstore
+
+go 1.25.0
+
+require (
+	github.com/go-sql-driver/mysql v1.10.1
+	github.com/idemkit/idem v0.0.0-00010101000000-000000000000
+	github.com/idemkit/idem/storetest v0.0.0-00010101000000-000000000000
+)
+
+require (
+	filippo.io/edwards25519 v1.2.0 // indirect
+	github.com/anishathalye/porcupine v1.3.1 // indirect
+)
+
+replace github.com/idemkit/idem => ..
+
+replace github.com/idemkit/idem/storetest => ../storetest
