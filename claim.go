@@ -28,7 +28,7 @@ func (h *handler) serveClaim(w http.ResponseWriter, req *request) {
 			}
 		}
 	}
-	rec, claimed, err := h.store.Claim(ctx, claim)
+	rec, claimed, err := h.claimKey(req, claim)
 	if err != nil {
 		h.storeFailed(w, req, "claim", err)
 		return
@@ -47,7 +47,7 @@ func (h *handler) serveClaim(w http.ResponseWriter, req *request) {
 			// A lapsed claim written under an older fingerprint version: claim it
 			// with the fingerprint it was stored under.
 			claim.Fingerprint = legacy
-			rec, claimed, err = h.store.Claim(ctx, claim)
+			rec, claimed, err = h.claimKey(req, claim)
 			if err != nil {
 				h.storeFailed(w, req, "claim", err)
 				return
@@ -68,6 +68,38 @@ func (h *handler) serveClaim(w http.ResponseWriter, req *request) {
 		return
 	}
 	h.execute(w, req, claim.Token, takenOver)
+}
+
+// claimKey sends claim to the store. The claim runs to its end whether or
+// not the client stays: a claim statement abandoned half-way may still commit
+// (a MySQL claim waiting on a row lock, whose connection the driver closed),
+// leaving the key in flight under a token nobody holds. It is bounded by the
+// longer of Lease and CleanupTimeout instead. When it fails — its answer may
+// have been lost after it committed — the claim is given up, fenced by its own
+// token, best effort, on a context of its own: a retry then runs afresh rather
+// than meeting 409 for a lease (and, under LapsedRefuse, an unknown outcome)
+// for an operation that never ran.
+func (h *handler) claimKey(req *request, claim ClaimRequest) (*Record, bool, error) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(req.r.Context()), max(h.Lease, h.CleanupTimeout))
+	rec, claimed, err := h.store.Claim(ctx, claim)
+	cancel()
+	if err != nil {
+		err = errors.Join(err, h.undoClaim(req, claim.Token))
+	}
+	return rec, claimed, err
+}
+
+// undoClaim releases the claim held under token, if there is one, on a
+// context of its own (CleanupTimeout); a claim that was never made is nothing
+// to undo.
+func (h *handler) undoClaim(req *request, token string) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(req.r.Context()), h.CleanupTimeout)
+	defer cancel()
+	err := h.store.Release(ctx, req.scope, req.key, token)
+	if err == nil || errors.Is(err, ErrLockLost) {
+		return nil
+	}
+	return fmt.Errorf("release the failed claim: %w", err)
 }
 
 // refuseLapsed answers a request that took over a lapsed lease under
@@ -176,6 +208,14 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string, tak
 	resp := &stored.Response
 	if tx == nil {
 		err := h.complete(cctx, req, token, resp)
+		if errors.Is(err, ErrFieldTooLarge) {
+			// The effects happened and the store cannot keep the answer whole:
+			// keep that the operation completed, with its status, so that a
+			// retry hears it rather than running it again.
+			if err2 := h.complete(cctx, req, token, &Response{Status: status, BodyOmitted: true}); err2 != nil {
+				err = errors.Join(err, err2)
+			}
+		}
 		h.observeCompletion(req, status, err)
 		rw.send() // the handler's effects happened; the client hears what they were
 		return
@@ -211,8 +251,16 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string, tak
 	case h.lockLost(err, req):
 		rw.discardHeaders()
 		h.leaseLost(w, req, err)
+	case errors.Is(err, ErrTxConflict):
+		relErr := h.releaseKey(cctx, req, token)
+		rw.discardHeaders()
+		h.txConflict(w, req, err, relErr)
 	case errors.Is(err, ErrTxAborted):
 		h.txAborted(w, req, resp, err, func() error { return h.complete(cctx, req, token, resp) }, func() error { return h.releaseKey(cctx, req, token) })
+	case errors.Is(err, ErrFieldTooLarge):
+		relErr := h.releaseKey(cctx, req, token)
+		rw.discardHeaders()
+		h.outcomeTooLarge(w, req, err, relErr)
 	case hctx.Err() != nil && !committing:
 		relErr := h.releaseKey(cctx, req, token)
 		rw.discardHeaders()
@@ -356,6 +404,25 @@ func (h *handler) txAborted(w http.ResponseWriter, req *request, resp *Response,
 	rw.discardHeaders()
 	h.problem(w, req, EventReleased, cause, CodeTxAborted,
 		fmt.Sprintf("the database rolled the handler's transaction back (a statement in it failed, or it was chosen as a deadlock victim) although the handler answered %d, so nothing was committed; ", resp.Status)+retryNote(relErr), 0)
+}
+
+// txConflict answers a request whose transaction the database rolled back in
+// a conflict with a concurrent one (ErrTxConflict): nothing committed, and a
+// retry may well succeed.
+func (h *handler) txConflict(w http.ResponseWriter, req *request, err, relErr error) {
+	h.problem(w, req, EventReleased, errors.Join(err, relErr), CodeTxConflict,
+		"the database rolled the handler's transaction back in a conflict with a concurrent transaction (a serialization failure or a deadlock), so nothing was committed; "+retryNote(relErr), retrySeconds(relErr, h.Lease))
+}
+
+// outcomeTooLarge answers a request whose outcome the store refused to keep
+// (ErrFieldTooLarge): its transaction was rolled back. A retry would meet the
+// same limit, so the answer is not retryable.
+func (h *handler) outcomeTooLarge(w http.ResponseWriter, req *request, err, relErr error) {
+	d := "the handler's outcome could not be kept for replay (" + err.Error() + "), so its transaction was rolled back and nothing was committed; a retry would meet the same limit"
+	if relErr != nil {
+		d += " (the key could not be released: retries get 409 until its lease lapses)"
+	}
+	h.problem(w, req, EventReleased, errors.Join(err, relErr), CodeResponseTooLarge, d, 0)
 }
 
 // retryNote ends a problem detail with what a retry will meet, given the error

@@ -110,7 +110,8 @@ type Config struct {
 	ScopeFunc func(r *http.Request) string
 
 	// FingerprintFunc computes the request fingerprint compared on every retry.
-	// Defaults to FingerprintV2 (method, escaped path and body, SHA-256).
+	// Defaults to FingerprintV3 (method, escaped path, query string and body,
+	// SHA-256).
 	FingerprintFunc FingerprintFunc
 
 	// Lease is how long a claim stays in flight without renewal. The middleware
@@ -340,7 +341,7 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 		cfg.ScopeFunc = ScopeFromContext
 	}
 	if cfg.FingerprintFunc == nil {
-		cfg.FingerprintFunc = FingerprintV2
+		cfg.FingerprintFunc = FingerprintV3
 	}
 	if cfg.Lease == 0 {
 		cfg.Lease = DefaultLease

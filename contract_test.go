@@ -223,7 +223,7 @@ func TestErrorCodeTableIsTheCode(t *testing.T) {
 		idem.CodeKeyMissing, idem.CodeKeyInvalid, idem.CodeKeyInUse, idem.CodeKeyReused,
 		idem.CodeBodyTooLarge, idem.CodeBodyUnreadable, idem.CodeStoreUnavailable, idem.CodeLeaseLost,
 		idem.CodeCommitFailed, idem.CodeResponseTooLarge, idem.CodeReplayFailed, idem.CodeTxAborted,
-		idem.CodeOutcomeUnknown,
+		idem.CodeOutcomeUnknown, idem.CodeTxConflict,
 	}
 	if len(table) != len(codes) {
 		t.Errorf("the README's error table has %d codes, idem has %d: %v", len(table), len(codes), table)

@@ -20,25 +20,38 @@ type FingerprintFunc func(r *http.Request, body []byte) string
 const (
 	fingerprintV1Version = "v1"
 	fingerprintV2Version = "v2"
+	fingerprintV3Version = "v3"
 )
 
-// FingerprintV2 is the default fingerprint: "v2:" followed by the hex SHA-256 of
+// FingerprintV3 is the default fingerprint: "v3:" followed by the hex SHA-256 of
 // the method, the escaped URL path (as sent: /files/a%2Fb and /files/a/b differ,
-// as the router tells them apart) and the body, each length-prefixed so that no
-// two requests share an input. The query string, headers and scope are not part
-// of it (the scope is part of the record's identity already).
+// as the router tells them apart), the raw query string (as sent, without the
+// "?": /pay?amount=1 and /pay?amount=1000 differ, and so do ?a=1&b=2 and
+// ?b=2&a=1) and the body, each length-prefixed so that no two requests share an
+// input. Headers, the host and the scope are not part of it (the scope is part
+// of the record's identity already).
+func FingerprintV3(r *http.Request, body []byte) string {
+	return fingerprint(fingerprintV3Version, r.Method, r.URL.EscapedPath(), r.URL.RawQuery, true, body)
+}
+
+// FingerprintV2 was the default fingerprint before FingerprintV3: like it, but
+// without the query string, so that /pay?amount=1 and /pay?amount=1000 with one
+// body count as one request. Records stored under it are still compared with
+// it.
 func FingerprintV2(r *http.Request, body []byte) string {
-	return fingerprint(fingerprintV2Version, r.Method, r.URL.EscapedPath(), body)
+	return fingerprint(fingerprintV2Version, r.Method, r.URL.EscapedPath(), "", false, body)
 }
 
 // FingerprintV1 is the fingerprint of idem's first releases: like FingerprintV2,
 // but over the decoded URL path, so that /files/a%2Fb and /files/a/b count as
 // one request. Records stored under it are still compared with it.
 func FingerprintV1(r *http.Request, body []byte) string {
-	return fingerprint(fingerprintV1Version, r.Method, r.URL.Path, body)
+	return fingerprint(fingerprintV1Version, r.Method, r.URL.Path, "", false, body)
 }
 
-func fingerprint(version, method, path string, body []byte) string {
+// fingerprint hashes the length-prefixed method, path, query (when withQuery)
+// and body under version.
+func fingerprint(version, method, path, query string, withQuery bool, body []byte) string {
 	// One contiguous input for sha256.Sum256, on the stack for the usual small
 	// request: no hash object and no copies on the heap.
 	var stack [1024]byte
@@ -47,6 +60,10 @@ func fingerprint(version, method, path string, body []byte) string {
 	in = append(in, method...)
 	in = binary.BigEndian.AppendUint64(in, uint64(len(path)))
 	in = append(in, path...)
+	if withQuery {
+		in = binary.BigEndian.AppendUint64(in, uint64(len(query)))
+		in = append(in, query...)
+	}
 	in = binary.BigEndian.AppendUint64(in, uint64(len(body)))
 	var sum [sha256.Size]byte
 	if len(in)+len(body) <= len(stack) {
@@ -69,6 +86,7 @@ func fingerprint(version, method, path string, body []byte) string {
 var knownFingerprints = map[string]FingerprintFunc{
 	fingerprintV1Version: FingerprintV1,
 	fingerprintV2Version: FingerprintV2,
+	fingerprintV3Version: FingerprintV3,
 }
 
 // fingerprintVersion returns the version prefix of fp ("v1" for "v1:ab…").
@@ -83,8 +101,10 @@ func fingerprintVersion(fp string) string {
 // algorithm) is current matches a record fingerprinted as stored. When the two carry
 // different versions, the request is fingerprinted again with the stored version's
 // algorithm; legacy is that recomputed fingerprint (empty when not needed). A stored
-// version no algorithm is known for counts as a match: idem cannot tell, and
-// refusing would turn every old record into a false 422.
+// version no algorithm is known for here (a custom FingerprintFunc of another
+// route sharing the store, or a newer idem) is a mismatch: a version is only ever
+// compared with the algorithm that made it, and a 422 is a safe answer where a
+// replay of another request's outcome is not.
 func sameRequest(current, stored string, r *http.Request, body []byte) (match bool, legacy string) {
 	if current == stored {
 		return true, ""
@@ -95,7 +115,7 @@ func sameRequest(current, stored string, r *http.Request, body []byte) (match bo
 	}
 	f, ok := knownFingerprints[sv]
 	if !ok {
-		return true, stored
+		return false, ""
 	}
 	legacy = f(r, body)
 	return legacy == stored, legacy

@@ -410,7 +410,7 @@ func TestCommitFailureAfterLostLeaseIsLeaseLost(t *testing.T) {
 		// Another request takes the key over; the next renewal finds it lost.
 		later := time.Now().Add(time.Minute)
 		if _, claimed, err := s.Claim(context.Background(), idem.ClaimRequest{
-			Key: "k", Fingerprint: idem.FingerprintV2(r, []byte("{}")), Token: "taker",
+			Key: "k", Fingerprint: idem.FingerprintV3(r, []byte("{}")), Token: "taker",
 			Now: later, LeaseUntil: later.Add(time.Minute), ExpiresAt: later.Add(time.Hour),
 		}); !claimed || err != nil {
 			t.Errorf("takeover: %v %v", claimed, err)

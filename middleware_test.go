@@ -463,7 +463,7 @@ func TestLostLeaseCancelsHandler(t *testing.T) {
 	req := httptest.NewRequest("POST", "/x", nil)
 	later := time.Now().Add(time.Hour)
 	if _, claimed, err := store.Claim(context.Background(), idem.ClaimRequest{
-		Key: "k", Fingerprint: idem.FingerprintV2(req, []byte("{}")), Token: "taker",
+		Key: "k", Fingerprint: idem.FingerprintV3(req, []byte("{}")), Token: "taker",
 		Now: later, LeaseUntil: later.Add(time.Hour), ExpiresAt: later.Add(time.Hour),
 	}); !claimed || err != nil {
 		t.Fatalf("takeover: %v %v", claimed, err)
@@ -533,6 +533,8 @@ var errDown = errors.New("store is down")
 func (failingStore) Claim(context.Context, idem.ClaimRequest) (*idem.Record, bool, error) {
 	return nil, false, errDown
 }
+
+func (failingStore) Release(context.Context, string, string, string) error { return errDown }
 
 func TestStoreUnavailable(t *testing.T) {
 	t.Parallel()

@@ -25,6 +25,7 @@ const (
 	CodeResponseTooLarge = "idempotency_response_too_large"
 	CodeReplayFailed     = "idempotency_replay_failed"
 	CodeTxAborted        = "idempotency_transaction_aborted"
+	CodeTxConflict       = "idempotency_transaction_conflict"
 	CodeOutcomeUnknown   = "idempotency_outcome_unknown"
 )
 
@@ -55,6 +56,7 @@ var problemTitles = map[string]struct {
 	CodeResponseTooLarge: {http.StatusInternalServerError, "Response too large to keep for replay"},
 	CodeReplayFailed:     {http.StatusInternalServerError, "Stored outcome could not be replayed"},
 	CodeTxAborted:        {http.StatusInternalServerError, "The database rolled back the handler's transaction"},
+	CodeTxConflict:       {http.StatusServiceUnavailable, "The handler's transaction conflicted with a concurrent one"},
 	CodeOutcomeUnknown:   {http.StatusServiceUnavailable, "The outcome of the request with this key is unknown"},
 }
 

@@ -315,8 +315,8 @@ var ErrOutcomeUnknown = errors.New("idem: the outcome of the operation is unknow
 // in flight until its lease lapses, at most Config.Lease later: retries get 409
 // until then, and afterwards what Config.LapsedLease says. It reports false,
 // and does nothing, when ctx is not the context of a request idem is executing.
-// In the single-transaction flow there is no record to leave in flight: the
-// call changes nothing there.
+// In the single-transaction flow the transaction is rolled back and the key
+// claimed outside it, so that the record stays in flight in the same way.
 func MarkOutcomeUnknown(ctx context.Context) bool {
 	rw, ok := ctx.Value(recorderKey{}).(*recorder)
 	if ok {

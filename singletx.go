@@ -70,6 +70,17 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 
 	cctx := req.freshCleanup()
 	status := rw.statusOrOK()
+	if rw.unknown {
+		// The handler cannot know its outcome: nothing of its transaction is
+		// kept, and the key is left in flight, as in claim-then-complete, under a
+		// claim nobody completes: retries get 409 until its lease lapses, then
+		// what LapsedLease says.
+		_ = tx.Rollback(cctx)
+		_, _, err := h.claimKey(req, h.newClaim(req, h.NowFunc()))
+		h.observe(req, Event{Kind: EventInFlight, Status: status, Err: errors.Join(ErrOutcomeUnknown, err)})
+		rw.send()
+		return
+	}
 	if !h.KeepFunc(status) {
 		_ = tx.Rollback(cctx)
 		h.observe(req, Event{Kind: EventReleased, Status: status})
@@ -111,8 +122,31 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 	case errors.Is(err, ErrInFlight): // a claim-then-complete request holds the key
 		rw.discardHeaders()
 		h.inFlight(w, req, 0)
+	case errors.Is(err, ErrFieldTooLarge):
+		rw.discardHeaders()
+		h.outcomeTooLarge(w, req, err, nil)
+	case errors.Is(err, ErrTxConflict):
+		rw.discardHeaders()
+		h.txConflict(w, req, err, nil)
+	case errors.Is(err, ErrTxAborted) && resp.Status >= http.StatusBadRequest:
+		other, kerr := h.claimAndKeep(cctx, req, resp)
+		if kerr == nil && other != nil {
+			// Since the rollback freed the lock, another request with the key
+			// claimed it (and may have committed its outcome): the client hears
+			// what the record says, which every retry will hear too.
+			if match, _ := sameRequest(req.fp, other.Fingerprint, r, req.body); match {
+				rw.discardHeaders()
+				if other.State == StateComplete {
+					h.replay(w, req, other)
+				} else {
+					h.inFlight(w, req, other.LeaseUntil.Sub(h.NowFunc()))
+				}
+				return
+			}
+		}
+		h.txAborted(w, req, resp, err, func() error { return kerr }, func() error { return nil })
 	case errors.Is(err, ErrTxAborted):
-		h.txAborted(w, req, resp, err, func() error { return h.claimAndKeep(cctx, req, resp) }, func() error { return nil })
+		h.txAborted(w, req, resp, err, func() error { return nil }, func() error { return nil })
 	case hctx.Err() != nil && !inserting:
 		rw.discardHeaders()
 		h.problem(w, req, EventStoreError, fmt.Errorf("insert record: %w", err), CodeCommitFailed,
@@ -129,12 +163,26 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 // claimAndKeep keeps resp as the outcome of a single-transaction request whose
 // transaction the database aborted: it claims the key outside the transaction
 // and completes the claim. When another request holds the key by now, nothing
-// is kept and the answer still goes to this client.
-func (h *handler) claimAndKeep(ctx context.Context, req *request, resp *Response) error {
+// is kept, and the caller answers as that request's record says.
+//
+// A claim or completion that fails is given up again, fenced by its own token
+// (claimKey, undoClaim): the key must not stay in flight under a token nobody
+// holds, for an operation whose transaction committed nothing.
+//
+// other is the record of another request that holds the key (nil when this
+// one kept its answer or failed to).
+func (h *handler) claimAndKeep(ctx context.Context, req *request, resp *Response) (other *Record, err error) {
 	claim := h.newClaim(req, h.NowFunc())
-	_, claimed, err := h.store.Claim(ctx, claim)
-	if err != nil || !claimed {
-		return err
+	rec, claimed, err := h.claimKey(req, claim)
+	if err != nil {
+		return nil, err
 	}
-	return h.complete(ctx, req, claim.Token, resp)
+	if !claimed {
+		return rec, nil
+	}
+	err = h.complete(ctx, req, claim.Token, resp)
+	if err != nil && !errors.Is(err, ErrLockLost) {
+		err = errors.Join(err, h.undoClaim(req, claim.Token))
+	}
+	return nil, err
 }

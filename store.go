@@ -3,6 +3,7 @@ package idem
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
 	"time"
 )
@@ -50,6 +51,15 @@ var (
 	// on its own when it is an error answer (status >= 400), and otherwise
 	// releases the key and answers 500 (idempotency_transaction_aborted).
 	ErrTxAborted = errors.New("idem: the database aborted the handler's transaction; none of its writes were committed")
+	// ErrTxConflict is returned, wrapped together with ErrTxAborted, by Tx.Commit
+	// and LockedTx.Commit when the database rolled the handler's transaction back
+	// in a conflict with a concurrent one: a serialization failure (SQLSTATE
+	// 40001, REPEATABLE READ and SERIALIZABLE) or a deadlock (40P01) in the
+	// handler's statements, the completion or the COMMIT. Nothing was committed
+	// and running it again may well succeed, so the middleware releases the key
+	// and answers 503 idempotency_transaction_conflict with Retry-After: the
+	// handler's answer, error or not, is not kept.
+	ErrTxConflict = errors.New("idem: the database rolled the handler's transaction back in a conflict with a concurrent transaction; nothing was committed, retry")
 )
 
 // Response is the outcome of one execution, as kept in a complete record.
@@ -233,4 +243,63 @@ type LockedTx interface {
 	Commit(ctx context.Context) error
 	// Rollback aborts the transaction and frees the lock. Safe after Commit.
 	Rollback(ctx context.Context) error
+}
+
+// ErrFieldTooLarge is returned, wrapped in a *FieldTooLargeError, by a store
+// asked to keep a field longer than it can store exactly (a Ref larger than its
+// column, a fingerprint longer than its index allows). The store changed
+// nothing: no field is ever cut short. The middleware then keeps nothing of a
+// transaction and answers 500 idempotency_response_too_large, which a retry
+// would only meet again.
+var ErrFieldTooLarge = errors.New("idem: a field is larger than the store keeps")
+
+// FieldTooLargeError says which field a store could not keep, and how large it
+// was. errors.Is(err, ErrFieldTooLarge) reports it.
+type FieldTooLargeError struct {
+	// Store names the store ("mysqlstore").
+	Store string
+	// Field is the field: "scope", "key", "fingerprint", "token", "headers",
+	// "body" or "ref".
+	Field string
+	// Size is the field's size in bytes, Limit the most the store keeps.
+	Size, Limit int64
+}
+
+// Error says which field is too large, by how much, and what to do about it.
+func (e *FieldTooLargeError) Error() string {
+	return fmt.Sprintf("%s: the %s is %d bytes, more than the %d bytes %s keeps, so nothing was stored; %s",
+		e.Store, e.Field, e.Size, e.Limit, e.Store, fieldAdvice(e.Field))
+}
+
+// Is reports whether target is ErrFieldTooLarge.
+func (e *FieldTooLargeError) Is(target error) bool { return target == ErrFieldTooLarge }
+
+func fieldAdvice(field string) string {
+	switch field {
+	case "scope":
+		return "let idem.New derive the stored scope (StoredScope replaces a long one with its digest)"
+	case "key":
+		return "send a shorter Idempotency-Key (lower Config.MaxKeyLength to refuse long ones with 400)"
+	case "fingerprint":
+		return "make Config.FingerprintFunc return a version and a digest (\"acme1:<sha-256 hex>\")"
+	case "token":
+		return "use the lock tokens idem makes (22 bytes)"
+	case "headers":
+		return "keep fewer or shorter response headers (Config.StoredHeaders)"
+	case "body":
+		return "lower Config.MaxStoredBody below the limit, or keep a reference (SetRef) with a ReplayFunc"
+	case "ref":
+		return "record a short reference with SetRef (an ID, not a document)"
+	}
+	return "store a smaller value"
+}
+
+// CheckFieldSize returns a *FieldTooLargeError for store and field when size
+// is more than limit, and nil otherwise: the one check, and the one error,
+// every store uses for its bounds.
+func CheckFieldSize(store, field string, size, limit int64) error {
+	if size > limit {
+		return &FieldTooLargeError{Store: store, Field: field, Size: size, Limit: limit}
+	}
+	return nil
 }

@@ -158,7 +158,7 @@ func TestTxLostLeaseRollsBack(t *testing.T) {
 			req := httptest.NewRequest("POST", "/orders", nil)
 			later := time.Now().Add(time.Hour)
 			if _, claimed, err := s.Claim(context.Background(), idem.ClaimRequest{
-				Key: "k", Fingerprint: idem.FingerprintV2(req, []byte("{}")), Token: "taker",
+				Key: "k", Fingerprint: idem.FingerprintV3(req, []byte("{}")), Token: "taker",
 				Now: later, LeaseUntil: later.Add(time.Minute), ExpiresAt: later.Add(time.Hour),
 			}); !claimed || err != nil {
 				t.Errorf("takeover: %v %v", claimed, err)

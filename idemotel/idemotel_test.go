@@ -111,7 +111,7 @@ func TestSpans(t *testing.T) {
 			s.raw.down.Store(true)
 			s.post(t, "raw-key-2", "{}", 503)
 			s.raw.down.Store(false)
-			fp := idem.FingerprintV2(httptest.NewRequest("POST", "/orders", strings.NewReader("{}")), []byte("{}"))
+			fp := idem.FingerprintV3(httptest.NewRequest("POST", "/orders", strings.NewReader("{}")), []byte("{}"))
 			past := time.Now().Add(-time.Hour)
 			if _, ok, err := s.mem.Claim(context.Background(), idem.ClaimRequest{Scope: "tenant-acme", Key: "raw-key-3", Fingerprint: fp, Token: "dead",
 				Now: past, LeaseUntil: past.Add(time.Minute), ExpiresAt: past.Add(2 * time.Hour)}); err != nil || !ok {
@@ -155,7 +155,7 @@ func TestSpans(t *testing.T) {
 				}
 				if withMW {
 					kids := strings.Join(children[sp.SpanContext().SpanID().String()], ",")
-					want := map[int]string{0: "idem.store.claim,idem.store.complete", 1: "idem.store.claim", 2: "idem.store.claim", 3: "idem.store.claim,idem.store.complete"}[i]
+					want := map[int]string{0: "idem.store.claim,idem.store.complete", 1: "idem.store.claim", 2: "idem.store.claim,idem.store.release", 3: "idem.store.claim,idem.store.complete"}[i]
 					if kids != want {
 						t.Errorf("span %d (%s): children %q, want %q", i, wantOutcome[i], kids, want)
 					}

@@ -35,6 +35,11 @@ func (failing) Claim(context.Context, idem.ClaimRequest) (*idem.Record, bool, er
 	return nil, false, errors.New("connection refused")
 }
 
+// Release is called to give up the failed claim, in case its answer was lost.
+func (failing) Release(context.Context, string, string, string) error {
+	return errors.New("connection refused")
+}
+
 // run sends executed, replayed, mismatch, rejected and a store error through a
 // loopback server and returns the JSON records logged.
 func run(t *testing.T, cfg *idemslog.Config, buf *lockedBuf) []map[string]any {

@@ -179,7 +179,7 @@ func TestLimits(t *testing.T) {
 		claimReq("tenant", "k", "v1:"+strings.Repeat("f", mysqlstore.MaxFingerprintLength), now),
 	} {
 		_, _, err := s.Claim(ctx, req)
-		if err == nil || !strings.Contains(err.Error(), "longer than") {
+		if !errors.Is(err, idem.ErrFieldTooLarge) || !strings.Contains(err.Error(), "more than the") {
 			t.Errorf("Claim with scope %d bytes, key %d bytes, fingerprint %d bytes: err = %v, want a length error", len(req.Scope), len(req.Key), len(req.Fingerprint), err)
 		}
 	}

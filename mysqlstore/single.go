@@ -258,6 +258,9 @@ func (t *lockedTx) Insert(ctx context.Context, rec *idem.Record) error {
 		if err != nil {
 			return err
 		}
+		if err := checkResponse(resp, hdr); err != nil {
+			return err
+		}
 		r.hdr, r.body = hdr, resp.Body
 		if r.body != nil && len(r.body) == 0 {
 			r.body = []byte{} // stored as '' rather than NULL
@@ -395,6 +398,10 @@ func (t *lockedTx) Commit(ctx context.Context) error {
 		}
 		err := t.tx.Commit()
 		t.release(err == nil)
+		if serverError(err) {
+			// The server answered the COMMIT with an error: nothing committed.
+			return fmt.Errorf("mysqlstore: commit: the server refused the COMMIT, so nothing was committed (%w): %w", err, idem.ErrTxAborted)
+		}
 		if err != nil {
 			return fmt.Errorf("mysqlstore: commit: %w", err)
 		}
@@ -456,6 +463,11 @@ func (t *lockedTx) fail(err error) error {
 	}
 	if serr := t.s.statementLogged(err); serr != nil {
 		return serr
+	}
+	if serverError(err) {
+		// The server refused a statement sent before COMMIT, or the COMMIT:
+		// it answered, and nothing was committed.
+		return fmt.Errorf("%w: %w", t.s.wrap(err), idem.ErrTxAborted)
 	}
 	return t.s.wrap(err)
 }

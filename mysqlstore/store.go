@@ -32,6 +32,15 @@ const (
 	MaxFingerprintLength = 512
 	// MaxTokenLength is the longest lock token stored, in bytes.
 	MaxTokenLength = 255
+	// MaxHeadersLength is the longest encoding of the stored response headers
+	// (a MEDIUMBLOB), in bytes.
+	MaxHeadersLength = 1<<24 - 1
+	// MaxBodyLength is the longest response body stored (a LONGBLOB), in bytes;
+	// the server's max_allowed_packet is usually the lower bound.
+	MaxBodyLength = 1<<32 - 1
+	// MaxRefLength is the longest resource reference (idem.SetRef) stored (a
+	// BLOB), in bytes.
+	MaxRefLength = 1<<16 - 1
 )
 
 // maxTableLength leaves room for the "_migrations" suffix within MySQL's 64-character
@@ -301,17 +310,33 @@ func retry(ctx context.Context, fn func() error) error {
 }
 
 func checkLengths(scope, key, fingerprint, token string) error {
-	switch {
-	case len(scope) > MaxScopeLength:
-		return fmt.Errorf("mysqlstore: the scope is %d bytes, longer than the %d the scope column holds; shorten the value Config.ScopeFunc returns (hash it if need be)", len(scope), MaxScopeLength)
-	case len(key) > MaxKeyLength:
-		return fmt.Errorf("mysqlstore: the key is %d bytes, longer than the %d the key column holds; keep idem.Config.MaxKeyLength at %d or less", len(key), MaxKeyLength, MaxKeyLength)
-	case len(fingerprint) > MaxFingerprintLength:
-		return fmt.Errorf("mysqlstore: the fingerprint is %d bytes, longer than the %d the fingerprint column holds; make Config.FingerprintFunc return a hash", len(fingerprint), MaxFingerprintLength)
-	case len(token) > MaxTokenLength:
-		return fmt.Errorf("mysqlstore: the lock token is %d bytes, longer than the %d the token column holds", len(token), MaxTokenLength)
+	for _, f := range [...]struct {
+		name        string
+		size, limit int
+	}{
+		{"scope", len(scope), MaxScopeLength},
+		{"key", len(key), MaxKeyLength},
+		{"fingerprint", len(fingerprint), MaxFingerprintLength},
+		{"token", len(token), MaxTokenLength},
+	} {
+		if err := idem.CheckFieldSize("mysqlstore", f.name, int64(f.size), int64(f.limit)); err != nil {
+			return err
+		}
 	}
 	return nil
+}
+
+// checkResponse refuses a response, with its headers encoded as hdr, that a
+// column cannot hold whole (a server outside strict SQL mode would cut it
+// short, a strict one fail the statement).
+func checkResponse(resp *idem.Response, hdr []byte) error {
+	if err := idem.CheckFieldSize("mysqlstore", "headers", int64(len(hdr)), MaxHeadersLength); err != nil {
+		return err
+	}
+	if err := idem.CheckFieldSize("mysqlstore", "body", int64(len(resp.Body)), MaxBodyLength); err != nil {
+		return err
+	}
+	return idem.CheckFieldSize("mysqlstore", "ref", int64(len(resp.Ref)), MaxRefLength)
 }
 
 // Claim implements idem.Store. A plain read answers retries of live records
@@ -434,8 +459,14 @@ func completeArgs(scope, key, token string, resp *idem.Response, expiresAt time.
 	if resp == nil {
 		return nil, errors.New("mysqlstore: Complete was given a nil *idem.Response")
 	}
+	if err := checkLengths(scope, key, "", token); err != nil {
+		return nil, err
+	}
 	hdr, err := encodeHeaders(resp.Header)
 	if err != nil {
+		return nil, err
+	}
+	if err := checkResponse(resp, hdr); err != nil {
 		return nil, err
 	}
 	var body, ref []byte

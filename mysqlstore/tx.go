@@ -310,6 +310,10 @@ func (t *txn) Commit(ctx context.Context) error {
 	}
 	err := t.tx.Commit()
 	unguard(t.ctx, t.conn, err == nil)
+	if serverError(err) {
+		// The server answered the COMMIT with an error: nothing committed.
+		return fmt.Errorf("mysqlstore: commit: the server refused the COMMIT, so nothing was committed (%w): %w", err, idem.ErrTxAborted)
+	}
 	return t.explain(err)
 }
 

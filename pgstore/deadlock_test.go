@@ -19,7 +19,8 @@ import (
 // middleware over loopback HTTP. PostgreSQL breaks the deadlock by aborting one
 // transaction; its handler ignores the error (a best-effort update) and answers
 // 201. Exactly one request succeeds and commits its order and both updates; the
-// other commits nothing, its client gets 500 idempotency_transaction_aborted,
+// other commits nothing, its client gets 503 idempotency_transaction_conflict
+// (a deadlock is a conflict with a concurrent transaction: idem.ErrTxConflict),
 // its key is released, and its retry runs afresh. The winner's retry replays.
 func TestDeadlockBetweenKeys(t *testing.T) {
 	t.Parallel()
@@ -75,14 +76,14 @@ func TestDeadlockBetweenKeys(t *testing.T) {
 					t.Fatalf("%s: %v", k, a.err)
 				case a.status == http.StatusCreated && !a.replayed:
 					winner = k
-				case a.status == http.StatusInternalServerError && problemCode(a.body) == idem.CodeTxAborted:
+				case a.status == http.StatusServiceUnavailable && problemCode(a.body) == idem.CodeTxConflict && a.header.Get("Retry-After") != "":
 					loser = k
 				default:
 					t.Fatalf("%s: %d %s", k, a.status, a.body)
 				}
 			}
 			if winner == "" || loser == "" {
-				t.Fatalf("answers %v: want one 201 and one 500 %s", answers, idem.CodeTxAborted)
+				t.Fatalf("answers %v: want one 201 and one 503 %s", answers, idem.CodeTxConflict)
 			}
 			if w, l := app.ordersFor(t, winner, ""), app.ordersFor(t, loser, ""); w != 1 || l != 0 {
 				t.Errorf("orders: winner %d, loser %d; want 1 and 0", w, l)

@@ -186,12 +186,41 @@
 //     connection after the request; SET LOCAL statement_timeout or search_path
 //     also applies to the completion sent with COMMIT. Use SET LOCAL, and keep
 //     the default table schema-qualified if handlers change search_path.
-//   - The claim's decision relies on READ COMMITTED, PostgreSQL's default. Under
-//     REPEATABLE READ or SERIALIZABLE as the session default, concurrent claims get
-//     serialization errors (answered 503, never executed twice).
+//   - Every isolation level works, as the session default (per role or
+//     database) or set by the handler with SET TRANSACTION on Tx in
+//     claim-then-complete. idem's own statements outside the handler's
+//     transaction (claim, renewal, release) run at READ COMMITTED whatever the
+//     default. While a claimed handler's transaction runs, its session holds
+//     the key's advisory lock, and the renewals leave the record's row alone:
+//     an UPDATE committed after the handler's snapshot would make the
+//     completion fail under REPEATABLE READ and SERIALIZABLE. The lock proves
+//     the holder alive instead (no takeover, no janitor delete, Get reports
+//     the lease live). A serialization failure or deadlock in the handler's
+//     transaction is idem.ErrTxConflict: 503 idempotency_transaction_conflict,
+//     the key released. SERIALIZABLE as the session default costs conflicts
+//     among concurrent requests with distinct keys (docs/design.md,
+//     "Isolation levels", has the figures); prefer READ COMMITTED for idem's
+//     routes, or set SERIALIZABLE where a handler needs it.
 //   - A claim-then-complete request holds two pool connections while its handler
 //     runs (the transaction, and briefly one for lease renewal); a single-transaction
-//     request holds one. Size pgxpool's MaxConns for the concurrency you serve.
+//     request holds one. Size pgxpool's MaxConns for the concurrency you serve:
+//     renewals share the pool with the handlers' transactions, so with every
+//     connection held by a running handler a renewal waits, gives up after
+//     Lease/3 and tries again; once Lease (30 s by default) passes without one,
+//     another request may take the key over (fenced: the first commits nothing,
+//     but its handler ran). Keep the concurrent claim-then-complete requests
+//     below MaxConns — MaxConns of twice the concurrency leaves every handler a
+//     connection for its claim and renewals — or limit the concurrency in front.
+//     At REPEATABLE READ and SERIALIZABLE the lock proves the holder alive and a
+//     starved renewal costs nothing.
+//   - At REPEATABLE READ or SERIALIZABLE, the single transaction's lookup reads
+//     the snapshot its first statement took, just before the advisory lock was
+//     granted. A request that gets the lock the instant its holder committed can
+//     miss that holder's record: its handler then runs, its record insert fails
+//     at COMMIT (unique violation), nothing it wrote commits and it answers 409;
+//     the retry replays. Nothing commits twice, but such a handler's calls outside
+//     the database happen; use READ COMMITTED, or claim-then-complete, for
+//     handlers with outside effects.
 //   - The advisory lock key is a 64-bit hash of Config.Table (as spelled), scope
 //     and key: an unrelated application's advisory lock on the same number would
 //     look like a request in flight (409), never like a free key. Spell the table

@@ -3,6 +3,7 @@ package pgstore
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -28,6 +29,21 @@ type txGuard struct {
 	closed atomic.Bool
 	// how records how the handler itself ended the transaction (an endedBy).
 	how atomic.Uint32
+	// lock is the key's advisory lock of a claim-then-complete transaction
+	// (see Store.BeginTx); nil in the single transaction.
+	lock *sessionLock
+	// conflict records that a statement of the handler failed with a
+	// serialization failure or a deadlock (SQLSTATE class 40), which aborted
+	// the transaction: Commit then reports idem.ErrTxConflict.
+	conflict atomic.Bool
+}
+
+// note records a conflict error of the handler's statements, and returns err.
+func (g *txGuard) note(err error) error {
+	if isConflict(err) {
+		g.conflict.Store(true)
+	}
+	return err
 }
 
 // endedBy says how the handler ended the request's transaction itself.
@@ -75,6 +91,13 @@ func newHandlerTx(tx pgx.Tx) *handlerTx { return &handlerTx{g: &txGuard{}, tx: t
 // would run outside any transaction. Called with g.mu held for reading.
 func (t *handlerTx) noteEnd(tag pgconn.CommandTag) {
 	if t.tx.Conn().PgConn().TxStatus() != 'I' {
+		if tag.String() == "ROLLBACK" {
+			// ROLLBACK AND CHAIN: the handler's writes are gone and a new
+			// transaction began; committing it would store an answer whose
+			// writes were rolled back.
+			t.g.closed.Store(true)
+			t.g.how.CompareAndSwap(uint32(endedNot), uint32(endedRollback))
+		}
 		return
 	}
 	t.g.closed.Store(true)
@@ -141,7 +164,8 @@ func (t *handlerTx) CopyFrom(ctx context.Context, tableName pgx.Identifier, colu
 		return 0, pgx.ErrTxClosed
 	}
 	defer t.g.leave()
-	return t.tx.CopyFrom(ctx, tableName, columnNames, rowSrc)
+	n, err := t.tx.CopyFrom(ctx, tableName, columnNames, rowSrc)
+	return n, t.g.note(err)
 }
 
 // SendBatch delegates to the transaction.
@@ -150,7 +174,7 @@ func (t *handlerTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResult
 		return pgx.FailedBatchResults(b, pgx.ErrTxClosed)
 	}
 	defer t.g.leave()
-	return t.tx.SendBatch(ctx, b)
+	return &guardBatch{BatchResults: t.tx.SendBatch(ctx, b), g: t.g}
 }
 
 // LargeObjects returns the transaction's large objects. They bypass the guard:
@@ -173,9 +197,27 @@ func (t *handlerTx) Exec(ctx context.Context, sql string, arguments ...any) (pgc
 		return pgconn.CommandTag{}, pgx.ErrTxClosed
 	}
 	defer t.g.leave()
+	if l := t.g.lock; t.root && l != nil && l.keyed && !l.held && len(arguments) == 0 && isSetTransaction(sql) {
+		// The handler raises its transaction's isolation. Before it does, the
+		// session takes the key's lock (see Store.BeginTx) in a transaction of
+		// its own — nothing has run in the handler's yet, which SET
+		// TRANSACTION requires — and begins the handler's afresh.
+		l.held = true // whatever fails below, the unlock at the end is harmless
+		tag, err := t.tx.Conn().Exec(ctx, "ROLLBACK; "+l.sql()+"; COMMIT; BEGIN; "+sql)
+		return tag, t.g.note(err)
+	}
 	tag, err := t.tx.Exec(ctx, sql, arguments...)
 	t.noteEnd(tag)
-	return tag, err
+	return tag, t.g.note(err)
+}
+
+// isSetTransaction reports whether sql is a SET TRANSACTION statement that
+// raises the isolation to REPEATABLE READ or SERIALIZABLE.
+func isSetTransaction(sql string) bool {
+	l := strings.ToLower(sql)
+	f := strings.Fields(l)
+	return len(f) >= 2 && f[0] == "set" && f[1] == "transaction" &&
+		(strings.Contains(l, "serializable") || strings.Contains(l, "repeatable"))
 }
 
 // Query delegates to the transaction.
@@ -184,7 +226,11 @@ func (t *handlerTx) Query(ctx context.Context, sql string, args ...any) (pgx.Row
 		return closedRows{}, pgx.ErrTxClosed
 	}
 	defer t.g.leave()
-	return t.tx.Query(ctx, sql, args...)
+	rows, err := t.tx.Query(ctx, sql, args...)
+	if err != nil {
+		return rows, t.g.note(err)
+	}
+	return &guardRows{Rows: rows, g: t.g}, nil
 }
 
 // QueryRow delegates to the transaction.
@@ -193,8 +239,84 @@ func (t *handlerTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.R
 		return closedRows{}
 	}
 	defer t.g.leave()
-	return t.tx.QueryRow(ctx, sql, args...)
+	rows, err := t.tx.Query(ctx, sql, args...)
+	return guardRow{rows: rows, err: err, g: t.g}
 }
+
+// guardRows notes a conflict error the handler's query ends with.
+type guardRows struct {
+	pgx.Rows
+	g *txGuard
+}
+
+// Next delegates, and notes the error the rows end with.
+func (r *guardRows) Next() bool {
+	if r.Rows.Next() {
+		return true
+	}
+	r.g.note(r.Rows.Err())
+	return false
+}
+
+// Err delegates, and notes the error.
+func (r *guardRows) Err() error { return r.g.note(r.Rows.Err()) }
+
+// guardRow is QueryRow's pgx.Row: pgx's own, on rows that note conflicts.
+type guardRow struct {
+	rows pgx.Rows
+	err  error
+	g    *txGuard
+}
+
+// Scan reads the first row as pgx's QueryRow does, and notes a conflict.
+func (r guardRow) Scan(dest ...any) error {
+	if r.err != nil {
+		return r.g.note(r.err)
+	}
+	rows := r.rows
+	defer rows.Close()
+	if !rows.Next() {
+		if err := rows.Err(); err != nil {
+			return r.g.note(err)
+		}
+		return pgx.ErrNoRows
+	}
+	if err := rows.Scan(dest...); err != nil {
+		return r.g.note(err)
+	}
+	rows.Close()
+	return r.g.note(rows.Err())
+}
+
+// guardBatch notes conflict errors of the handler's batch.
+type guardBatch struct {
+	pgx.BatchResults
+	g *txGuard
+}
+
+// Exec delegates, and notes a conflict.
+func (b *guardBatch) Exec() (pgconn.CommandTag, error) {
+	tag, err := b.BatchResults.Exec()
+	return tag, b.g.note(err)
+}
+
+// Query delegates, on rows that note conflicts.
+func (b *guardBatch) Query() (pgx.Rows, error) {
+	rows, err := b.BatchResults.Query()
+	if err != nil {
+		return rows, b.g.note(err)
+	}
+	return &guardRows{Rows: rows, g: b.g}, nil
+}
+
+// QueryRow delegates, on a row that notes a conflict.
+func (b *guardBatch) QueryRow() pgx.Row {
+	rows, err := b.BatchResults.Query()
+	return guardRow{rows: rows, err: err, g: b.g}
+}
+
+// Close delegates, and notes a conflict.
+func (b *guardBatch) Close() error { return b.g.note(b.BatchResults.Close()) }
 
 // Conn returns the connection the transaction runs on. It bypasses the guard:
 // statements sent through it after the handler returned run on a connection

@@ -10,6 +10,7 @@ import (
 
 	"github.com/idemkit/idem"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -53,6 +54,7 @@ type Store struct {
 	claimSQL, selectSQL, getSQL, completeSQL, releaseSQL, extendSQL string
 	completeAndCommitSQL                                            string
 	deleteSQL, lockSQL, lookupSQL, insertSQL                        string
+	heldSQL, lockedSQL                                              string
 	insertAndCommitSQL, insertFreshSQL                              string
 }
 
@@ -106,6 +108,21 @@ func (s *Store) Table() string { return s.table }
 
 const cols = `state, fingerprint, token, created_at, lease_until, expires_at, status, headers, body, body_omitted, ref`
 
+// lockKeyExpr is lockKey computed by PostgreSQL from a row's scope and key
+// columns (prefixed with alias and a dot when alias is set).
+func (s *Store) lockKeyExpr(alias string) string {
+	ns := fmt.Sprintf(`'\x%x'::bytea`, s.lockNS)
+	col := func(c string) string {
+		if alias == "" {
+			return c
+		}
+		return alias + "." + c
+	}
+	return `('x' || encode(substring(sha256(int8send(` + fmt.Sprint(len(s.lockNS)) + `::int8) || ` + ns +
+		` || int8send(length(` + col("scope") + `)::int8) || ` + col("scope") +
+		` || int8send(length(` + col("key") + `)::int8) || ` + col("key") + `) from 1 for 8), 'hex'))::bit(64)::int8`
+}
+
 func (s *Store) buildSQL() {
 	t := s.table
 	// claimSQL decides every race in one statement. cur is the live record that
@@ -115,10 +132,18 @@ func (s *Store) buildSQL() {
 	// WHERE on its latest version, so exactly one of concurrent claims wins. When it
 	// returns no row, a concurrent claim won after the snapshot; Claim then reads
 	// the row.
+	//
+	// An in-flight record whose key's advisory lock ($8) another session holds
+	// is never claimable, lapsed or expired as it may look: its holder's
+	// transaction is running (BeginTx takes the lock for the handler's
+	// transaction, and renewals then leave the row alone, see Extend). The
+	// lock is tried, inside the claim's transaction, only for a record that
+	// would otherwise be claimable (CASE fixes the order).
 	s.claimSQL = `WITH cur AS (
 	SELECT ` + cols + ` FROM ` + t + `
-	WHERE scope = $1 AND key = $2 AND expires_at > $5
-	  AND NOT (state = 1 AND lease_until <= $5 AND fingerprint = $3)
+	WHERE scope = $1 AND key = $2
+	  AND NOT CASE WHEN expires_at <= $5 OR (state = 1 AND lease_until <= $5 AND fingerprint = $3)
+		THEN state <> 1 OR pg_try_advisory_xact_lock_shared($8, $9) ELSE false END
 ), ins AS (
 	INSERT INTO ` + t + ` AS r (scope, key, state, fingerprint, token, created_at, lease_until, expires_at)
 	SELECT $1::bytea, $2::bytea, 1, $3::bytea, $4::text, $5::timestamptz, $6::timestamptz, $7::timestamptz
@@ -128,8 +153,9 @@ func (s *Store) buildSQL() {
 		created_at = CASE WHEN r.expires_at <= excluded.created_at THEN excluded.created_at ELSE r.created_at END,
 		lease_until = excluded.lease_until, expires_at = excluded.expires_at,
 		status = NULL, headers = NULL, body = NULL, body_omitted = false, ref = NULL
-	WHERE r.expires_at <= excluded.created_at
+	WHERE CASE WHEN r.expires_at <= excluded.created_at
 	   OR (r.state = 1 AND r.lease_until <= excluded.created_at AND r.fingerprint = excluded.fingerprint)
+		THEN r.state <> 1 OR pg_try_advisory_xact_lock_shared($8, $9) ELSE false END
 	RETURNING ` + cols + `
 )
 SELECT true, * FROM ins
@@ -144,10 +170,20 @@ WHERE scope = $1 AND key = $2 AND token = $3 AND state = 1`
 	// transaction aborts, and the COMMIT queued behind it is never executed.
 	s.completeAndCommitSQL = `WITH done AS (` + s.completeSQL + ` RETURNING 1) SELECT 1 / count(*) FROM done`
 	s.releaseSQL = `DELETE FROM ` + t + ` WHERE scope = $1 AND key = $2 AND token = $3 AND state = 1`
-	s.extendSQL = `UPDATE ` + t + ` SET lease_until = $4, expires_at = GREATEST(expires_at, $4) WHERE scope = $1 AND key = $2 AND token = $3 AND state = 1`
+	// extendSQL leaves the row alone while another session holds the key's
+	// advisory lock: the handler's transaction does (BeginTx), and an UPDATE
+	// committed after its snapshot would make its completion fail with a
+	// serialization failure under REPEATABLE READ and SERIALIZABLE. The lock
+	// is the proof of life then; Extend tells the two apart.
+	s.extendSQL = `UPDATE ` + t + ` SET lease_until = $4, expires_at = GREATEST(expires_at, $4) WHERE scope = $1 AND key = $2 AND token = $3 AND state = 1
+	AND pg_try_advisory_xact_lock_shared($5, $6)`
+	s.heldSQL = `SELECT EXISTS (SELECT FROM ` + t + ` WHERE scope = $1 AND key = $2 AND token = $3 AND state = 1)`
+	s.lockedSQL = `SELECT NOT pg_try_advisory_xact_lock_shared($1, $2)`
+	// deleteSQL skips in-flight records whose handler's transaction holds the
+	// key's lock: their expiry is not renewed meanwhile.
 	s.deleteSQL = `DELETE FROM ` + t + ` WHERE ctid = ANY(ARRAY(
 	SELECT ctid FROM ` + t + ` WHERE expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED
-)) AND expires_at <= $1`
+)) AND expires_at <= $1 AND (state <> 1 OR pg_try_advisory_xact_lock_shared((` + s.lockKeyExpr("") + ` >> 32)::int4, ((` + s.lockKeyExpr("") + ` << 32) >> 32)::int4))`
 	// lockSQL tries the key's lock only when no record is live at $4: a request
 	// that will replay (or answer 409 or 422 from) a live record must not hold
 	// the lock while it reads, or a request whose clock has passed the record's
@@ -197,16 +233,32 @@ const (
 	maxKeyBytes   = 1024
 )
 
+// maxBytea is the most a bytea (fingerprint, body, ref) holds; maxJSONB the
+// most a jsonb value (the headers) does.
+const (
+	maxBytea = 1<<30 - 1
+	maxJSONB = 1<<28 - 1
+)
+
 // checkIDs refuses a scope or key longer than pgstore stores, with an error
-// that says so without echoing them.
-func checkIDs(op, scope, key string) error {
-	if len(scope) > maxScopeBytes {
-		return fmt.Errorf("pgstore: %s: the scope is %d bytes, more than the %d bytes pgstore stores (PostgreSQL cannot index longer ones); let idem.New derive the scope, which replaces a long one with its digest, or hash it yourself", op, len(scope), maxScopeBytes)
+// (idem.ErrFieldTooLarge) that says so without echoing them.
+func checkIDs(_, scope, key string) error {
+	if err := idem.CheckFieldSize("pgstore", "scope", int64(len(scope)), maxScopeBytes); err != nil {
+		return err
 	}
-	if len(key) > maxKeyBytes {
-		return fmt.Errorf("pgstore: %s: the key is %d bytes, more than the %d bytes pgstore stores (PostgreSQL cannot index longer ones); let idem.New parse the key, which refuses keys longer than its limit", op, len(key), maxKeyBytes)
+	return idem.CheckFieldSize("pgstore", "key", int64(len(key)), maxKeyBytes)
+}
+
+// checkResponse refuses a response, its headers encoded as hdr, that a column
+// cannot hold.
+func checkResponse(resp *idem.Response, hdr []byte) error {
+	if err := idem.CheckFieldSize("pgstore", "headers", int64(len(hdr)), maxJSONB); err != nil {
+		return err
 	}
-	return nil
+	if err := idem.CheckFieldSize("pgstore", "body", int64(len(resp.Body)), maxBytea); err != nil {
+		return err
+	}
+	return idem.CheckFieldSize("pgstore", "ref", int64(len(resp.Ref)), maxBytea)
 }
 
 // quoteShort quotes s for an error message, cut to its first 64 bytes.
@@ -227,12 +279,16 @@ func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record,
 	if err := checkIDs("claim", req.Scope, req.Key); err != nil {
 		return nil, false, err
 	}
+	if err := idem.CheckFieldSize("pgstore", "fingerprint", int64(len(req.Fingerprint)), maxBytea); err != nil {
+		return nil, false, err
+	}
 	scope, key, fp := []byte(req.Scope), []byte(req.Key), []byte(req.Fingerprint)
+	hi, lo := liveLock(s.lockKey(req.Scope, req.Key))
 	for range maxClaimRounds {
 		var claimed bool
 		row := scanRecord{Record: &idem.Record{Scope: req.Scope, Key: req.Key}}
 		err := s.claimOnce(ctx, append([]any{&claimed}, row.scanTargets()...),
-			scope, key, fp, req.Token, req.Now, req.LeaseUntil, req.ExpiresAt)
+			scope, key, fp, req.Token, req.Now, req.LeaseUntil, req.ExpiresAt, hi, lo)
 		if err == nil {
 			if err := row.finish(); err != nil {
 				return nil, false, err
@@ -261,6 +317,9 @@ func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record,
 			return nil, false, s.wrap("claim: read the existing record", err)
 		}
 		if !rec.ExpiresAt.After(req.Now) || (rec.State == idem.StateInFlight && !rec.LeaseUntil.After(req.Now) && rec.Fingerprint == req.Fingerprint) {
+			if rec.State == idem.StateInFlight && s.heldByTx(ctx, req.Scope, req.Key) {
+				return rec, false, nil // its handler's transaction runs
+			}
 			continue // claimable at req.Now after all: claim again
 		}
 		return rec, false, nil
@@ -268,21 +327,23 @@ func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record,
 	return nil, false, fmt.Errorf("pgstore: claim of key %s lost %d races in a row to records that vanished; the key is contended, retry later", quoteShort(req.Key), maxClaimRounds)
 }
 
-// claimOnce runs the claim statement and scans its row into dest. Unless
-// Config.SynchronousClaim is set, it runs in a transaction with synchronous_commit
-// off, pipelined in one round trip: BEGIN; SET LOCAL …; claim; COMMIT.
+// claimOnce runs the claim statement and scans its row into dest, in a
+// transaction of its own at READ COMMITTED, whatever the session's default
+// (the statement is made for it: ON CONFLICT decides the races, and a claim
+// at SERIALIZABLE would lose serialization conflicts to other keys' requests),
+// pipelined in one round trip: BEGIN; SET LOCAL …; claim; COMMIT. Unless
+// Config.SynchronousClaim is set, it commits with synchronous_commit off.
 func (s *Store) claimOnce(ctx context.Context, dest []any, args ...any) error {
-	if s.syncClaim {
-		return s.pool.QueryRow(ctx, s.claimSQL, args...).Scan(dest...)
-	}
 	b := &pgx.Batch{}
-	b.Queue("begin")
-	b.Queue("set local synchronous_commit to off")
+	b.Queue(beginRC)
+	if !s.syncClaim {
+		b.Queue("set local synchronous_commit to off")
+	}
 	b.Queue(s.claimSQL, args...)
 	b.Queue("commit")
 	br := s.pool.SendBatch(ctx, b)
 	_, err := br.Exec()
-	if err == nil {
+	if err == nil && !s.syncClaim {
 		_, err = br.Exec()
 	}
 	if err == nil {
@@ -301,6 +362,35 @@ func (s *Store) claimOnce(ctx context.Context, dest []any, args ...any) error {
 	return err
 }
 
+// beginRC begins a transaction of idem's own statements at READ COMMITTED,
+// whatever the session's default isolation.
+const beginRC = "begin isolation level read committed"
+
+// execRC runs one statement of idem's own in a transaction at READ COMMITTED
+// (beginRC), pipelined in one round trip with its BEGIN and COMMIT: under a
+// SERIALIZABLE session default, a single-row statement of idem's would
+// otherwise take part in the serialization conflicts of the handlers'
+// transactions.
+func (s *Store) execRC(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	b := &pgx.Batch{}
+	b.Queue(beginRC)
+	b.Queue(sql, args...)
+	b.Queue("commit")
+	br := s.pool.SendBatch(ctx, b)
+	_, err := br.Exec()
+	var tag pgconn.CommandTag
+	if err == nil {
+		tag, err = br.Exec()
+	}
+	if err == nil {
+		_, err = br.Exec()
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return tag, err
+}
+
 // Complete implements idem.Store.
 func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, _, expiresAt time.Time) error {
 	if err := checkIDs("complete", scope, key); err != nil {
@@ -316,6 +406,9 @@ func completeArgs(scope, key, token string, resp *idem.Response, expiresAt time.
 	}
 	hdr, err := encodeHeaders(resp.Header)
 	if err != nil {
+		return nil, err
+	}
+	if err := checkResponse(resp, hdr); err != nil {
 		return nil, err
 	}
 	return []any{[]byte(scope), []byte(key), token,
@@ -342,7 +435,7 @@ func (s *Store) Release(ctx context.Context, scope, key, token string) error {
 	if err := checkIDs("release", scope, key); err != nil {
 		return err
 	}
-	tag, err := s.pool.Exec(ctx, s.releaseSQL, []byte(scope), []byte(key), token)
+	tag, err := s.execRC(ctx, s.releaseSQL, []byte(scope), []byte(key), token)
 	if err != nil {
 		return s.wrap("release", err)
 	}
@@ -357,15 +450,43 @@ func (s *Store) Extend(ctx context.Context, scope, key, token string, _, leaseUn
 	if err := checkIDs("extend", scope, key); err != nil {
 		return err
 	}
-	tag, err := s.pool.Exec(ctx, s.extendSQL, []byte(scope), []byte(key), token, leaseUntil)
+	hi, lo := liveLock(s.lockKey(scope, key))
+	tag, err := s.execRC(ctx, s.extendSQL, []byte(scope), []byte(key), token, leaseUntil, hi, lo)
 	if err != nil {
 		return s.wrap("extend", err)
 	}
-	if tag.RowsAffected() == 0 {
+	if tag.RowsAffected() == 1 {
+		return nil
+	}
+	// Nothing changed: the claim is lost, or a transaction holds the key's
+	// lock — the handler's own (BeginTx), whose liveness the lock proves.
+	var held bool
+	if err := s.pool.QueryRow(ctx, s.heldSQL, []byte(scope), []byte(key), token).Scan(&held); err != nil {
+		return s.wrap("extend", err)
+	}
+	if !held {
 		return idem.ErrLockLost
 	}
 	return nil
 }
+
+// heldByTx reports whether another session holds the advisory lock of (scope,
+// key): the transaction of the handler that holds its claim. An error counts as
+// not held.
+func (s *Store) heldByTx(ctx context.Context, scope, key string) bool {
+	var held bool
+	hi, lo := liveLock(s.lockKey(scope, key))
+	err := s.pool.QueryRow(ctx, s.lockedSQL, hi, lo).Scan(&held)
+	return err == nil && held
+}
+
+// liveLock is the two-key form of lock key k: the advisory lock a
+// claim-then-complete transaction's session holds, exclusively, to prove its
+// handler alive (Store.BeginTx). It is not the single transaction's in-flight
+// lock (the one-key form of k): the two forms never conflict. The statements
+// that ask whether it is held try it shared, so that they never mistake one
+// another for a live holder.
+func liveLock(k int64) (hi, lo int32) { return int32(k >> 32), int32(k) }
 
 // Get implements idem.Store.
 func (s *Store) Get(ctx context.Context, scope, key string, now time.Time) (*idem.Record, error) {
@@ -376,7 +497,34 @@ func (s *Store) Get(ctx context.Context, scope, key string, now time.Time) (*ide
 	if err != nil && !errors.Is(err, idem.ErrNotFound) {
 		return nil, s.wrap("get", err)
 	}
-	return rec, err
+	if err == nil && (rec.State != idem.StateInFlight || rec.LeaseUntil.After(now)) {
+		return rec, nil
+	}
+	// Absent, expired, or in flight under a lapsed lease — unless the key's
+	// lock is held: its handler's transaction runs, and renewals leave the row
+	// alone meanwhile (Extend). Its lease then counts as live.
+	if err != nil {
+		if rec, err = s.read(ctx, s.pool, s.selectSQL, []byte(scope), []byte(key)); err != nil {
+			if errors.Is(err, idem.ErrNotFound) {
+				return nil, err
+			}
+			return nil, s.wrap("get", err)
+		}
+		if rec.State != idem.StateInFlight {
+			return nil, idem.ErrNotFound
+		}
+	}
+	if !s.heldByTx(ctx, scope, key) {
+		if !rec.ExpiresAt.After(now) {
+			return nil, idem.ErrNotFound
+		}
+		return rec, nil
+	}
+	rec.LeaseUntil = now.Add(time.Second)
+	if rec.ExpiresAt.Before(rec.LeaseUntil) {
+		rec.ExpiresAt = rec.LeaseUntil
+	}
+	return rec, nil
 }
 
 // DeleteExpired implements idem.Store. It deletes at most limit expired records in

@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/idemkit/idem"
@@ -47,18 +48,82 @@ func Tx(ctx context.Context) pgx.Tx {
 // UPDATE, and Commit sends it together with COMMIT in one pipelined batch. When the
 // fence does not match, the UPDATE aborts the transaction, nothing is committed,
 // and Commit returns idem.ErrLockLost.
+//
+// When ctx is the context of a request idem claimed (idem.KeyFrom) and the
+// transaction runs at REPEATABLE READ or SERIALIZABLE — the session's default
+// (default_transaction_isolation, read once per connection), or set by the
+// handler with SET TRANSACTION on Tx — the transaction's session holds the
+// key's advisory lock until it ends (the unlock goes with COMMIT). While it
+// does, the lease renewals leave the record's row alone (Extend), and no other
+// request can take the key over or the janitor delete it: the lock proves the
+// handler alive, and a stalled one is taken over only once its session ends
+// (HandlerTimeout ends its transaction). Renewals that wrote the row would make
+// the completion fail at those levels, whose snapshot predates them ("could
+// not serialize access due to concurrent update"). The lock is taken before
+// BEGIN, in the same round trip, so that the handler's first statement still
+// starts the transaction. At READ COMMITTED nothing changes: renewals write
+// the lease, and a lapsed one is taken over.
 func (s *Store) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
 		return ctx, nil, s.wrap("begin transaction", err)
 	}
-	tx, err := conn.Begin(ctx)
+	lock := &sessionLock{}
+	var opts pgx.TxOptions
+	if scope, key, keyed := idem.KeyFrom(ctx); keyed {
+		lock.keyed, lock.key = true, s.lockKey(scope, key)
+		snapshots, err := snapshotIsolation(ctx, conn.Conn())
+		if err != nil {
+			conn.Release()
+			return ctx, nil, s.wrap("begin transaction: read default_transaction_isolation", err)
+		}
+		if snapshots {
+			// The COMMIT ends the implicit transaction the lock ran in, so that
+			// BEGIN starts one in which nothing has run yet.
+			opts.BeginQuery = lock.sql() + "; COMMIT; BEGIN"
+			lock.held = true
+		}
+	}
+	tx, err := conn.BeginTx(ctx, opts)
 	if err != nil {
+		// pgx closed the connection, and its session's lock with it.
 		conn.Release()
 		return ctx, nil, s.wrap("begin transaction", err)
 	}
 	htx := newHandlerTx(tx)
-	return context.WithValue(ctx, txKey{}, pgx.Tx(htx)), &claimTx{txEnd: txEnd{s: s, conn: conn, htx: htx, ctx: ctx}}, nil
+	htx.g.lock = lock
+	return context.WithValue(ctx, txKey{}, pgx.Tx(htx)), &claimTx{txEnd: txEnd{s: s, conn: conn, htx: htx, ctx: ctx, lock: lock}}, nil
+}
+
+// sessionLock is the key's advisory lock that a claim-then-complete
+// transaction's session holds (held) at REPEATABLE READ and SERIALIZABLE.
+type sessionLock struct {
+	key         int64
+	keyed, held bool
+}
+
+func (l *sessionLock) sql() string {
+	hi, lo := liveLock(l.key)
+	return "SELECT pg_advisory_lock(" + strconv.Itoa(int(hi)) + ", " + strconv.Itoa(int(lo)) + ")"
+}
+
+// isolationData is the key of a connection's default_transaction_isolation in
+// its pgconn.PgConn.CustomData.
+const isolationData = "pgstore.default_transaction_isolation"
+
+// snapshotIsolation reports whether c's transactions default to REPEATABLE
+// READ or SERIALIZABLE, reading default_transaction_isolation on the first call
+// for a connection.
+func snapshotIsolation(ctx context.Context, c *pgx.Conn) (bool, error) {
+	data := c.PgConn().CustomData()
+	level, ok := data[isolationData].(string)
+	if !ok {
+		if err := c.QueryRow(ctx, "SHOW default_transaction_isolation").Scan(&level); err != nil {
+			return false, err
+		}
+		data[isolationData] = level
+	}
+	return level == "repeatable read" || level == "serializable", nil
 }
 
 // txEnd ends the request's transaction: what claimTx and lockedTx share.
@@ -72,10 +137,14 @@ type txEnd struct {
 	// lease commits nothing on any SQL store.
 	ctx context.Context
 
+	// lock is the key's advisory lock, which the session may hold
+	// (claim-then-complete, see BeginTx); nil in the single transaction.
+	lock *sessionLock
+
 	// commitWith's batch.
 	cbatch pgx.Batch
-	cqq    [2]pgx.QueuedQuery
-	cqp    [2]*pgx.QueuedQuery
+	cqq    [3]pgx.QueuedQuery
+	cqp    [3]*pgx.QueuedQuery
 }
 
 // claimTx is the idem.Tx of the claim-then-complete flow.
@@ -129,6 +198,8 @@ func (t *txEnd) commitWith(ctx context.Context, op, stmt string, args []any, fen
 		return fmt.Errorf("pgstore: %s: the handler rolled back the transaction: %w", op, idem.ErrTxAborted)
 	case pc.IsClosed():
 		return fmt.Errorf("pgstore: %s: the connection of the transaction was closed before COMMIT, so nothing was committed (PostgreSQL rolls back the transaction of a lost connection); retry", op)
+	case pc.TxStatus() == 'E' && t.htx.g.conflict.Load():
+		return fmt.Errorf("pgstore: %s: a statement of the handler failed in a conflict with a concurrent transaction (a serialization failure or a deadlock) and PostgreSQL aborted the transaction: %w: %w", op, idem.ErrTxConflict, idem.ErrTxAborted)
 	case pc.TxStatus() == 'E':
 		return fmt.Errorf("pgstore: %s: a statement of the handler failed and PostgreSQL aborted the transaction: %w", op, idem.ErrTxAborted)
 	case pc.TxStatus() == 'I':
@@ -153,10 +224,18 @@ func (t *txEnd) commitWith(ctx context.Context, op, stmt string, args []any, fen
 	// The batch lives in t: no allocation for it or its queries.
 	t.cqq[0] = pgx.QueuedQuery{SQL: stmt, Arguments: args}
 	t.cqq[1] = pgx.QueuedQuery{SQL: "commit"}
-	t.cqp = [2]*pgx.QueuedQuery{&t.cqq[0], &t.cqq[1]}
+	locked := t.lock != nil && t.lock.held
+	if locked {
+		hi, lo := liveLock(t.lock.key)
+		t.cqq[2] = pgx.QueuedQuery{SQL: "select pg_advisory_unlock($1, $2)", Arguments: []any{hi, lo}}
+	}
+	t.cqp = [3]*pgx.QueuedQuery{&t.cqq[0], &t.cqq[1], &t.cqq[2]}
 	t.cbatch = pgx.Batch{QueuedQueries: t.cqp[:]}
+	if !locked {
+		t.cbatch.QueuedQueries = t.cqp[:2]
+	}
 	if args == nil {
-		t.cbatch.QueuedQueries = t.cqp[1:]
+		t.cbatch.QueuedQueries = t.cbatch.QueuedQueries[1:]
 	}
 	br := c.Conn().SendBatch(ctx, &t.cbatch)
 	var stmtErr error
@@ -168,13 +247,29 @@ func (t *txEnd) commitWith(ctx context.Context, op, stmt string, args []any, fen
 	if stmtErr == nil {
 		tag, commitErr = br.Exec()
 	}
+	if stmtErr == nil && commitErr == nil && locked {
+		if _, err := br.Exec(); err == nil {
+			t.lock.held = false // released with the COMMIT
+		}
+	}
 	closeErr := br.Close()
 	switch {
 	case isFenceError(stmtErr):
 		return fenceErr
+	case isConflict(stmtErr), isConflict(commitErr),
+		t.htx.g.conflict.Load() && (isInFailedTx(stmtErr) || errors.Is(commitErr, pgx.ErrTxCommitRollback) || tag.String() == "ROLLBACK"):
+		return fmt.Errorf("pgstore: %s: PostgreSQL rolled the transaction back in a conflict with a concurrent one (%w): %w: %w", op, errors.Join(stmtErr, commitErr), idem.ErrTxConflict, idem.ErrTxAborted)
 	case isInFailedTx(stmtErr), stmtErr == nil && commitErr == nil && closeErr == nil && tag.String() == "ROLLBACK",
 		errors.Is(commitErr, pgx.ErrTxCommitRollback):
 		return fmt.Errorf("pgstore: %s: PostgreSQL had aborted the transaction: %w", op, idem.ErrTxAborted)
+	case isServerAnswer(stmtErr):
+		// PostgreSQL refused the completion (or record insert): the transaction
+		// aborted and the COMMIT queued behind it never ran.
+		return fmt.Errorf("pgstore: %s: PostgreSQL refused the statement sent with COMMIT, so nothing was committed (%w): %w", op, stmtErr, idem.ErrTxAborted)
+	case stmtErr == nil && isServerAnswer(commitErr):
+		// PostgreSQL answered the COMMIT with an error (a deferred foreign key
+		// or unique constraint): it rolled the transaction back.
+		return fmt.Errorf("pgstore: commit: PostgreSQL refused the COMMIT and rolled the transaction back, so nothing was committed (%w): %w", commitErr, idem.ErrTxAborted)
 	}
 	err := stmtErr
 	if err == nil {
@@ -214,7 +309,35 @@ func (t *txEnd) release(ctx context.Context) error {
 		return nil
 	}
 	t.conn = nil
-	return endConn(ctx, c)
+	if t.lock == nil || !t.lock.held {
+		return endConn(ctx, c)
+	}
+	t.lock.held = false
+	return endConnLocked(ctx, c, t.lock.key)
+}
+
+// endConnLocked is endConn for a connection whose session holds advisory lock
+// lock: it rolls back, unlocks in the same round trip, and closes the
+// connection — which frees the lock as well — when either fails, so that no
+// pooled session keeps a key locked.
+func endConnLocked(ctx context.Context, c *pgxpool.Conn, lock int64) error {
+	defer c.Release()
+	pc := c.Conn().PgConn()
+	if pc.IsClosed() {
+		return nil
+	}
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+	defer cancel()
+	hi, lo := liveLock(lock)
+	sql := "SELECT pg_advisory_unlock(" + strconv.Itoa(int(hi)) + ", " + strconv.Itoa(int(lo)) + ")"
+	if pc.TxStatus() != 'I' {
+		sql = "ROLLBACK; " + sql
+	}
+	if _, err := c.Conn().Exec(rctx, sql); err != nil {
+		_ = c.Conn().Close(rctx)
+		return fmt.Errorf("pgstore: rollback and unlock: %w (the connection was closed, which rolls the transaction back and frees the lock)", err)
+	}
+	return nil
 }
 
 // endConn rolls back the transaction of c if one is open, and hands c back to
@@ -247,6 +370,17 @@ func isInFailedTx(err error) bool {
 	}
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Code == "25P02"
+}
+
+// isConflict reports whether err is a serialization failure (40001) or a
+// deadlock (40P01): PostgreSQL rolled the transaction back in a conflict with
+// a concurrent one, and running it again may succeed.
+func isConflict(err error) bool {
+	if err == nil {
+		return false
+	}
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == "40001" || pgErr.Code == "40P01")
 }
 
 // isServerAnswer reports whether err is an error PostgreSQL answered (not a lost
@@ -417,6 +551,9 @@ func (t *lockedTx) Insert(_ context.Context, rec *idem.Record) error {
 	if err := checkIDs("insert record", rec.Scope, rec.Key); err != nil {
 		return err
 	}
+	if err := idem.CheckFieldSize("pgstore", "fingerprint", int64(len(rec.Fingerprint)), maxBytea); err != nil {
+		return err
+	}
 	var (
 		status  int32
 		valid   bool
@@ -429,6 +566,9 @@ func (t *lockedTx) Insert(_ context.Context, rec *idem.Record) error {
 	if r := rec.Response; r != nil {
 		status, valid = int32(r.Status), true
 		if hdr, err = encodeHeaders(r.Header); err != nil {
+			return err
+		}
+		if err = checkResponse(r, hdr); err != nil {
 			return err
 		}
 		body, omitted, ref = nullableBytes(r.Body, !r.BodyOmitted), r.BodyOmitted, refBytes(r.Ref)

@@ -74,6 +74,9 @@ func (s *Store) ExpiresRecordsItself() bool { return true }
 // are a single atomic step on the server. A claimed record expires in Redis
 // after ExpiresAt − Now.
 func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record, bool, error) {
+	if err := idem.CheckFieldSize("redisstore", "fingerprint", int64(len(req.Fingerprint)), maxBulk); err != nil {
+		return nil, false, err
+	}
 	res, err := claimScript.Run(ctx, s.client, []string{s.recordKey(req.Scope, req.Key)},
 		req.Fingerprint, req.Token, ms(req.Now), ms(req.LeaseUntil), ms(req.ExpiresAt), ttl(req.Now, req.ExpiresAt)).Result()
 	if err != nil {
@@ -106,6 +109,10 @@ func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record,
 	return nil, false, fmt.Errorf("redisstore: claim: unexpected reply %T from the claim script", res)
 }
 
+// maxBulk is the longest value Redis takes as one argument by default
+// (proto-max-bulk-len, 512 MB).
+const maxBulk = 512<<20 - 1
+
 // Complete implements idem.Store: one fenced Lua script stores resp, marks the
 // record complete and sets its Redis expiry to expiresAt − now from now on.
 func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, now, expiresAt time.Time) error {
@@ -117,10 +124,19 @@ func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *id
 	if resp.BodyOmitted {
 		omitted, body = "1", nil
 	}
+	hdr := encodeHeader(resp.Header)
+	for _, f := range [...]struct {
+		name string
+		size int
+	}{{"headers", len(hdr)}, {"body", len(body)}, {"ref", len(resp.Ref)}} {
+		if err := idem.CheckFieldSize("redisstore", f.name, int64(f.size), maxBulk); err != nil {
+			return err
+		}
+	}
 	n, err := completeScript.Run(ctx, s.client, []string{s.recordKey(scope, key)},
 		token, ms(expiresAt), ttl(now, expiresAt), callID(),
 		fStatus, strconv.Itoa(resp.Status),
-		fHeaders, encodeHeader(resp.Header),
+		fHeaders, hdr,
 		fBody, body,
 		fOmitted, omitted,
 		fRef, resp.Ref).Int()

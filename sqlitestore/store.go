@@ -309,6 +309,9 @@ const maxClaimAttempts = 10
 // lease or another fingerprint); otherwise the one INSERT … ON CONFLICT DO UPDATE
 // … WHERE … RETURNING statement decides.
 func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record, bool, error) {
+	if err := idem.CheckFieldSize("sqlitestore", "fingerprint", int64(len(req.Fingerprint)), maxValue); err != nil {
+		return nil, false, err
+	}
 	now := nanos(req.Now)
 	r, err := s.read(ctx, req.Scope, req.Key, false, 0)
 	if err != nil {
@@ -378,6 +381,26 @@ func (s *Store) fenced(ctx context.Context, tx *sql.Tx, op string, id stmtID, ar
 
 var errNilResponse = errors.New("the response is nil; pass the outcome to store")
 
+// maxValue is the most sqlitestore puts into one row: SQLite's default
+// SQLITE_MAX_LENGTH (10^9 bytes) bounds a value and a whole row, less room
+// for the other columns.
+const maxValue = 1_000_000_000 - 1<<16
+
+// checkFields refuses a response, with its headers encoded as headers, that a
+// row cannot hold, with idem.ErrFieldTooLarge.
+func checkFields(resp *idem.Response, headers int) error {
+	for _, f := range [...]struct {
+		name string
+		size int
+	}{{"headers", headers}, {"body", len(resp.Body)}, {"ref", len(resp.Ref)}} {
+		if err := idem.CheckFieldSize("sqlitestore", f.name, int64(f.size), maxValue); err != nil {
+			return err
+		}
+	}
+	// The row as a whole, counted against the largest of its parts.
+	return idem.CheckFieldSize("sqlitestore", "body", int64(headers+len(resp.Body)+len(resp.Ref)), maxValue)
+}
+
 // encodeResponse returns the headers, body and ref columns of resp.
 func encodeResponse(resp *idem.Response) (headers sql.NullString, body []byte, ref sql.NullString, err error) {
 	if len(resp.Header) > 0 {
@@ -386,6 +409,9 @@ func encodeResponse(resp *idem.Response) (headers sql.NullString, body []byte, r
 			return headers, nil, ref, fmt.Errorf("encode headers: %w", err)
 		}
 		headers = sql.NullString{String: h, Valid: true}
+	}
+	if err := checkFields(resp, len(headers.String)); err != nil {
+		return headers, nil, ref, err
 	}
 	if resp.Ref != "" {
 		ref = sql.NullString{String: resp.Ref, Valid: true}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"sync/atomic"
 	"time"
 
@@ -143,7 +144,14 @@ func (t *storeTx) Commit(context.Context) error {
 		}
 	}
 	if err := t.tx.Commit(); err != nil {
-		return wrap("commit", err)
+		if errors.Is(err, sql.ErrTxDone) {
+			return wrap("commit", err)
+		}
+		// SQLite answered the COMMIT with an error (a deferred foreign key, a
+		// full disk): the database is in this process, so no answer is ever
+		// lost, and a COMMIT that failed committed nothing (the driver rolls
+		// back a transaction SQLite left open).
+		return fmt.Errorf("sqlitestore: commit: SQLite refused the COMMIT, so nothing was committed (%w): %w", err, idem.ErrTxAborted)
 	}
 	return nil
 }

@@ -542,6 +542,9 @@ func (w *workload) one(ctx context.Context, rng *rand.Rand, client int) {
 		}
 		in.Token = w.pickToken(rng, k)
 		in.Resp = fmt.Sprint(seq)
+		if rng.IntN(16) == 0 {
+			in.Resp = "big" + in.Resp // a Ref some stores refuse (ErrFieldTooLarge)
+		}
 	case r < 56:
 		in.Kind = kindRelease
 		in.Token = w.pickToken(rng, k)
@@ -615,6 +618,8 @@ func classify(err error) (linResult, string) {
 		return resLockLost, ""
 	case errors.Is(err, idem.ErrNotFound):
 		return resNotFound, ""
+	case errors.Is(err, idem.ErrFieldTooLarge):
+		return resRefused, ""
 	case errors.Is(err, idem.ErrTxAborted):
 		return resAborted, ""
 	}

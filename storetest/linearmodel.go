@@ -85,6 +85,7 @@ const (
 	resLockLost           // idem.ErrLockLost: definite, nothing changed
 	resNotFound           // idem.ErrNotFound
 	resAborted            // idem.ErrTxAborted: definite, nothing committed
+	resRefused            // idem.ErrFieldTooLarge: definite, nothing changed
 	resUnknown            // any other error: it may or may not have taken effect
 )
 
@@ -98,6 +99,8 @@ func (r linResult) String() string {
 		return "ErrNotFound"
 	case resAborted:
 		return "ErrTxAborted"
+	case resRefused:
+		return "ErrFieldTooLarge"
 	case resUnknown:
 		return "unknown"
 	}
@@ -133,14 +136,25 @@ func canonicalResponse(r *idem.Response) string {
 }
 
 // responseFor is the response the workload completes with under id.
+//
+// An id starting with "big" has a Ref of bigRef bytes, more than some stores
+// keep (a MySQL BLOB): the store keeps it exactly or refuses it with
+// idem.ErrFieldTooLarge, changing nothing.
 func responseFor(id string) *idem.Response {
+	ref := "ref-" + id
+	if strings.HasPrefix(id, "big") {
+		ref += strings.Repeat("r", bigRef)
+	}
 	return &idem.Response{
 		Status: 201,
 		Header: http.Header{"Location": {"/r/" + id}},
 		Body:   []byte("body-" + id),
-		Ref:    "ref-" + id,
+		Ref:    ref,
 	}
 }
+
+// bigRef is the size of the Ref of a "big" response.
+const bigRef = 70_000
 
 // live reports whether the record counts at now (present and not expired).
 func (r linRecord) live(now int64) bool { return r.Present && r.Expires > now }
@@ -189,6 +203,13 @@ func linStep(state interface{}, input interface{}, output interface{}) []interfa
 // apply is one operation on one state.
 func apply(s linRecord, in linInput, out linOutput) []linRecord {
 	unknown := out.Result == resUnknown
+	if out.Result == resRefused {
+		// Only an oversized response may be refused, and then nothing changed.
+		if (in.Kind == kindComplete || in.Kind == kindTxComplete) && strings.HasPrefix(in.Resp, "big") {
+			return []linRecord{s}
+		}
+		return nil
+	}
 	if out.Result == resAborted {
 		// Nothing committed; only the transactional completion may report it.
 		if in.Kind == kindTxComplete {

@@ -69,6 +69,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 		{"HeaderBytesExact", testHeaderBytesExact},
 		{"ResponseCopied", testResponseCopied},
 		{"HostileHeaders", testHostileHeaders},
+		{"FieldBounds", testFieldBounds},
 		{"ClockBehind", func(t *testing.T, s idem.Store) { testClockSkew(t, s, -2*time.Minute) }},
 		{"ClockAhead", func(t *testing.T, s idem.Store) { testClockSkew(t, s, 2*time.Minute) }},
 		{"Linearizable", testLinearizable},

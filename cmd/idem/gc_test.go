@@ -30,7 +30,7 @@ func TestGCAndInspect(t *testing.T) {
 	code, out, stderr := runIdem(t, dir, nil, "inspect", "--db", db, "--scope", "t1", "--body", keys[2])
 	for _, want := range []string{
 		`scope:       "t1"`, `key:         "` + keys[2] + `"`, "state:       complete", "age:", "lease:       none (complete)",
-		"expires in:", "fingerprint: v2:", "status:      201", "Content-Type: application/json",
+		"expires in:", "fingerprint: v3:", "status:      201", "Content-Type: application/json",
 		"Location: /orders/" + o.ID, "body:        " + strconv.Itoa(len(created.Body)) + " bytes", "ref:         " + o.ID,
 		"answered with this stored 201", strings.TrimSpace(string(created.Body)),
 	} {

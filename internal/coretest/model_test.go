@@ -14,7 +14,10 @@ package idem_test
 //     valid), method POST/PATCH and lowercase variants, path, body — and the
 //     handler outcome chosen for it: 201, slow 201, 400, 500, a panic
 //     (http.ErrAbortHandler), a client hang-up while the handler runs, and with
-//     SQLite a failing SQL statement the handler catches and answers 409 for;
+//     SQLite a failing SQL statement the handler catches and answers 409 for,
+//     and a row whose deferred foreign key makes SQLite refuse the COMMIT
+//     while the handler answers 201 (500 idempotency_transaction_aborted, the
+//     key released, nothing committed);
 //   - hold/release (memory stores): a request whose handler blocks, so that
 //     other requests, clock jumps and sweeps happen while it is in flight;
 //   - burst: 2–4 identical requests released at the same moment;
@@ -258,6 +261,10 @@ func memTarget(s idem.Store) *target {
 
 const modelOrdersSchema = `CREATE TABLE IF NOT EXISTS model_orders (exec INTEGER PRIMARY KEY, req TEXT NOT NULL)`
 
+// modelRefusedSchema is the table of the "refused" outcome: its foreign key
+// is checked at COMMIT, which SQLite then refuses for a missing order.
+const modelRefusedSchema = `CREATE TABLE IF NOT EXISTS model_refused (req TEXT NOT NULL, exec INTEGER NOT NULL REFERENCES model_orders (exec) DEFERRABLE INITIALLY DEFERRED)`
+
 // sqliteModel opens one database for all the checks of a run (opening one per
 // check would prepare every statement anew on every connection) and returns the
 // target of one check: the records and the handler's rows emptied.
@@ -281,14 +288,14 @@ func sqliteModel(t *testing.T) func(*rapid.T) *target {
 	}
 	_ = migrator.Close()
 	// Row 0 exists so that the handler's failing statement is a real constraint violation.
-	for _, q := range []string{modelOrdersSchema, `INSERT INTO model_orders (exec, req) VALUES (0, 'seed')`} {
+	for _, q := range []string{modelOrdersSchema, modelRefusedSchema, `INSERT INTO model_orders (exec, req) VALUES (0, 'seed')`} {
 		if _, err := db.Exec(q); err != nil {
 			t.Fatal(err)
 		}
 	}
 	var current *sqlitestore.Store
 	return func(rt *rapid.T) *target {
-		for _, q := range []string{`DELETE FROM model_records`, `DELETE FROM model_orders WHERE exec > 0`} {
+		for _, q := range []string{`DELETE FROM model_records`, `DELETE FROM model_refused`, `DELETE FROM model_orders WHERE exec > 0`} {
 			if _, err := db.Exec(q); err != nil {
 				rt.Fatal(err)
 			}
@@ -601,6 +608,12 @@ func (h *harness) business(w http.ResponseWriter, r *http.Request) {
 			http.Error(w, "insert: "+err.Error(), 598)
 			return
 		}
+		if outcome == "refused" {
+			if _, err := tx.ExecContext(r.Context(), `INSERT INTO model_refused (req, exec) VALUES (?, -1)`, id); err != nil {
+				http.Error(w, "insert the refused row: "+err.Error(), 596)
+				return
+			}
+		}
 		if outcome == "sqlfail" {
 			if _, err := tx.ExecContext(r.Context(), `INSERT INTO model_orders (exec, req) VALUES (0, ?)`, id); err == nil {
 				http.Error(w, "the duplicate row was accepted", 597)
@@ -657,7 +670,7 @@ func skewed(t *rapid.T, label string, items []string) string {
 func (h *harness) outcomes() []string {
 	o := []string{"201", "slow", "400", "500", "panic", "hangup"}
 	if h.tg.sqlfail {
-		o = append(o, "sqlfail")
+		o = append(o, "sqlfail", "refused")
 	}
 	return o
 }
@@ -793,7 +806,7 @@ func (h *harness) claim(r mreq, owner string, takeover bool) *mrec {
 // the outcome is stored, or the key released.
 func (h *harness) settle(id recID, e execRec) {
 	rec := h.recs[id]
-	if e.outcome == "panic" || (!h.keepAll && handlerAnswer(e).status >= 500) {
+	if e.outcome == "panic" || e.outcome == "refused" || (!h.keepAll && handlerAnswer(e).status >= 500) {
 		delete(h.recs, id)
 		if h.single && !rec.takeover && rec.replaced != nil {
 			// The single transaction wrote nothing: the expired record it would
@@ -873,6 +886,13 @@ func (h *harness) request(t *rapid.T, r mreq, what string) {
 		if res.err == nil {
 			t.Fatalf("the client hung up but got %d %s", res.a.status, res.a.body)
 		}
+	case "refused":
+		// SQLite refused the COMMIT: nothing committed, and the 201 the
+		// handler answered is not true.
+		if res.err != nil {
+			t.Fatalf("request failed: %v", res.err)
+		}
+		h.expectProblem(res.a, 500, idem.CodeTxAborted, 0)
 	default:
 		h.expectFresh(res, handlerAnswer(e))
 	}
@@ -1138,7 +1158,7 @@ func (h *harness) actCrash(t *rapid.T) {
 	}
 	now := h.clock.Now()
 	body := []byte(r.body)
-	fpr := idem.FingerprintV2(httptest.NewRequest(r.method, r.path, nil), body)
+	fpr := idem.FingerprintV3(httptest.NewRequest(r.method, r.path, nil), body)
 	_, claimed, err := h.tg.store.Claim(context.Background(), idem.ClaimRequest{
 		Scope: idem.StoredScope(r.scope), Key: r.key, Fingerprint: fpr, Token: token,
 		Now: now, LeaseUntil: now.Add(modelLease), ExpiresAt: now.Add(h.ttl),
@@ -1192,7 +1212,7 @@ func (h *harness) check(t *rapid.T) {
 		if err != nil {
 			t.Fatalf("record %v: Get: %v; the model has a %s record", id, err, rec.state)
 		}
-		wantFP := idem.FingerprintV2(httptest.NewRequest(rec.fp.method, rec.fp.path, nil), []byte(rec.fp.body))
+		wantFP := idem.FingerprintV3(httptest.NewRequest(rec.fp.method, rec.fp.path, nil), []byte(rec.fp.body))
 		if got.State != rec.state || got.Fingerprint != wantFP || !got.CreatedAt.Equal(rec.createdAt) || !got.ExpiresAt.Equal(rec.expiresAt) {
 			t.Fatalf("record %v: store has %s created %v expires %v, the model %s created %v expires %v",
 				id, got.State, got.CreatedAt, got.ExpiresAt, rec.state, rec.createdAt, rec.expiresAt)
