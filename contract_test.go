@@ -201,12 +201,12 @@ func TestLargestMaxRequestBody(t *testing.T) {
 	}
 }
 
-// TestErrorCodeTableIsTheCode: the README's error-code table and the problems
+// TestErrorCodeTableIsTheCode: the error-code table of docs/errors.md and the problems
 // idem writes agree: every code idem has is in the table, under its anchor, with
 // the status NewProblem gives it, and the table names no code idem lacks.
 func TestErrorCodeTableIsTheCode(t *testing.T) {
 	t.Parallel()
-	readme, err := os.ReadFile("README.md")
+	readme, err := os.ReadFile("docs/errors.md")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -215,7 +215,7 @@ func TestErrorCodeTableIsTheCode(t *testing.T) {
 	for _, m := range row.FindAllStringSubmatch(string(readme), -1) {
 		status, _ := strconv.Atoi(m[1])
 		if m[2] != m[3] {
-			t.Errorf("README row for %s has the anchor %s", m[3], m[2])
+			t.Errorf("docs/errors.md row for %s has the anchor %s", m[3], m[2])
 		}
 		table[m[3]] = status
 	}
@@ -226,7 +226,7 @@ func TestErrorCodeTableIsTheCode(t *testing.T) {
 		idem.CodeOutcomeUnknown, idem.CodeTxConflict,
 	}
 	if len(table) != len(codes) {
-		t.Errorf("the README's error table has %d codes, idem has %d: %v", len(table), len(codes), table)
+		t.Errorf("docs/errors.md's error table has %d codes, idem has %d: %v", len(table), len(codes), table)
 	}
 	for _, code := range codes {
 		p := idem.NewProblem(code, "d")
@@ -234,7 +234,7 @@ func TestErrorCodeTableIsTheCode(t *testing.T) {
 			t.Errorf("NewProblem(%s) = %+v", code, p)
 		}
 		if st, ok := table[code]; !ok || st != p.Status {
-			t.Errorf("%s: README says %d (listed: %v), idem answers %d", code, st, ok, p.Status)
+			t.Errorf("%s: docs/errors.md says %d (listed: %v), idem answers %d", code, st, ok, p.Status)
 		}
 	}
 }

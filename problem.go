@@ -7,11 +7,12 @@ import (
 )
 
 // ProblemTypeBase prefixes every problem type URI idem sends; the fragment is the
-// problem's code, documented in the README under that anchor.
-const ProblemTypeBase = "https://github.com/idemkit/idem/blob/main/README.md#"
+// problem's code, documented in docs/errors.md under that anchor (the README
+// keeps an anchor for every code too, for answers stored before that page existed).
+const ProblemTypeBase = "https://github.com/idemkit/idem/blob/main/docs/errors.md#"
 
 // Problem codes: the "code" member of every problem answer idem writes. They are
-// API; the README documents each.
+// API; docs/errors.md documents each.
 const (
 	CodeKeyMissing       = "idempotency_key_missing"
 	CodeKeyInvalid       = "idempotency_key_invalid"
