@@ -1229,3 +1229,16 @@ func TestDemoConfigErrorPrefix(t *testing.T) {
 		t.Fatalf("--ttl 1s: exit %d, stderr %q; want 2 and one prefix", code, stderr)
 	}
 }
+
+// TestProxyConfigErrorPrefix: a setting the core refuses is named once, by
+// its flag, after one "idem proxy: " (it read "idem proxy: proxy: route 1
+// (…): idem: invalid config: invalid TTL 1s …").
+func TestProxyConfigErrorPrefix(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	code, _, stderr := runIdem(t, dir, nil, "proxy", "--upstream", "http://127.0.0.1:1", "--db", "sqlite:"+filepath.Join(dir, "k.db"),
+		"--route", "POST /orders", "--scope", "none", "--ttl", "1s")
+	if code != exitUsage || !strings.HasPrefix(stderr, `idem proxy: route 1 ("POST /orders"): invalid --ttl 1s: shorter than --lease (30s)`) || strings.Contains(stderr, "idem: ") || strings.Contains(stderr, "proxy: proxy:") {
+		t.Fatalf("--ttl 1s: exit %d, stderr %q; want 2 and one prefix", code, stderr)
+	}
+}

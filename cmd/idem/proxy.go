@@ -339,7 +339,13 @@ func runProxy(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		OnUnrouted: func(string, string) { unrouted.Inc() }, Observer: metrics,
 	})
 	if err != nil {
-		return storeUsageError(stderr, fs, err.Error())
+		// The library's error reads "proxy: route N (…): idem: invalid config: …";
+		// after this command's "idem proxy: " prefix only the route and the
+		// finding are news, named by the flags that set them.
+		msg := strings.TrimPrefix(err.Error(), "proxy: ")
+		msg = strings.Replace(msg, "idem: invalid config: ", "", 1)
+		msg = strings.NewReplacer("invalid Lease", "invalid --lease", "invalid TTL", "invalid --ttl", "than Lease", "than --lease", "than TTL", "than --ttl").Replace(msg)
+		return storeUsageError(stderr, fs, msg)
 	}
 	janitor := &idem.Janitor{Store: h.Store, OnSweep: metrics.OnSweep}
 
