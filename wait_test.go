@@ -1,0 +1,388 @@
+package idem_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/waittest"
+	"github.com/idemkit/idem/memstore"
+	"github.com/idemkit/idem/sqlitestore"
+	"github.com/idemkit/idem/sqlitestore/embedded"
+)
+
+// TestInFlightWaitConcurrent: 50 requests with one key, the first one's
+// handler held for a second, InFlightWait 5s: one execution, 49 byte-exact
+// replays, no 409 (without InFlightWait all 49 get 409).
+func TestInFlightWaitConcurrent(t *testing.T) {
+	onLocalStores(t, func(t *testing.T, newStore func(*testing.T) idem.Store, flow idem.Flow) {
+		waittest.Concurrent(t, []idem.Store{newStore(t)}, flow, 50)
+	})
+}
+
+// openSQLite opens the migrated SQLite store at path through a database
+// handle of its own.
+func openSQLite(t *testing.T, path string) *sqlitestore.Store {
+	t.Helper()
+	db, err := embedded.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	s, err := sqlitestore.New(db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// TestInFlightWaitTwoMiddlewares: the duplicates are split over two
+// middlewares, each with a store handle of its own (two database handles on
+// one SQLite file; one memstore shared), as two processes would be: the
+// waiters of the other middleware are woken too (by polling on SQLite).
+func TestInFlightWaitTwoMiddlewares(t *testing.T) {
+	t.Run("memstore", func(t *testing.T) {
+		t.Parallel()
+		s := memstore.New(nil)
+		t.Cleanup(func() { _ = s.Close() })
+		waittest.Concurrent(t, []idem.Store{s, s}, idem.FlowAuto, 50)
+	})
+	for _, flow := range []idem.Flow{idem.FlowClaimComplete, idem.FlowSingleTx} {
+		t.Run(fmt.Sprintf("sqlite-flow%d", flow), func(t *testing.T) {
+			t.Parallel()
+			path := filepath.Join(t.TempDir(), "records.db")
+			waittest.Concurrent(t, []idem.Store{openSQLite(t, path), openSQLite(t, path)}, flow, 50)
+		})
+	}
+}
+
+// TestInFlightWaitShorterThanTheHandler: every duplicate waits InFlightWait,
+// then gets 409 with a Retry-After within the lease.
+func TestInFlightWaitShorterThanTheHandler(t *testing.T) {
+	onLocalStores(t, func(t *testing.T, newStore func(*testing.T) idem.Store, flow idem.Flow) {
+		waittest.ShortWait(t, newStore(t), flow)
+	})
+}
+
+// TestInFlightWaitManyWaiters: 2,000 requests wait on one key on memstore
+// (300 on SQLite, whose one writer makes each claim slow under -race); each
+// waiter gets the replay (on memstore another key runs meanwhile; on SQLite
+// the holder's transaction holds the database's write lock).
+func TestInFlightWaitManyWaiters(t *testing.T) {
+	onLocalStores(t, func(t *testing.T, newStore func(*testing.T) idem.Store, flow idem.Flow) {
+		key := waittest.Key(t)
+		store := newStore(t)
+		_, mem := store.(*memstore.Store)
+		n := 300
+		if mem {
+			n = 2000
+		}
+		waittest.Many(t, store, flow, n, key, idem.WaitJoins(key), mem)
+	})
+}
+
+// TestInFlightWaitMemoryPerWaiter measures, by hand, the memory 10,000
+// waiters take (IDEM_WAIT_MEMORY=1); it reports, never asserts.
+func TestInFlightWaitMemoryPerWaiter(t *testing.T) {
+	if os.Getenv("IDEM_WAIT_MEMORY") == "" {
+		t.Skip("set IDEM_WAIT_MEMORY=1 to measure the memory of 10,000 waiters")
+	}
+	const n = 10000
+	s := memstore.New(nil)
+	t.Cleanup(func() { _ = s.Close() })
+	key := waittest.Key(t)
+	joins := idem.WaitJoins(key)
+	g := waittest.NewGated()
+	srv := waittest.Server(t, s, idem.Config{InFlightWait: 5 * time.Minute, InFlightMaxWaiters: n, InFlightMaxWaitersPerKey: n}, g)
+	defer g.Open()
+	c := waittest.Client()
+	go waittest.Post(context.Background(), c, srv.URL, key, nil)
+	<-g.Entered
+	// The baseline: n idle keep-alive requests cost their connections too, so
+	// measure the server's side only through the heap after the waiters joined,
+	// against the heap with n connections open on a route without idem.
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	var wg sync.WaitGroup
+	for range n {
+		wg.Add(1)
+		go func() { defer wg.Done(); waittest.Post(context.Background(), c, srv.URL, key, nil) }()
+	}
+	for range n {
+		<-joins
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	t.Logf("%d waiters: heap %+d KiB, %+d goroutines' stacks: %.0f bytes per waiter (client and server side of a loopback connection included)",
+		n, (int64(after.HeapInuse)-int64(before.HeapInuse))/1024, int64(after.StackInuse)-int64(before.StackInuse),
+		float64(int64(after.HeapInuse+after.StackInuse)-int64(before.HeapInuse+before.StackInuse))/n)
+	g.Open()
+	wg.Wait()
+}
+
+// TestInFlightWaitHangUp: a waiter whose client hangs up stops at once (long
+// before InFlightWait) and frees its place: with one place per key, the next
+// duplicate waits instead of getting 409.
+func TestInFlightWaitHangUp(t *testing.T) {
+	onLocalStores(t, func(t *testing.T, newStore func(*testing.T) idem.Store, flow idem.Flow) {
+		key := waittest.Key(t)
+		joins := idem.WaitJoins(key)
+		ev := waittest.NewEvents(key)
+		g := waittest.NewGated()
+		srv := waittest.Server(t, newStore(t), idem.Config{Flow: flow, InFlightWait: 10 * time.Minute, InFlightMaxWaitersPerKey: 1, Observer: ev}, g)
+		defer g.Open()
+		c := waittest.Client()
+		first := make(chan waittest.Answer, 1)
+		go func() { first <- waittest.Post(context.Background(), c, srv.URL, key, nil) }()
+		<-g.Entered
+		ctx, hangUp := context.WithCancel(context.Background())
+		gone := make(chan waittest.Answer, 1)
+		go func() { gone <- waittest.Post(ctx, c, srv.URL, key, nil) }()
+		<-joins
+		hangUp()
+		select {
+		case o := <-ev.Ended():
+			if o != idem.WaitHungUp {
+				t.Fatalf("the wait ended %v, want %v", o, idem.WaitHungUp)
+			}
+		case <-time.After(time.Minute):
+			t.Fatal("a waiter whose client hung up was still waiting a minute later")
+		}
+		<-gone
+		next := make(chan waittest.Answer, 1)
+		go func() { next <- waittest.Post(context.Background(), c, srv.URL, key, nil) }()
+		select {
+		case <-joins:
+		case a := <-next:
+			t.Fatalf("the next duplicate got %d %s without waiting: the place of the waiter that hung up was not freed", a.Status, a.Body)
+		}
+		g.Open()
+		if a := <-next; a.Status != http.StatusCreated || !a.Replayed {
+			t.Errorf("the next duplicate: %d replayed=%v, want the replay", a.Status, a.Replayed)
+		}
+		if f := <-first; f.Status != http.StatusCreated {
+			t.Errorf("the first request: %d", f.Status)
+		}
+	})
+}
+
+// TestInFlightWaitFull: past InFlightMaxWaitersPerKey a duplicate gets 409 at
+// once.
+func TestInFlightWaitFull(t *testing.T) {
+	t.Parallel()
+	s := memstore.New(nil)
+	t.Cleanup(func() { _ = s.Close() })
+	key := waittest.Key(t)
+	joins := idem.WaitJoins(key)
+	ev := waittest.NewEvents(key)
+	g := waittest.NewGated()
+	srv := waittest.Server(t, s, idem.Config{InFlightWait: 10 * time.Minute, InFlightMaxWaitersPerKey: 2, Observer: ev}, g)
+	defer g.Open()
+	c := waittest.Client()
+	go waittest.Post(context.Background(), c, srv.URL, key, nil)
+	<-g.Entered
+	var wg sync.WaitGroup
+	for range 2 {
+		wg.Add(1)
+		go func() { defer wg.Done(); waittest.Post(context.Background(), c, srv.URL, key, nil) }()
+		<-joins
+	}
+	if a := waittest.Post(context.Background(), c, srv.URL, key, nil); a.Status != http.StatusConflict || a.RetryAfter < 1 {
+		t.Errorf("a third duplicate with 2 places per key: %d Retry-After %d, want 409 at once", a.Status, a.RetryAfter)
+	}
+	if got := ev.Waits(idem.WaitFull); got != 1 {
+		t.Errorf("%d waits refused as full, want 1", got)
+	}
+	g.Open()
+	wg.Wait()
+}
+
+// TestInFlightWaitMismatch: another request with the key gets 422 at once,
+// while the holder still runs (claim-then-complete: its fingerprint is
+// stored); in the single-transaction flow the holder's fingerprint is known
+// only once it commits, so the other request waits, then gets 422.
+func TestInFlightWaitMismatch(t *testing.T) {
+	onLocalStores(t, func(t *testing.T, newStore func(*testing.T) idem.Store, flow idem.Flow) {
+		key := waittest.Key(t)
+		g := waittest.NewGated()
+		srv := waittest.Server(t, newStore(t), idem.Config{Flow: flow, InFlightWait: 10 * time.Minute}, g)
+		defer g.Open()
+		c := waittest.Client()
+		first := make(chan waittest.Answer, 1)
+		go func() { first <- waittest.Post(context.Background(), c, srv.URL, key, []byte("a")) }()
+		<-g.Entered
+		other := make(chan waittest.Answer, 1)
+		go func() { other <- waittest.Post(context.Background(), c, srv.URL, key, []byte("b")) }()
+		if flow != idem.FlowSingleTx {
+			if a := <-other; a.Status != http.StatusUnprocessableEntity {
+				t.Errorf("another request with the key while the holder runs: %d, want 422 at once", a.Status)
+			}
+			g.Open()
+		} else {
+			g.Open()
+			if a := <-other; a.Status != http.StatusUnprocessableEntity {
+				t.Errorf("another request with the key: %d, want 422 once the holder committed", a.Status)
+			}
+		}
+		<-first
+	})
+}
+
+// TestInFlightWaitHolderLetsGo: a holder whose outcome is not kept (500 with
+// a KeepFunc that keeps only successes) releases the key, or ends its
+// transaction: its waiters go on as fresh requests — one executes, the others
+// wait for it and get its replay.
+func TestInFlightWaitHolderLetsGo(t *testing.T) {
+	onLocalStores(t, func(t *testing.T, newStore func(*testing.T) idem.Store, flow idem.Flow) {
+		const n = 8
+		key := waittest.Key(t)
+		joins := idem.WaitJoins(key)
+		ev := waittest.NewEvents(key)
+		g := waittest.NewGated()
+		var mu sync.Mutex
+		runs := 0
+		h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			mu.Lock()
+			runs++
+			nth := runs
+			mu.Unlock()
+			if nth == 1 {
+				g.ServeHTTP(httptest.NewRecorder(), r)
+				http.Error(w, "upstream failed", http.StatusBadGateway)
+				return
+			}
+			_, _ = fmt.Fprintf(w, "run %d", nth)
+		})
+		srv := waittest.Server(t, newStore(t), idem.Config{Flow: flow, InFlightWait: 10 * time.Minute, Observer: ev,
+			KeepFunc: func(status int) bool { return status < 500 }}, h)
+		defer g.Open()
+		c := waittest.Client()
+		first := make(chan waittest.Answer, 1)
+		go func() { first <- waittest.Post(context.Background(), c, srv.URL, key, nil) }()
+		<-g.Entered
+		answers := make([]waittest.Answer, n)
+		var wg sync.WaitGroup
+		for i := range answers {
+			wg.Add(1)
+			go func() { defer wg.Done(); answers[i] = waittest.Post(context.Background(), c, srv.URL, key, nil) }()
+		}
+		for range n {
+			<-joins
+		}
+		g.Open()
+		wg.Wait()
+		if f := <-first; f.Status != http.StatusBadGateway {
+			t.Errorf("the holder: %d, want its own 502", f.Status)
+		}
+		executed, replayed := 0, 0
+		for _, a := range answers {
+			switch {
+			case a.Status == 200 && string(a.Body) == "run 2" && !a.Replayed:
+				executed++
+			case a.Status == 200 && string(a.Body) == "run 2" && a.Replayed:
+				replayed++
+			default:
+				t.Errorf("a waiter got %d %q replayed=%v, want run 2 (executed once, replayed to the rest)", a.Status, a.Body, a.Replayed)
+			}
+		}
+		if executed != 1 || replayed != n-1 || runs != 2 {
+			t.Errorf("after the holder let go: %d executed, %d replayed, the handler ran %d times; want 1, %d, 2", executed, replayed, runs, n-1)
+		}
+		if ev.Waits(idem.WaitRetried) < n {
+			t.Errorf("%d waits ended as retried, want at least %d: %v", ev.Waits(idem.WaitRetried), n, ev)
+		}
+	})
+}
+
+// TestInFlightWaitCrashedHolder: a holder that crashed (its claim stays in
+// flight, nobody renews it) wakes its waiters when its lease lapses; they get
+// what a fresh request gets: a takeover, or under LapsedRefuse 503.
+func TestInFlightWaitCrashedHolder(t *testing.T) {
+	for _, policy := range []idem.LapsedLease{idem.LapsedTakeOver, idem.LapsedRefuse} {
+		onLocalStores(t, func(t *testing.T, newStore func(*testing.T) idem.Store, flow idem.Flow) {
+			if flow == idem.FlowSingleTx {
+				flow = idem.FlowClaimComplete // a crashed single-transaction holder leaves no record: its lock goes with its connection
+			}
+			store := newStore(t)
+			key := waittest.Key(t)
+			ev := waittest.NewEvents(key)
+			body := []byte(`{"crash":true}`)
+			r := httptest.NewRequest(http.MethodPost, "/", bytes.NewReader(body))
+			now := time.Now()
+			const lease = 500 * time.Millisecond
+			if _, ok, err := store.Claim(context.Background(), idem.ClaimRequest{Key: key, Fingerprint: idem.FingerprintV2(r, body), Token: "crashed-holder-token00",
+				Now: now, LeaseUntil: now.Add(lease), ExpiresAt: now.Add(time.Hour)}); err != nil || !ok {
+				t.Fatalf("claim as the crashed holder: %v %v", ok, err)
+			}
+			srv := waittest.Server(t, store, idem.Config{Flow: flow, InFlightWait: 10 * time.Minute, LapsedLease: policy, Observer: ev},
+				http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusCreated) }))
+			c := waittest.Client()
+			answers := make([]waittest.Answer, 5)
+			var wg sync.WaitGroup
+			for i := range answers {
+				wg.Add(1)
+				go func() { defer wg.Done(); answers[i] = waittest.Post(context.Background(), c, srv.URL, key, body) }()
+			}
+			wg.Wait()
+			created := 0
+			for _, a := range answers {
+				switch {
+				case policy == idem.LapsedTakeOver && a.Status == http.StatusCreated:
+					created++
+				case policy == idem.LapsedRefuse && a.Status == http.StatusServiceUnavailable && strings.Contains(string(a.Body), idem.CodeOutcomeUnknown):
+				default:
+					t.Errorf("%v: a waiter got %d %s", policy, a.Status, a.Body)
+				}
+				if a.Took > 5*time.Minute {
+					t.Errorf("a waiter took %v", a.Took)
+				}
+			}
+			if policy == idem.LapsedTakeOver && created != 5 {
+				t.Errorf("takeover: %d of 5 got 201 (one executed, the rest its replay)", created)
+			}
+		})
+	}
+}
+
+// TestInFlightWaitOff: without InFlightWait a duplicate gets 409 at once, as
+// before.
+func TestInFlightWaitOff(t *testing.T) {
+	t.Parallel()
+	s := memstore.New(nil)
+	t.Cleanup(func() { _ = s.Close() })
+	key := waittest.Key(t)
+	g := waittest.NewGated()
+	srv := waittest.Server(t, s, idem.Config{}, g)
+	defer g.Open()
+	c := waittest.Client()
+	go waittest.Post(context.Background(), c, srv.URL, key, nil)
+	<-g.Entered
+	if a := waittest.Post(context.Background(), c, srv.URL, key, nil); a.Status != http.StatusConflict {
+		t.Errorf("a duplicate without InFlightWait: %d, want 409", a.Status)
+	}
+}
+
+// TestInFlightWaitConfig: negative bounds are refused with what to do.
+func TestInFlightWaitConfig(t *testing.T) {
+	t.Parallel()
+	for _, c := range []idem.Config{{InFlightWait: -time.Second}, {InFlightMaxWaiters: -1}, {InFlightMaxWaitersPerKey: -1}} {
+		err := c.Validate()
+		if err == nil || !strings.Contains(err.Error(), "InFlight") {
+			t.Errorf("%+v: %v, want an error naming the field", c, err)
+		}
+	}
+}
