@@ -386,3 +386,21 @@ func TestInFlightWaitConfig(t *testing.T) {
 		}
 	}
 }
+
+// TestInFlightWaitLatency logs the wake-up latency (p50/p99 from the
+// holder's answer to the waiters' answers) on memstore and SQLite, by hand:
+// IDEM_WAIT_LATENCY=1.
+func TestInFlightWaitLatency(t *testing.T) {
+	if os.Getenv("IDEM_WAIT_LATENCY") == "" {
+		t.Skip("set IDEM_WAIT_LATENCY=1 to measure")
+	}
+	mem := memstore.New(nil)
+	t.Cleanup(func() { _ = mem.Close() })
+	p50, p99 := waittest.WakeLatency(t, []idem.Store{mem, mem}, idem.FlowAuto, 20, 10)
+	t.Logf("memstore, two middlewares: wake-up p50 %v p99 %v", p50, p99)
+	for _, flow := range []idem.Flow{idem.FlowClaimComplete, idem.FlowSingleTx} {
+		path := filepath.Join(t.TempDir(), "records.db")
+		p50, p99 := waittest.WakeLatency(t, []idem.Store{openSQLite(t, path), openSQLite(t, path)}, flow, 20, 10)
+		t.Logf("SQLite flow %v, two database handles (polled): wake-up p50 %v p99 %v", flow, p50, p99)
+	}
+}
