@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -94,44 +95,56 @@ func TestInFlightWaitManyWaiters(t *testing.T) {
 	})
 }
 
-// TestInFlightWaitMemoryPerWaiter measures, by hand, the memory 10,000
-// waiters take (IDEM_WAIT_MEMORY=1); it reports, never asserts.
+// TestInFlightWaitMemoryPerWaiter measures, by hand, the memory N waiters
+// take (IDEM_WAIT_MEMORY=N; client and server share the process, so N
+// connections take 2N file descriptors); it reports, never asserts.
 func TestInFlightWaitMemoryPerWaiter(t *testing.T) {
-	if os.Getenv("IDEM_WAIT_MEMORY") == "" {
-		t.Skip("set IDEM_WAIT_MEMORY=1 to measure the memory of 10,000 waiters")
+	n, _ := strconv.Atoi(os.Getenv("IDEM_WAIT_MEMORY"))
+	if n <= 0 {
+		t.Skip("set IDEM_WAIT_MEMORY=N to measure the memory of N waiters")
 	}
-	const n = 10000
+	c := waittest.Client()
+	// heapOf returns the heap and stacks in use once n requests to url are
+	// parked (ready receives once per parked request), then unparks them.
+	heapOf := func(url, key string, ready <-chan struct{}, open func()) uint64 {
+		var wg sync.WaitGroup
+		for range n {
+			wg.Add(1)
+			go func() { defer wg.Done(); waittest.Post(context.Background(), c, url, key, nil) }()
+		}
+		for range n {
+			<-ready
+		}
+		var ms runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&ms)
+		open()
+		wg.Wait()
+		return ms.HeapInuse + ms.StackInuse
+	}
+	var base runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&base)
+	// Baseline: n requests parked in a plain handler, without idem.
+	parked := waittest.NewGated()
+	plain := httptest.NewServer(parked)
+	t.Cleanup(plain.Close)
+	withoutIdem := heapOf(plain.URL, "", parked.Entered, parked.Open)
+	plain.CloseClientConnections()
+	c.CloseIdleConnections()
+	// n waiters on one key behind idem.
 	s := memstore.New(nil)
 	t.Cleanup(func() { _ = s.Close() })
 	key := waittest.Key(t)
-	joins := idem.WaitJoins(key)
 	g := waittest.NewGated()
 	srv := waittest.Server(t, s, idem.Config{InFlightWait: 5 * time.Minute, InFlightMaxWaiters: n, InFlightMaxWaitersPerKey: n}, g)
 	defer g.Open()
-	c := waittest.Client()
 	go waittest.Post(context.Background(), c, srv.URL, key, nil)
 	<-g.Entered
-	// The baseline: n idle keep-alive requests cost their connections too, so
-	// measure the server's side only through the heap after the waiters joined,
-	// against the heap with n connections open on a route without idem.
-	var before, after runtime.MemStats
-	runtime.GC()
-	runtime.ReadMemStats(&before)
-	var wg sync.WaitGroup
-	for range n {
-		wg.Add(1)
-		go func() { defer wg.Done(); waittest.Post(context.Background(), c, srv.URL, key, nil) }()
-	}
-	for range n {
-		<-joins
-	}
-	runtime.GC()
-	runtime.ReadMemStats(&after)
-	t.Logf("%d waiters: heap %+d KiB, %+d goroutines' stacks: %.0f bytes per waiter (client and server side of a loopback connection included)",
-		n, (int64(after.HeapInuse)-int64(before.HeapInuse))/1024, int64(after.StackInuse)-int64(before.StackInuse),
-		float64(int64(after.HeapInuse+after.StackInuse)-int64(before.HeapInuse+before.StackInuse))/n)
-	g.Open()
-	wg.Wait()
+	waiting := heapOf(srv.URL, key, idem.WaitJoins(key), g.Open)
+	t.Logf("%d requests parked: without idem %.1f KiB each (both ends of a loopback connection), waiting behind idem %.1f KiB each: idem's waiter %.0f bytes",
+		n, float64(withoutIdem-base.HeapInuse-base.StackInuse)/1024/float64(n), float64(waiting-base.HeapInuse-base.StackInuse)/1024/float64(n),
+		(float64(waiting)-float64(withoutIdem))/float64(n))
 }
 
 // TestInFlightWaitHangUp: a waiter whose client hangs up stops at once (long
