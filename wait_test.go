@@ -417,3 +417,41 @@ func TestInFlightWaitLatency(t *testing.T) {
 		t.Logf("SQLite flow %v, two database handles (polled): wake-up p50 %v p99 %v", flow, p50, p99)
 	}
 }
+
+// TestInFlightWaitDefaultPerKeyCap: with InFlightMaxWaitersPerKey left at 0,
+// DefaultInFlightMaxWaitersPerKey (1000, as the README says) requests wait
+// for one key, and the next gets 409 at once.
+func TestInFlightWaitDefaultPerKeyCap(t *testing.T) {
+	t.Parallel()
+	if idem.DefaultInFlightMaxWaitersPerKey != 1000 || idem.DefaultInFlightMaxWaiters != 10000 {
+		t.Fatalf("defaults %d per key, %d in all; the README documents 1000 and 10000", idem.DefaultInFlightMaxWaitersPerKey, idem.DefaultInFlightMaxWaiters)
+	}
+	s := memstore.New(nil)
+	t.Cleanup(func() { _ = s.Close() })
+	key := waittest.Key(t)
+	joins := idem.WaitJoins(key)
+	ev := waittest.NewEvents(key)
+	g := waittest.NewGated()
+	srv := waittest.Server(t, s, idem.Config{InFlightWait: 10 * time.Minute, Observer: ev}, g)
+	defer g.Open()
+	c := waittest.Client()
+	go waittest.Post(context.Background(), c, srv.URL, key, nil)
+	<-g.Entered
+	const n = 1000
+	var wg sync.WaitGroup
+	for range n {
+		wg.Add(1)
+		go func() { defer wg.Done(); waittest.Post(context.Background(), c, srv.URL, key, nil) }()
+	}
+	for range n {
+		<-joins
+	}
+	if a := waittest.Post(context.Background(), c, srv.URL, key, nil); a.Status != http.StatusConflict {
+		t.Errorf("request %d for one key: %d, want 409 at once (the default per-key cap is %d)", n+1, a.Status, n)
+	}
+	if got := ev.Waits(idem.WaitFull); got != 1 {
+		t.Errorf("%d waits refused as full, want 1", got)
+	}
+	g.Open()
+	wg.Wait()
+}
