@@ -3,7 +3,9 @@ package pgstore_test
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"os"
+	"sync"
 	"testing"
 	"time"
 
@@ -128,5 +130,68 @@ func TestInFlightWaitLatency(t *testing.T) {
 		s := db.newStore(t)
 		p50, p99 := waittest.WakeLatency(t, []idem.Store{s, secondStore(t, s)}, flow, 20, 10)
 		t.Logf("PostgreSQL flow %v, two pools: wake-up p50 %v p99 %v", flow, p50, p99)
+	}
+}
+
+// TestInFlightWaitHolderConnectionDies: in the single-transaction flow a
+// holder whose connection dies (pg_terminate_backend, as when its server
+// crashes) leaves no record, and its lock goes with the connection; its
+// waiters, in another middleware with a pool of its own, notice the free lock
+// and go on as fresh requests: one executes, the others get its replay.
+func TestInFlightWaitHolderConnectionDies(t *testing.T) {
+	t.Parallel()
+	db := newTestDB(t, 8)
+	a := db.newStore(t)
+	b := secondStore(t, a)
+	key := waittest.Key(t)
+	pids := make(chan uint32, 1)
+	gate := make(chan struct{})
+	defer close(gate)
+	var mu sync.Mutex
+	runs := 0
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		runs++
+		nth := runs
+		mu.Unlock()
+		if nth == 1 {
+			pids <- pgstore.Tx(r.Context()).Conn().PgConn().PID()
+			<-gate
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+		_, _ = fmt.Fprintf(w, "run %d", nth)
+	})
+	holder := waittest.Server(t, a, idem.Config{Flow: idem.FlowSingleTx}, h)
+	ev := waittest.NewEvents(key)
+	waiters := waittest.Server(t, b, idem.Config{Flow: idem.FlowSingleTx, InFlightWait: 5 * time.Minute, Observer: ev}, h)
+	c := waittest.Client()
+	go waittest.Post(context.Background(), c, holder.URL, key, nil)
+	pid := <-pids
+	const n = 5
+	answers := make([]waittest.Answer, n)
+	var wg sync.WaitGroup
+	for i := range answers {
+		wg.Add(1)
+		go func() { defer wg.Done(); answers[i] = waittest.Post(context.Background(), c, waiters.URL, key, nil) }()
+	}
+	time.Sleep(300 * time.Millisecond) // most likely waiting by now; if not, they find the key free
+	if _, err := db.pool.Exec(context.Background(), "SELECT pg_terminate_backend($1)", pid); err != nil {
+		t.Fatal(err)
+	}
+	wg.Wait()
+	executed, replayed := 0, 0
+	for _, ans := range answers {
+		switch {
+		case ans.Status == http.StatusCreated && string(ans.Body) == "run 2" && !ans.Replayed:
+			executed++
+		case ans.Status == http.StatusCreated && string(ans.Body) == "run 2" && ans.Replayed:
+			replayed++
+		default:
+			t.Errorf("a waiter got %d %q replayed=%v, want run 2", ans.Status, ans.Body, ans.Replayed)
+		}
+	}
+	if executed != 1 || replayed != n-1 {
+		t.Errorf("%d executed, %d replayed, want 1 and %d (waits: %v)", executed, replayed, n-1, ev)
 	}
 }
