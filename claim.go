@@ -58,7 +58,7 @@ func (h *handler) serveClaim(w http.ResponseWriter, req *request) {
 				h.replay(w, req, rec)
 				return
 			}
-			h.inFlight(w, req, rec.LeaseUntil.Sub(now))
+			h.awaitOutcome(w, req, rec.LeaseUntil)
 			return
 		}
 	}

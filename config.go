@@ -190,6 +190,28 @@ type Config struct {
 	// LapsedRefuse answers 503 (idempotency_outcome_unknown) instead, until an
 	// operator resolves the key (idem resolve).
 	LapsedLease LapsedLease
+
+	// InFlightWait, when positive, makes a request that finds its key in
+	// flight, held by a request with the same fingerprint, wait up to this long
+	// for the holder's outcome, and answers it with the replay
+	// (Idempotent-Replayed: true) instead of 409. When the wait ends first it
+	// gets the 409, with Retry-After for what is left of the lease. A different
+	// request with the key gets 422 at once; a holder that lets go without an
+	// outcome (released, lapsed) wakes its waiters, which go on as fresh
+	// requests. Waiters in other processes are woken through the store
+	// (OutcomeNotifier) or by polling it. A waiting request holds no store
+	// connection, and stops at once when its client hangs up. Defaults to 0:
+	// 409 at once. In the single-transaction flow the holder's fingerprint is
+	// not known until it commits: a different request waits, then gets 422.
+	InFlightWait time.Duration
+	// InFlightMaxWaiters caps the requests waiting (InFlightWait) at once in
+	// this middleware; beyond it a request gets 409 without waiting. Defaults to
+	// DefaultInFlightMaxWaiters (10000).
+	InFlightMaxWaiters int
+	// InFlightMaxWaitersPerKey caps the requests waiting for one key at once in
+	// this middleware; beyond it a request gets 409 without waiting. Defaults to
+	// DefaultInFlightMaxWaitersPerKey (1000).
+	InFlightMaxWaitersPerKey int
 }
 
 // LapsedLease is the policy for an in-flight record whose lease lapsed.
@@ -240,9 +262,14 @@ const (
 	// the one later event of the same request that ends its hold on the key has
 	// Claimed set, so that together they count the claims held right now.
 	EventClaimed
+	// EventWaited: a wait for the holder's outcome (Config.InFlightWait)
+	// ended; Wait says how and Waited how long it took. It comes before the
+	// event of the request's answer (a wait that ends in WaitRetried may be
+	// followed by another wait).
+	EventWaited
 )
 
-var eventNames = [...]string{"", "executed", "replayed", "in_flight", "mismatch", "rejected", "store_error", "lease_lost", "released", "taken_over", "claimed"}
+var eventNames = [...]string{"", "executed", "replayed", "in_flight", "mismatch", "rejected", "store_error", "lease_lost", "released", "taken_over", "claimed", "waited"}
 
 // String returns the event's snake_case name.
 func (k EventKind) String() string {
@@ -263,6 +290,10 @@ type Event struct {
 	// Claimed is set on the last event of a request that took the key (after its
 	// EventClaimed): the event that ends its hold on the key, whatever its Kind.
 	Claimed bool
+	// Wait is how the wait of an EventWaited ended; zero on other events.
+	Wait WaitOutcome
+	// Waited is how long the wait of an EventWaited took, on the wall clock.
+	Waited time.Duration
 }
 
 // Observer receives events. Observe is called synchronously on the request's
@@ -402,6 +433,19 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 	}
 	if cfg.LapsedLease > LapsedRefuse {
 		errs = append(errs, fmt.Errorf("invalid LapsedLease %d: use LapsedTakeOver or LapsedRefuse", cfg.LapsedLease))
+	}
+	if cfg.InFlightWait < 0 {
+		errs = append(errs, fmt.Errorf("invalid InFlightWait %v: use a positive duration to wait for the holder's outcome, or 0 to answer 409 at once", cfg.InFlightWait))
+	}
+	if cfg.InFlightMaxWaiters == 0 {
+		cfg.InFlightMaxWaiters = DefaultInFlightMaxWaiters
+	} else if cfg.InFlightMaxWaiters < 0 {
+		errs = append(errs, fmt.Errorf("invalid InFlightMaxWaiters %d: use a positive number, or 0 for the default %d", cfg.InFlightMaxWaiters, DefaultInFlightMaxWaiters))
+	}
+	if cfg.InFlightMaxWaitersPerKey == 0 {
+		cfg.InFlightMaxWaitersPerKey = DefaultInFlightMaxWaitersPerKey
+	} else if cfg.InFlightMaxWaitersPerKey < 0 {
+		errs = append(errs, fmt.Errorf("invalid InFlightMaxWaitersPerKey %d: use a positive number, or 0 for the default %d", cfg.InFlightMaxWaitersPerKey, DefaultInFlightMaxWaitersPerKey))
 	}
 	if co, ok := cfg.Observer.(ClaimObserver); ok {
 		s.observeClaims = co.ObservesClaims()

@@ -34,6 +34,9 @@ func New(store Store, cfg *Config) (func(http.Handler) http.Handler, error) {
 	if c, ok := store.(ResponseCopier); ok {
 		m.reuseResponses = c.CopiesResponses()
 	}
+	if s.InFlightWait > 0 {
+		m.waits = newWaiters(m)
+	}
 	return func(next http.Handler) http.Handler {
 		return &handler{middleware: m, next: next}
 	}, nil
@@ -48,6 +51,9 @@ type middleware struct {
 	// reuseResponses: the store copies what it keeps of a Response
 	// (ResponseCopier), so their memory is pooled.
 	reuseResponses bool
+	// waits are the requests waiting for a holder's outcome; nil unless
+	// Config.InFlightWait is set.
+	waits *waiters
 }
 
 type handler struct {
@@ -72,8 +78,10 @@ type request struct {
 	rw         recorder
 	exec       execContext
 	cctx       cleanupContext
-	spilled    bool // the outcome was stored early and the response streamed
-	claimed    bool // the request holds the key: its next event ends the hold
+	spilled    bool      // the outcome was stored early and the response streamed
+	claimed    bool      // the request holds the key: its next event ends the hold
+	held       bool      // the request held the key at some point (InFlightWait: wake the waiters)
+	waitUntil  time.Time // the end of its wait for a holder's outcome, once it waited
 	renewal
 }
 
@@ -114,6 +122,9 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	req.scope = StoredScope(h.ScopeFunc(r))
 	req.fp = h.FingerprintFunc(r, req.body)
+	if h.waits != nil {
+		defer h.letGo(req)
+	}
 	if h.Flow == FlowSingleTx {
 		h.serveSingleTx(w, req)
 		return
@@ -250,7 +261,7 @@ func (h *handler) claimed(req *request) {
 	if h.observeClaims {
 		h.observe(req, Event{Kind: EventClaimed})
 	}
-	req.claimed = true
+	req.claimed, req.held = true, true
 }
 
 func (h *handler) observe(req *request, e Event) {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"time"
 )
 
 // The single-transaction flow: a transaction-scoped lock as the in-flight
@@ -23,7 +24,7 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 	defer hctx.end(nil)
 	ctx, tx, rec, err := h.singleTx.BeginLocked(hctx, req.scope, req.key, now)
 	if errors.Is(err, ErrInFlight) {
-		h.inFlight(w, req, 0)
+		h.awaitOutcome(w, req, time.Time{})
 		return
 	}
 	if err != nil {
@@ -45,7 +46,7 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 			// rather than answer 409 until the record expires.
 			h.serveClaim(w, req)
 		default:
-			h.inFlight(w, req, rec.LeaseUntil.Sub(now))
+			h.awaitOutcome(w, req, rec.LeaseUntil)
 		}
 		return
 	}

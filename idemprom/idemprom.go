@@ -18,11 +18,14 @@
 //	idem_janitor_deleted_total                   counter: expired records deleted
 //	idem_janitor_errors_total                    counter: sweeps that failed
 //	idem_janitor_last_sweep_timestamp_seconds    gauge: end of the last successful sweep
+//	idem_waits_total{outcome}                    counter: waits for a holder's outcome (Config.InFlightWait)
+//	idem_wait_duration_seconds{outcome}          histogram: time waited
 //
 // outcome is one of executed, replayed, in_flight, mismatch, rejected,
 // store_error, lease_lost, released, taken_over (a takeover is counted, and the
 // request that took over is counted again by how it ended); op is one of claim,
-// complete, commit, release, extend, get, delete_expired, begin, insert. No
+// complete, commit, release, extend, get, delete_expired, begin, insert. A
+// wait's outcome is one of replayed, timed_out, hung_up, retried, full. No
 // label ever carries a key, a scope or a path; a route label is added only when
 // Config.Route is set, and its values are the caller's to keep few.
 package idemprom
@@ -77,6 +80,8 @@ type Metrics struct {
 	storeErrs [idemobs.NumOps]prometheus.Counter
 
 	inFlight      prometheus.Gauge
+	waits         *prometheus.CounterVec
+	waitDur       *prometheus.HistogramVec
 	janDeleted    prometheus.Counter
 	janErrors     prometheus.Counter
 	janLastSweep  prometheus.Gauge
@@ -154,7 +159,15 @@ func New(reg prometheus.Registerer, cfg *Config) (*Metrics, error) {
 		m.storeDur[op] = storeDur.WithLabelValues(op.String())
 		m.storeErrs[op] = storeErrs.WithLabelValues(op.String())
 	}
-	m.collectorList = []prometheus.Collector{m.requests, m.durations, storeDur, storeErrs, m.inFlight, m.janDeleted, m.janErrors, m.janLastSweep}
+	m.waits = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "idem_waits_total", ConstLabels: c.ConstLabels,
+		Help: "Waits for the outcome of a request holding the key (Config.InFlightWait), by how they ended (outcome): replayed, timed_out (409), hung_up, retried (the holder let go without an outcome), full (409 without waiting).",
+	}, []string{"outcome"})
+	m.waitDur = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "idem_wait_duration_seconds", ConstLabels: c.ConstLabels, Buckets: c.Buckets,
+		Help: "Time a request waited for the outcome of the request holding its key, by how the wait ended.",
+	}, []string{"outcome"})
+	m.collectorList = []prometheus.Collector{m.requests, m.durations, storeDur, storeErrs, m.inFlight, m.janDeleted, m.janErrors, m.janLastSweep, m.waits, m.waitDur}
 	if reg != nil {
 		for _, col := range m.collectorList {
 			if err := reg.Register(col); err != nil {
@@ -180,6 +193,12 @@ func (m *Metrics) Observe(ctx context.Context, e idem.Event) {
 	}
 	if e.Claimed {
 		m.inFlight.Dec()
+	}
+	if e.Kind == idem.EventWaited {
+		outcome := e.Wait.String()
+		m.waits.WithLabelValues(outcome).Inc()
+		m.waitDur.WithLabelValues(outcome).Observe(e.Waited.Seconds())
+		return
 	}
 	if int(e.Kind) >= len(eventIndex) || !eventIndex[e.Kind] {
 		return

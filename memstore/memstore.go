@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/wakehub"
 )
 
 const shardCount = 64
@@ -43,6 +44,7 @@ type Store struct {
 	shards [shardCount]shard
 	stop   context.CancelFunc
 	done   chan struct{}
+	hub    wakehub.Hub // waiters for outcomes (idem.OutcomeNotifier)
 }
 
 // shard holds the blobs of its records by the 64-bit hash of (scope, key). The
@@ -307,3 +309,18 @@ func (s *Store) DeleteExpired(ctx context.Context, now time.Time, limit int) (in
 // CopiesResponses implements idem.ResponseCopier: Complete encodes the response
 // into the record's own memory.
 func (s *Store) CopiesResponses() bool { return true }
+
+// WatchOutcome watches (scope, key) for NotifyOutcome in this process: the
+// waiters of every middleware sharing the store are woken. It implements
+// idem.OutcomeNotifier.
+func (s *Store) WatchOutcome(_ context.Context, scope, key string) (<-chan struct{}, func(), error) {
+	ch, stop := s.hub.Watch(wakehub.ID(scope, key))
+	return ch, stop, nil
+}
+
+// NotifyOutcome wakes the watchers of (scope, key). It implements
+// idem.OutcomeNotifier.
+func (s *Store) NotifyOutcome(_ context.Context, scope, key string) error {
+	s.hub.Notify(wakehub.ID(scope, key))
+	return nil
+}

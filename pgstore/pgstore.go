@@ -44,6 +44,7 @@ type Store struct {
 	index     string // quoted, unqualified name of the expires_at index
 	lockNS    []byte // mixed into advisory lock keys, so that tables do not share locks
 	syncClaim bool
+	listen    *listener // the LISTEN connection of idem.OutcomeNotifier
 	// fastArgs: the pool's connections learn parameter types from the server
 	// (statements described or prepared), so the single-transaction flow may
 	// pass its parameters as the allocation-free types of args.go; in
@@ -93,6 +94,7 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Store, error) {
 		index:     pgx.Identifier{idx}.Sanitize(),
 		lockNS:    []byte(c.Table),
 		syncClaim: c.SynchronousClaim,
+		listen:    newListener(pool, c.Table),
 	}
 	switch pool.Config().ConnConfig.DefaultQueryExecMode {
 	case pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe, pgx.QueryExecModeDescribeExec:

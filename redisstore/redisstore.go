@@ -35,6 +35,7 @@ type Config struct {
 type Store struct {
 	client redis.UniversalClient
 	prefix string
+	sub    subscriber // the pub/sub connection of idem.OutcomeNotifier
 }
 
 var _ idem.Store = (*Store)(nil)

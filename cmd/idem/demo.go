@@ -92,6 +92,7 @@ var demoEnv = []storeEnvVar{
 	{"require-key", "IDEM_REQUIRE_KEY"}, {"rate-limit", "IDEM_RATE_LIMIT"},
 	{"read-timeout", "IDEM_READ_TIMEOUT"}, {"exit-with-parent", "IDEM_EXIT_WITH_PARENT"},
 	{"metrics-addr", "IDEM_METRICS_ADDR"}, {"flow", "IDEM_FLOW"},
+	{"in-flight-wait", "IDEM_IN_FLIGHT_WAIT"},
 }
 
 // demoShutdownTimeout bounds how long in-flight requests may take to finish after
@@ -136,6 +137,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	readTimeout := fs.Duration("read-timeout", demoReadTimeout, "how long a client may take to send a whole request, headers and body; a slower one is disconnected")
 	metricsAddr := fs.String("metrics-addr", "127.0.0.1:9464", "`host:port` serving GET /metrics (Prometheus text format, no token); empty for none")
 	flowName := fs.String("flow", "auto", "auto (the store's preferred flow: single-tx on SQL databases), claim-complete (an in-flight record with a lease while the handler runs, as in the articles) or single-tx")
+	inFlightWait := fs.Duration("in-flight-wait", 0, "how long a retry that finds its key still running waits for the outcome, answered with the replay instead of 409; 0 answers 409 at once")
 	withParent := fs.Bool("exit-with-parent", true, "stop when the process that started the demo exits (for example a killed go run); false for nohup and the like")
 	fs.Usage = storeUsage(fs, demoUsage, demoEnv)
 	pos, code, ok := storeParse(fs, args, demoEnv, stdout, stderr)
@@ -186,6 +188,8 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		TTL:         *ttl,
 		KeyOptional: !*requireKey,
 		Observer:    idemobs.Multi(metrics, demoObserver(logger)),
+		// InFlightWait: a retry of an order still being made waits for it.
+		InFlightWait: *inFlightWait,
 		// A 5xx says the order was not made (the database failed, the request was
 		// cancelled): keeping it would replay the failure to every retry until the
 		// TTL; releasing the key lets a retry try again.
@@ -195,7 +199,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		// The core's error reads "idem: invalid config: …"; after this
 		// command's own "idem demo: " prefix only the finding is news.
 		msg := strings.TrimPrefix(err.Error(), "idem: invalid config: ")
-		return storeUsageError(stderr, fs, strings.NewReplacer("Lease", "--lease", "TTL", "--ttl").Replace(msg))
+		return storeUsageError(stderr, fs, strings.NewReplacer("InFlightWait", "--in-flight-wait", "Lease", "--lease", "TTL", "--ttl").Replace(msg))
 	}
 	// 0 means the default: the banner shows what is in force.
 	if *lease == 0 {
