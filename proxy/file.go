@@ -40,6 +40,7 @@ import (
 //	  - match: POST /orders
 //	    ttl: 24h
 //	    lease: 30s
+//	    in_flight_wait: 0s      # >0: a retry of a running request waits for its answer
 //	    stored_headers: [Content-Type, Location]
 //	    max_request_body: 1MiB
 //	    max_stored_body: 1MiB
@@ -170,6 +171,7 @@ type FileRoute struct {
 	Key            string   `yaml:"key"` // required (default) or optional
 	TTL            Duration `yaml:"ttl"`
 	Lease          Duration `yaml:"lease"`
+	InFlightWait   Duration `yaml:"in_flight_wait"`
 	StoredHeaders  []string `yaml:"stored_headers"`
 	MaxRequestBody Size     `yaml:"max_request_body"`
 	MaxStoredBody  Size     `yaml:"max_stored_body"`
@@ -311,7 +313,7 @@ func (f *File) ProxyRoutes() ([]Route, error) {
 			return nil, fmt.Errorf("route %d: match is empty; write a pattern such as \"POST /orders\"", i+1)
 		}
 		rt := Route{
-			Pattern: r.Match, TTL: time.Duration(r.TTL), Lease: time.Duration(r.Lease), StoredHeaders: r.StoredHeaders,
+			Pattern: r.Match, TTL: time.Duration(r.TTL), Lease: time.Duration(r.Lease), InFlightWait: time.Duration(r.InFlightWait), StoredHeaders: r.StoredHeaders,
 			MaxRequestBody: int64(r.MaxRequestBody), MaxStoredBody: int(r.MaxStoredBody), Release5xx: r.Release5xx,
 			ReleaseStatus: r.ReleaseStatus,
 		}

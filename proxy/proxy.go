@@ -111,6 +111,11 @@ type Route struct {
 	// Lease is the in-flight lease, renewed while the upstream works
 	// (idem.Config.Lease).
 	Lease time.Duration
+	// InFlightWait is how long a retry that finds its key still at the
+	// upstream waits for the outcome and gets the replay, instead of 409
+	// idempotency_key_in_use (idem.Config.InFlightWait). Defaults to 0: 409
+	// at once.
+	InFlightWait time.Duration
 	// StoredHeaders are the upstream's response headers kept for replay
 	// (idem.Config.StoredHeaders); nil for DefaultStoredHeaders.
 	StoredHeaders []string
@@ -324,6 +329,7 @@ func New(cfg Config) (*Proxy, error) {
 			KeyOptional:    rt.KeyOptional,
 			Lease:          rt.Lease,
 			TTL:            rt.TTL,
+			InFlightWait:   rt.InFlightWait,
 			MaxRequestBody: rt.MaxRequestBody,
 			MaxStoredBody:  rt.MaxStoredBody,
 			StoredHeaders:  stored,

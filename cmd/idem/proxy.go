@@ -108,6 +108,7 @@ func runProxy(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	keyUnrouted := fs.Bool("key-unrouted", false, "strict mode: key a request that carries an Idempotency-Key but matches no --route (default: pass it through, counted and logged)")
 	ttl := fs.Duration("ttl", 0, "how long outcomes are kept and replayed (default 24h)")
 	lease := fs.Duration("lease", 0, "in-flight lease, renewed while the upstream works (default 30s)")
+	inFlightWait := fs.Duration("in-flight-wait", 0, "how long a retry that finds its key still at the upstream waits for the outcome and gets the replay; 0: 409 idempotency_key_in_use at once")
 	fs.Var(&stored, "stored-header", "a response header kept for replay; repeatable (default: idem's, Retry-After, WWW-Authenticate, CORS, Vary, Cache-Control; see docs/proxy.md)")
 	var maxReq, maxStored sizeFlag
 	fs.Var(&maxReq, "max-request-body", "largest request body buffered and fingerprinted, such as 1MiB (default 1MiB)")
@@ -206,7 +207,7 @@ func runProxy(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 			return storeUsageError(stderr, fs, msg)
 		}
 	}
-	for name, d := range map[string]time.Duration{"--read-header-timeout": *readHeaderTimeout, "--read-timeout": *readTimeout, "--idle-timeout": *serverIdle, "--upstream-idle-timeout": *idleTimeout, "--upstream-timeout": *timeout} {
+	for name, d := range map[string]time.Duration{"--read-header-timeout": *readHeaderTimeout, "--read-timeout": *readTimeout, "--idle-timeout": *serverIdle, "--upstream-idle-timeout": *idleTimeout, "--upstream-timeout": *timeout, "--in-flight-wait": *inFlightWait} {
 		if d < 0 {
 			return storeUsageError(stderr, fs, fmt.Sprintf("%s %v is negative; use a positive duration such as 30s", name, d))
 		}
@@ -254,6 +255,9 @@ func runProxy(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		}
 		if set["lease"] {
 			r.Lease = *lease
+		}
+		if set["in-flight-wait"] {
+			r.InFlightWait = *inFlightWait
 		}
 		if len(stored) > 0 {
 			r.StoredHeaders = stored
@@ -344,7 +348,7 @@ func runProxy(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		// finding are news, named by the flags that set them.
 		msg := strings.TrimPrefix(err.Error(), "proxy: ")
 		msg = strings.Replace(msg, "idem: invalid config: ", "", 1)
-		msg = strings.NewReplacer("invalid Lease", "invalid --lease", "invalid TTL", "invalid --ttl", "than Lease", "than --lease", "than TTL", "than --ttl").Replace(msg)
+		msg = strings.NewReplacer("invalid InFlightWait", "invalid --in-flight-wait", "invalid Lease", "invalid --lease", "invalid TTL", "invalid --ttl", "than Lease", "than --lease", "than TTL", "than --ttl").Replace(msg)
 		return storeUsageError(stderr, fs, msg)
 	}
 	janitor := &idem.Janitor{Store: h.Store, OnSweep: metrics.OnSweep}

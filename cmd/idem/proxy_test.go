@@ -5,11 +5,13 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -198,5 +200,58 @@ func TestProxyUnknownOutcomeThenResolve(t *testing.T) {
 	m, _ := io.ReadAll(resp.Body)
 	if resp.StatusCode != 200 || !strings.Contains(string(m), `idem_requests_total{outcome="replayed"} 1`) {
 		t.Errorf("/metrics: %d, no replayed request counted:\n%.2000s", resp.StatusCode, m)
+	}
+}
+
+// TestProxyInFlightWait: with --in-flight-wait, retries that reach the proxy
+// while the upstream still runs the first request wait for its answer and get
+// the replay, not 409 idempotency_key_in_use (a client like stripe-go, which
+// ignores Retry-After and gives up after its retries, then never hears the
+// outcome). One execution at the upstream.
+func TestProxyInFlightWait(t *testing.T) {
+	t.Parallel()
+	var executions atomic.Int32
+	entered := make(chan struct{}, 1)
+	gate := make(chan struct{})
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		executions.Add(1)
+		entered <- struct{}{}
+		<-gate
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, `{"id":"o1"}`)
+	}))
+	t.Cleanup(up.Close)
+	defer func() {
+		select {
+		case <-gate:
+		default:
+			close(gate)
+		}
+	}()
+	p := startProxyProc(t, "--upstream", up.URL, "--db", "sqlite:"+filepath.Join(t.TempDir(), "keys.db"),
+		"--route", "POST /orders", "--scope-header", "X-Tenant-ID", "--in-flight-wait", "2m")
+	const key = "wait-1"
+	first := make(chan proxyAnswer, 1)
+	go func() { first <- proxyPost(t, p.URL+"/orders", key, `{"cart_id":"c1"}`) }()
+	<-entered
+	const dups = 8
+	answers := make(chan proxyAnswer, dups)
+	for range dups {
+		go func() { answers <- proxyPost(t, p.URL+"/orders", key, `{"cart_id":"c1"}`) }()
+	}
+	time.Sleep(300 * time.Millisecond) // most duplicates are waiting by now; a late one gets the replay anyway
+	close(gate)
+	if a := <-first; a.status != http.StatusCreated || a.header.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("first: %d %q %s", a.status, a.header.Get("Idempotent-Replayed"), a.body)
+	}
+	for range dups {
+		a := <-answers
+		if a.status != http.StatusCreated || a.header.Get("Idempotent-Replayed") != "true" || a.body != `{"id":"o1"}` {
+			t.Errorf("duplicate: %d replayed=%q code %q body %s; want the replayed 201", a.status, a.header.Get("Idempotent-Replayed"), a.code, a.body)
+		}
+	}
+	if n := executions.Load(); n != 1 {
+		t.Errorf("%d executions at the upstream, want 1", n)
 	}
 }
