@@ -87,6 +87,27 @@ func TestCorrectServerPassesEveryCase(t *testing.T) {
 	}
 }
 
+// TestWaitingServerPassesEveryCase: a server whose duplicates wait for the
+// running request's outcome (idem.Config.InFlightWait) answers the race with
+// one execution and replays, no 409: every case passes.
+func TestWaitingServerPassesEveryCase(t *testing.T) {
+	t.Parallel()
+	srv := checkertest.NewWaitingServer()
+	defer srv.Close()
+	rep := run(t, options(srv, true))
+	for _, c := range rep.Cases {
+		if c.Result != checker.Pass && (c.Name != checker.CaseHangup || c.Result != checker.Skip) {
+			t.Errorf("case %s: %s (%s), want pass", c.Name, c.Result, c.Summary)
+		}
+	}
+	if c := rep.Case(checker.CaseRace); c == nil || strings.Contains(c.Summary, "409×") {
+		t.Errorf("race against a waiting server: %+v, want no 409", c)
+	}
+	if t.Failed() {
+		t.Log("\n" + table(rep))
+	}
+}
+
 // TestCorrectServerRaceIsNotFlaky runs the race 20 times against the correct
 // server: a checker that sometimes fails a correct server is useless.
 func TestCorrectServerRaceIsNotFlaky(t *testing.T) {

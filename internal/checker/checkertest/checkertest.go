@@ -108,6 +108,18 @@ func SlowHandler(flaw Flaw, work time.Duration) http.Handler {
 	return auth(h)
 }
 
+// NewWaitingServer is the correct service with idem.Config.InFlightWait set: a
+// duplicate of a running request waits for its outcome and gets the replay
+// instead of 409.
+func NewWaitingServer() *httptest.Server {
+	app := &orders{work: Work}
+	mw, err := idem.New(memstore.New(&memstore.Config{JanitorInterval: -1}), &idem.Config{Lease: 5 * time.Second, InFlightWait: time.Minute})
+	if err != nil {
+		panic(err) // the config is constant
+	}
+	return httptest.NewServer(auth(mw(app)))
+}
+
 // auth scopes each request to the tenant named by its bearer token.
 func auth(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
