@@ -32,13 +32,17 @@
 // Metrics: idem.requests {outcome}, idem.request.duration (s) {outcome},
 // idem.store.duration (s) {op}, idem.store.errors {op}, idem.in_flight,
 // idem.janitor.deleted, idem.janitor.errors, idem.janitor.last_sweep_timestamp
-// (Unix seconds). The durations have explicit second-scale bucket boundaries
-// (RequestBuckets, StoreBuckets: idemprom's). Exported to Prometheus (the
+// (Unix seconds), idem.waits {outcome} and idem.wait.duration (s) {outcome}
+// (Config.InFlightWait: replayed, timed_out, hung_up, retried, full; a wait is
+// also an idem.waited event on the request's span). The durations have
+// explicit second-scale bucket boundaries (RequestBuckets, StoreBuckets:
+// idemprom's). Exported to Prometheus (the
 // OpenTelemetry Prometheus exporter, or a collector's prometheus exporter)
 // they take the idemprom names and labels — idem_requests_total{outcome},
 // idem_request_duration_seconds, idem_store_duration_seconds{op},
 // idem_store_errors_total, idem_in_flight, idem_janitor_deleted_total,
-// idem_janitor_errors_total, idem_janitor_last_sweep_timestamp_seconds — so
+// idem_janitor_errors_total, idem_janitor_last_sweep_timestamp_seconds,
+// idem_waits_total{outcome}, idem_wait_duration_seconds — so
 // deploy's rules and dashboard work for both; a test pins the mapping.
 package idemotel
 
@@ -99,6 +103,9 @@ type Telemetry struct {
 	janDel    metric.Int64Counter
 	janErrs   metric.Int64Counter
 	janLast   metric.Float64Gauge
+	waits     metric.Int64Counter
+	waitDur   metric.Float64Histogram
+	waitAttrs [idem.WaitFull + 1]metric.MeasurementOption
 }
 
 // New creates the tracer and the instruments.
@@ -143,6 +150,10 @@ func New(cfg *Config) (*Telemetry, error) {
 	must(e)
 	t.janLast, e = meter.Float64Gauge("idem.janitor.last_sweep_timestamp", metric.WithDescription("Unix time at which the last successful janitor sweep ended."), metric.WithUnit("s"))
 	must(e)
+	t.waits, e = meter.Int64Counter("idem.waits", metric.WithDescription("Waits for the outcome of a request holding the key (Config.InFlightWait), by how they ended."), metric.WithUnit("{wait}"))
+	must(e)
+	t.waitDur, e = meter.Float64Histogram("idem.wait.duration", metric.WithDescription("Time a request waited for the outcome of the request holding its key, by how the wait ended."), metric.WithUnit("s"), metric.WithExplicitBucketBoundaries(RequestBuckets...))
+	must(e)
 	if err != nil {
 		return nil, err
 	}
@@ -151,6 +162,9 @@ func New(cfg *Config) (*Telemetry, error) {
 	}
 	for op := idemobs.Op(0); op < idemobs.NumOps; op++ {
 		t.opAttrs[op] = metric.WithAttributeSet(attribute.NewSet(attribute.String("op", op.String())))
+	}
+	for w := idem.WaitReplayed; w <= idem.WaitFull; w++ {
+		t.waitAttrs[w] = metric.WithAttributeSet(attribute.NewSet(attribute.String("outcome", w.String())))
 	}
 	return t, nil
 }
@@ -195,6 +209,19 @@ func (t *Telemetry) Observe(ctx context.Context, e idem.Event) {
 			span = trace.SpanFromContext(ctx)
 		}
 		span.AddEvent("idem.taken_over")
+		return
+	case idem.EventWaited:
+		// A wait is not how the request ended (its own event follows): counted
+		// apart, and an event on the request's span, never a span of its own.
+		if e.Wait >= idem.WaitReplayed && e.Wait <= idem.WaitFull {
+			t.waits.Add(ctx, 1, t.waitAttrs[e.Wait])
+			t.waitDur.Record(ctx, e.Waited.Seconds(), t.waitAttrs[e.Wait])
+		}
+		span := own
+		if span == nil {
+			span = trace.SpanFromContext(ctx)
+		}
+		span.AddEvent("idem.waited", trace.WithAttributes(attribute.String("idem.wait", e.Wait.String()), attribute.Float64("idem.waited_seconds", e.Waited.Seconds())))
 		return
 	}
 	if e.Claimed {

@@ -17,6 +17,9 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 )
 
 // drive reports one of every outcome, every store operation and a sweep.
@@ -29,6 +32,9 @@ func drive(o interface {
 	o.Observe(ctx, idem.Event{Kind: idem.EventClaimed})
 	for _, k := range idemobs.Outcomes {
 		o.Observe(ctx, idem.Event{Kind: k, Took: 20 * time.Millisecond, Claimed: k == idem.EventExecuted})
+	}
+	for w := idem.WaitReplayed; w <= idem.WaitFull; w++ {
+		o.Observe(ctx, idem.Event{Kind: idem.EventWaited, Wait: w, Waited: 300 * time.Millisecond})
 	}
 	for op := idemobs.Op(0); op < idemobs.NumOps; op++ {
 		o.StoreDone(o.StoreStart(ctx, op), op, time.Millisecond, fmt.Errorf("down"))
@@ -168,5 +174,57 @@ func TestDurationBucketsAreSeconds(t *testing.T) {
 	}
 	if checked != 2 {
 		t.Fatalf("checked %d histograms; want 2 (request and store durations)", checked)
+	}
+}
+
+// TestWaitIsNoRequestSpan: a wait (EventWaited, which comes before the
+// request's own event) is counted in idem.waits and is an event on the span in
+// the context; without Middleware it is never an "idem.request" span of its
+// own (each waiting request recorded two).
+func TestWaitIsNoRequestSpan(t *testing.T) {
+	t.Parallel()
+	spans := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
+	reader := sdkmetric.NewManualReader()
+	tel, err := idemotel.New(&idemotel.Config{TracerProvider: tp, MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, parent := tp.Tracer("test").Start(context.Background(), "server")
+	tel.Observe(ctx, idem.Event{Kind: idem.EventWaited, Wait: idem.WaitReplayed, Waited: 200 * time.Millisecond, Key: "k"})
+	tel.Observe(ctx, idem.Event{Kind: idem.EventReplayed, Key: "k", Status: 201})
+	parent.End()
+	requests, waited := 0, false
+	for _, s := range spans.Ended() {
+		if s.Name() == "idem.request" {
+			requests++
+		}
+		if s.Name() == "server" {
+			for _, ev := range s.Events() {
+				waited = waited || ev.Name == "idem.waited"
+			}
+		}
+	}
+	if requests != 1 || !waited {
+		t.Errorf("%d idem.request spans (want 1), idem.waited event on the server span: %v", requests, waited)
+	}
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if sum, ok := m.Data.(metricdata.Sum[int64]); ok && m.Name == "idem.waits" {
+				for _, dp := range sum.DataPoints {
+					if v, _ := dp.Attributes.Value("outcome"); v.AsString() == "replayed" && dp.Value == 1 {
+						found = true
+					}
+				}
+			}
+		}
+	}
+	if !found {
+		t.Error("idem.waits{outcome=replayed} is not 1")
 	}
 }
