@@ -14,7 +14,11 @@
 //	                 Config.RawKeys
 //	idem.key, idem.scope  the raw key and scope, only with Config.RawKeys
 //
-// Levels (DefaultLevel): executed and replayed at Debug; in_flight, mismatch,
+// A wait for a running request's outcome (Config.InFlightWait) is logged as
+// "idem waited" with idem.wait (replayed, timed_out, hung_up, retried, full)
+// and idem.waited (how long), before the request's own record.
+//
+// Levels (DefaultLevel): executed, replayed and waited at Debug; in_flight, mismatch,
 // rejected, released and taken_over at Info; lease_lost, and a release that
 // failed, at Warn; store_error at Error.
 //
@@ -47,7 +51,7 @@ type Config struct {
 // otherwise.
 func DefaultLevel(e idem.Event) slog.Level {
 	switch e.Kind {
-	case idem.EventExecuted, idem.EventReplayed, idem.EventClaimed:
+	case idem.EventExecuted, idem.EventReplayed, idem.EventClaimed, idem.EventWaited:
 		return slog.LevelDebug
 	case idem.EventStoreError:
 		return slog.LevelError
@@ -90,7 +94,7 @@ func (o *Observer) Observe(ctx context.Context, e idem.Event) {
 	if !logger.Enabled(ctx, level) {
 		return
 	}
-	var buf [9]slog.Attr
+	var buf [11]slog.Attr
 	attrs := append(buf[:0], slog.String("idem.outcome", e.Kind.String()))
 	if e.Key != "" { // a request rejected before its key was read has none
 		attrs = append(attrs, slog.String("idem.key_hash", idemobs.KeyHash(e.Scope, e.Key)))
@@ -101,6 +105,9 @@ func (o *Observer) Observe(ctx context.Context, e idem.Event) {
 	attrs = append(attrs, slog.Duration("idem.took", e.Took))
 	if e.Status != 0 {
 		attrs = append(attrs, slog.Int("idem.status", e.Status))
+	}
+	if e.Kind == idem.EventWaited {
+		attrs = append(attrs, slog.String("idem.wait", e.Wait.String()), slog.Duration("idem.waited", e.Waited))
 	}
 	if e.Err != nil {
 		msg := e.Err.Error()

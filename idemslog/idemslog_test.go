@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/idemobs"
@@ -172,5 +173,21 @@ func TestKeyHashIsScoped(t *testing.T) {
 	}
 	if idemobs.KeyHash("ab", "c") == idemobs.KeyHash("a", "bc") {
 		t.Fatal("KeyHash(ab, c) == KeyHash(a, bc): scope and key must not run together")
+	}
+}
+
+// TestWaitSaysHowItEnded: an EventWaited record carries how the wait ended and
+// how long it took (it said only "idem waited").
+func TestWaitSaysHowItEnded(t *testing.T) {
+	t.Parallel()
+	var buf bytes.Buffer
+	o := idemslog.New(&idemslog.Config{Logger: slog.New(slog.NewJSONHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))})
+	o.Observe(context.Background(), idem.Event{Kind: idem.EventWaited, Key: "k", Wait: idem.WaitTimedOut, Waited: 1500 * time.Millisecond})
+	var r map[string]any
+	if err := json.Unmarshal(buf.Bytes(), &r); err != nil {
+		t.Fatal(err)
+	}
+	if r["msg"] != "idem waited" || r["idem.wait"] != "timed_out" || r["idem.waited"] != float64(1500*time.Millisecond) || r["level"] != "DEBUG" {
+		t.Fatalf("record %v; want msg idem waited, idem.wait timed_out, idem.waited 1.5s at DEBUG", r)
 	}
 }
