@@ -29,6 +29,7 @@ type dropProxy struct {
 	target  string
 	marker  []byte
 	armed   atomic.Bool
+	delay   time.Duration // the dropped query reaches the server this long after the client's connection closed
 	dropped chan struct{} // closed once the server finished the dropped query
 	once    sync.Once
 }
@@ -103,6 +104,12 @@ func (p *dropProxy) pipe(client net.Conn) {
 			if drop {
 				dropping.Store(true)
 			}
+			if drop && p.delay > 0 {
+				_ = client.Close() // the client hears nothing; the query is still on its way
+				time.Sleep(p.delay)
+				_, _ = server.Write(buf[:n])
+				return
+			}
 			if _, werr := server.Write(buf[:n]); werr != nil {
 				_ = client.Close()
 				return
@@ -129,6 +136,18 @@ func (p *dropProxy) pipe(client net.Conn) {
 // operator resolves a key whose handler never ran.
 func TestLostClaimAnswerIsReleased(t *testing.T) {
 	t.Parallel()
+	for _, delay := range []time.Duration{0, 300 * time.Millisecond} {
+		t.Run("late-"+delay.String(), func(t *testing.T) {
+			t.Parallel()
+			testLostClaimAnswerIsReleased(t, delay)
+		})
+	}
+}
+
+// testLostClaimAnswerIsReleased: with delay, the claim reaches PostgreSQL only
+// after its client heard the connection break (and would have released the
+// claim before it landed, leaving the key held by nobody: 409 for the retry).
+func testLostClaimAnswerIsReleased(t *testing.T, delay time.Duration) {
 	db := newTestDB(t, 2)
 	app := newOrderApp(t, db)
 	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
@@ -138,6 +157,7 @@ func TestLostClaimAnswerIsReleased(t *testing.T) {
 	// The simple protocol sends the claim as one message that carries its text.
 	cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
 	proxy := newDropProxy(t, net.JoinHostPort(cfg.ConnConfig.Host, itoa(int(cfg.ConnConfig.Port))), "WITH cur AS")
+	proxy.delay = delay
 	cfg.ConnConfig.Host, cfg.ConnConfig.Port = "127.0.0.1", uint16(proxy.ln.Addr().(*net.TCPAddr).Port)
 	cfg.ConnConfig.Fallbacks = nil
 	cfg.MaxConns = 4

@@ -307,6 +307,15 @@ func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record,
 			return row.Record, claimed, nil
 		}
 		if !errors.Is(err, pgx.ErrNoRows) {
+			if !isServerAnswer(err) && ctx.Err() == nil {
+				// The claim's answer was lost (the connection broke after it was
+				// sent): PostgreSQL may still be running it, and commit it after
+				// the caller's release of the failed claim found nothing, leaving
+				// the key in flight under a token nobody holds. Wait, briefly,
+				// until the claim has landed or is seen not to, so that the
+				// release that follows finds it.
+				s.settleLostClaim(ctx, scope, key, req.Token)
+			}
 			return nil, false, s.wrap("claim", err)
 		}
 		// A concurrent claim won after this statement's snapshot was taken: read
@@ -328,6 +337,38 @@ func (s *Store) Claim(ctx context.Context, req idem.ClaimRequest) (*idem.Record,
 	}
 	return nil, false, fmt.Errorf("pgstore: claim of key %s lost %d races in a row to records that vanished; the key is contended, retry later", quoteShort(req.Key), maxClaimRounds)
 }
+
+// settleLostClaim waits up to lostClaimSettle, reading on connections of the
+// pool, until the record of (scope, key) carries token (the lost claim
+// committed: the caller's release will find it). It gives up at once when the
+// record cannot be read (the server is unreachable: the release cannot reach
+// it either), and after lostClaimSettle when the claim never lands (it never
+// reached the server, or lost to another request). It never fails: the release
+// after it is best effort anyway.
+func (s *Store) settleLostClaim(ctx context.Context, scope, key []byte, token string) {
+	ctx, cancel := context.WithTimeout(ctx, lostClaimSettle)
+	defer cancel()
+	delay := 5 * time.Millisecond
+	for {
+		rec, err := s.read(ctx, s.pool, s.selectSQL, scope, key)
+		if err == nil && rec.Token == token {
+			return
+		}
+		if err != nil && !errors.Is(err, idem.ErrNotFound) {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(delay):
+		}
+		delay = min(2*delay, 200*time.Millisecond)
+	}
+}
+
+// lostClaimSettle bounds settleLostClaim: how long a claim whose answer was
+// lost is given to land before its release is tried.
+const lostClaimSettle = 2 * time.Second
 
 // claimOnce runs the claim statement and scans its row into dest, in a
 // transaction of its own at READ COMMITTED, whatever the session's default
