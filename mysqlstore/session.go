@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+
+	"github.com/idemkit/idem"
 )
 
 // settings is what the store learns about the server and the connections the
@@ -24,6 +26,10 @@ type settings struct {
 	// with which BeginLocked sends its lock-free read and the lock in one round
 	// trip (see BeginLocked).
 	foundRows bool
+	// maxPacket is the server's max_allowed_packet: a statement larger than that
+	// is refused (error 1153), so a response that cannot fit is refused before
+	// it is sent (see checkPacket).
+	maxPacket int64
 }
 
 // settingsFor returns the store's settings, reading them on conn (the connection
@@ -34,30 +40,31 @@ func (s *Store) settingsFor(ctx context.Context, conn *sql.Conn) (*settings, err
 	if st := s.settings.Load(); st != nil {
 		return st, nil
 	}
-	const read = "SELECT @@log_bin, @@sql_log_bin, @@binlog_format, VERSION()"
+	const read = "SELECT @@log_bin, @@sql_log_bin, @@binlog_format, VERSION(), @@max_allowed_packet"
 	var (
-		logBin, sqlLogBin sql.NullInt64
-		format, version   sql.NullString
+		logBin, sqlLogBin, maxPacket sql.NullInt64
+		format, version              sql.NullString
 	)
 	st := &settings{multi: true}
 	// A connection without multiStatements refuses two statements in one query
 	// with a syntax error (1064) and runs neither. Any other failure (a driver
 	// that does not pass over the first statement's empty result, say) also
 	// means one statement per query.
-	if err := conn.QueryRowContext(ctx, "DO 0; "+read).Scan(&logBin, &sqlLogBin, &format, &version); err != nil {
+	if err := conn.QueryRowContext(ctx, "DO 0; "+read).Scan(&logBin, &sqlLogBin, &format, &version, &maxPacket); err != nil {
 		st.multi = false
 	}
 	var err error
 	if !st.multi {
-		err = conn.QueryRowContext(ctx, read).Scan(&logBin, &sqlLogBin, &format, &version)
+		err = conn.QueryRowContext(ctx, read).Scan(&logBin, &sqlLogBin, &format, &version, &maxPacket)
 	}
 	if err != nil {
-		return nil, s.wrap(fmt.Errorf("reading the server's settings (log_bin, sql_log_bin, binlog_format, version): %w", err))
+		return nil, s.wrap(fmt.Errorf("reading the server's settings (log_bin, sql_log_bin, binlog_format, version, max_allowed_packet): %w", err))
 	}
 	if st.multi {
 		var n sql.NullInt64
 		st.foundRows = conn.QueryRowContext(ctx, "SELECT FOUND_ROWS()").Scan(&n) == nil
 	}
+	st.maxPacket = maxPacket.Int64
 	st.isoVar = "transaction_isolation"
 	if strings.Contains(strings.ToLower(version.String), "mariadb") {
 		st.isoVar = "tx_isolation"
@@ -174,4 +181,39 @@ func setFailed(err error) bool {
 func serverError(err error) bool {
 	_, ok := errorNumber(err)
 	return ok && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded)
+}
+
+// packetOverhead is what a completion or an insert sends besides the response's
+// headers, body and ref: the statement, the scope, key, token and fingerprint
+// (each at most 512 bytes), the packet headers.
+const packetOverhead = 8 << 10
+
+// checkPacket refuses, with an *idem.FieldTooLargeError for the body, a
+// response (its headers encoded as hdr) that cannot travel in one packet of
+// the server's max_allowed_packet: the server would refuse the statement every
+// time (error 1153), and a retry would only meet that again. Before the
+// settings are read it refuses nothing (refused explains the server's answer
+// then).
+func (s *Store) checkPacket(hdr, body []byte, ref string) error {
+	st := s.settings.Load()
+	if st == nil || st.maxPacket <= 0 {
+		return nil
+	}
+	return idem.CheckFieldSize("mysqlstore", "body", int64(len(body)), st.maxPacket-packetOverhead-int64(len(hdr))-int64(len(ref)))
+}
+
+// packetRefused returns an *idem.FieldTooLargeError for the body when err is
+// the server's refusal of a statement larger than max_allowed_packet (1153,
+// ER_NET_PACKET_TOO_LARGE) or the driver's own (go-sql-driver's
+// ErrPktTooLarge), nil otherwise. Nothing was written: the statement never ran.
+func (s *Store) packetRefused(err error, hdr, body []byte, ref string) error {
+	code, ok := errorNumber(err)
+	if !(ok && code == 1153) && (err == nil || !strings.Contains(err.Error(), "packet for query is too large")) {
+		return nil
+	}
+	var limit int64
+	if st := s.settings.Load(); st != nil {
+		limit = st.maxPacket - packetOverhead - int64(len(hdr)) - int64(len(ref))
+	}
+	return errors.Join(&idem.FieldTooLargeError{Store: "mysqlstore", Field: "body", Size: int64(len(body)), Limit: max(limit, 0)}, err)
 }
