@@ -36,6 +36,11 @@ type txGuard struct {
 	// serialization failure or a deadlock (SQLSTATE class 40), which aborted
 	// the transaction: Commit then reports idem.ErrTxConflict.
 	conflict atomic.Bool
+	// ran records that the handler sent a statement (Exec, Query, QueryRow,
+	// SendBatch, CopyFrom) in the transaction: a SET TRANSACTION after that is
+	// PostgreSQL's to refuse (25001), never a reason to begin afresh, which
+	// would roll back what the handler wrote.
+	ran atomic.Bool
 }
 
 // note records a conflict error of the handler's statements, and returns err.
@@ -164,6 +169,7 @@ func (t *handlerTx) CopyFrom(ctx context.Context, tableName pgx.Identifier, colu
 		return 0, pgx.ErrTxClosed
 	}
 	defer t.g.leave()
+	t.g.ran.Store(true)
 	n, err := t.tx.CopyFrom(ctx, tableName, columnNames, rowSrc)
 	return n, t.g.note(err)
 }
@@ -174,6 +180,7 @@ func (t *handlerTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResult
 		return pgx.FailedBatchResults(b, pgx.ErrTxClosed)
 	}
 	defer t.g.leave()
+	t.g.ran.Store(true)
 	return &guardBatch{BatchResults: t.tx.SendBatch(ctx, b), g: t.g}
 }
 
@@ -197,8 +204,10 @@ func (t *handlerTx) Exec(ctx context.Context, sql string, arguments ...any) (pgc
 		return pgconn.CommandTag{}, pgx.ErrTxClosed
 	}
 	defer t.g.leave()
-	if l := t.g.lock; t.root && l != nil && l.keyed && !l.held && len(arguments) == 0 && isSetTransaction(sql) {
-		// The handler raises its transaction's isolation. Before it does, the
+	first := !t.g.ran.Swap(true)
+	if l := t.g.lock; first && t.root && l != nil && l.keyed && !l.held && len(arguments) == 0 && isSetTransaction(sql) {
+		// The handler raises its transaction's isolation, before anything ran
+		// in it (later, PostgreSQL refuses it). Before it does, the
 		// session takes the key's lock (see Store.BeginTx) in a transaction of
 		// its own — nothing has run in the handler's yet, which SET
 		// TRANSACTION requires — and begins the handler's afresh.
@@ -226,6 +235,7 @@ func (t *handlerTx) Query(ctx context.Context, sql string, args ...any) (pgx.Row
 		return closedRows{}, pgx.ErrTxClosed
 	}
 	defer t.g.leave()
+	t.g.ran.Store(true)
 	rows, err := t.tx.Query(ctx, sql, args...)
 	if err != nil {
 		return rows, t.g.note(err)
@@ -239,6 +249,7 @@ func (t *handlerTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.R
 		return closedRows{}
 	}
 	defer t.g.leave()
+	t.g.ran.Store(true)
 	rows, err := t.tx.Query(ctx, sql, args...)
 	return guardRow{rows: rows, err: err, g: t.g}
 }

@@ -239,3 +239,57 @@ func TestHandlerSerializationFailureIsAConflict(t *testing.T) {
 		})
 	}
 }
+
+// SET TRANSACTION after the handler's first statement: PostgreSQL refuses it
+// (25001, it must come before any query) and the transaction is aborted; it
+// must not roll back what the handler wrote and carry on in a fresh
+// transaction, which would commit a 201 whose order is gone.
+func TestLateSetTransactionLosesNothing(t *testing.T) {
+	t.Parallel()
+	for _, level := range []string{"repeatable read", "serializable"} {
+		t.Run(strings.ReplaceAll(level, " ", "_"), func(t *testing.T) {
+			t.Parallel()
+			db := newTestDB(t, 2)
+			s, pool := isoStore(t, db, "read committed")
+			orders := pgx.Identifier{db.schema, "orders"}.Sanitize()
+			if _, err := pool.Exec(ctx30(t), `CREATE TABLE `+orders+` (id bigserial PRIMARY KEY, idem_key text NOT NULL)`); err != nil {
+				t.Fatal(err)
+			}
+			mw, err := idem.New(s, &idem.Config{Flow: idem.FlowClaimComplete})
+			if err != nil {
+				t.Fatal(err)
+			}
+			srv := httptest.NewServer(mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				ctx := r.Context()
+				tx := pgstore.Tx(ctx)
+				_, key, _ := idem.KeyFrom(ctx)
+				if _, err := tx.Exec(ctx, `INSERT INTO `+orders+` (idem_key) VALUES ($1)`, key); err != nil {
+					http.Error(w, err.Error(), 500)
+					return
+				}
+				if _, err := tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL "+strings.ToUpper(level)); err != nil {
+					http.Error(w, "set transaction: "+err.Error(), 500)
+					return
+				}
+				w.WriteHeader(http.StatusCreated)
+			})))
+			t.Cleanup(srv.Close)
+			key := "late-" + randomHex(4)
+			got := post(srv.URL+"/orders", key, []byte("{}"))
+			if got.err != nil {
+				t.Fatal(got.err)
+			}
+			var n int
+			if err := pool.QueryRow(ctx30(t), `SELECT count(*) FROM `+orders+` WHERE idem_key = $1`, key).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			if got.status == http.StatusCreated && n != 1 {
+				t.Fatalf("answer 201 with %d orders committed: the handler's insert was rolled back by a SET TRANSACTION sent after it", n)
+			}
+			if got.status != http.StatusInternalServerError || !strings.Contains(string(got.body), "25001") || n != 0 {
+				t.Fatalf("answer %d %s with %d orders; want the handler's 500 naming PostgreSQL's refusal (25001) and nothing committed", got.status, got.body, n)
+			}
+			assertNoSessionLocks(t, pool)
+		})
+	}
+}
