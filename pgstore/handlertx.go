@@ -3,6 +3,7 @@ package pgstore
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -217,7 +218,23 @@ func (t *handlerTx) Exec(ctx context.Context, sql string, arguments ...any) (pgc
 	}
 	tag, err := t.tx.Exec(ctx, sql, arguments...)
 	t.noteEnd(tag)
+	if err != nil && t.root && len(arguments) == 0 && isSetTransaction(sql) {
+		err = explainSetTransaction(t.g.lock == nil, err)
+	}
 	return tag, t.g.note(err)
+}
+
+// explainSetTransaction says why PostgreSQL refused a handler's SET
+// TRANSACTION (25001, it must come before any query), and what to do.
+func explainSetTransaction(singleTx bool, err error) error {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "25001" {
+		return err
+	}
+	if singleTx {
+		return fmt.Errorf("pgstore: SET TRANSACTION cannot raise the isolation of the single-transaction flow's transaction (idem's lookup of the key is its first statement); serve this route with idem.Config{Flow: idem.FlowClaimComplete}, or make the level the session default (ALTER ROLE … SET default_transaction_isolation); the transaction is aborted: %w", err)
+	}
+	return fmt.Errorf("pgstore: SET TRANSACTION must be the handler's first statement in its transaction; the transaction is aborted: %w", err)
 }
 
 // isSetTransaction reports whether sql is a SET TRANSACTION statement that

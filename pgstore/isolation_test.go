@@ -286,10 +286,55 @@ func TestLateSetTransactionLosesNothing(t *testing.T) {
 			if got.status == http.StatusCreated && n != 1 {
 				t.Fatalf("answer 201 with %d orders committed: the handler's insert was rolled back by a SET TRANSACTION sent after it", n)
 			}
-			if got.status != http.StatusInternalServerError || !strings.Contains(string(got.body), "25001") || n != 0 {
+			if got.status != http.StatusInternalServerError || !strings.Contains(string(got.body), "25001") || !strings.Contains(string(got.body), "first statement") || n != 0 {
 				t.Fatalf("answer %d %s with %d orders; want the handler's 500 naming PostgreSQL's refusal (25001) and nothing committed", got.status, got.body, n)
 			}
 			assertNoSessionLocks(t, pool)
 		})
+	}
+}
+
+// In the single-transaction flow idem's lookup is the transaction's first
+// statement, so PostgreSQL refuses a handler's SET TRANSACTION: the error says
+// so and what to do (claim-then-complete, or the session default), and nothing
+// commits.
+func TestSetTransactionInSingleTxIsExplained(t *testing.T) {
+	t.Parallel()
+	db := newTestDB(t, 2)
+	s, pool := isoStore(t, db, "read committed")
+	orders := pgx.Identifier{db.schema, "orders"}.Sanitize()
+	if _, err := pool.Exec(ctx30(t), `CREATE TABLE `+orders+` (id bigserial PRIMARY KEY, idem_key text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	mw, err := idem.New(s, &idem.Config{Flow: idem.FlowSingleTx})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ctx := r.Context()
+		tx := pgstore.Tx(ctx)
+		if _, err := tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL SERIALIZABLE"); err != nil {
+			http.Error(w, "set transaction: "+err.Error(), 500)
+			return
+		}
+		_, key, _ := idem.KeyFrom(ctx)
+		if _, err := tx.Exec(ctx, `INSERT INTO `+orders+` (idem_key) VALUES ($1)`, key); err != nil {
+			http.Error(w, err.Error(), 500)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	})))
+	t.Cleanup(srv.Close)
+	key := "single-" + randomHex(4)
+	got := post(srv.URL+"/orders", key, []byte("{}"))
+	if got.err != nil {
+		t.Fatal(got.err)
+	}
+	var n int
+	if err := pool.QueryRow(ctx30(t), `SELECT count(*) FROM `+orders+` WHERE idem_key = $1`, key).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if got.status != http.StatusInternalServerError || !strings.Contains(string(got.body), "idem.FlowClaimComplete") || !strings.Contains(string(got.body), "25001") || n != 0 {
+		t.Fatalf("answer %d %s with %d orders; want the handler's 500 with an error naming claim-then-complete and 25001, nothing committed", got.status, got.body, n)
 	}
 }
