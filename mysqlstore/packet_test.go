@@ -69,3 +69,57 @@ func testResponseOverPacketIsRefused(t *testing.T) {
 		})
 	}
 }
+
+// A request whose record the store cannot keep — a custom fingerprint longer
+// than MaxFingerprintLength — is answered in a way that is not retryable
+// (every retry would meet the same limit): 500 idempotency_response_too_large
+// naming the fingerprint, without the handler's effects committed. Never 503
+// store_unavailable, which clients retry forever.
+func TestUnstorableClaimIsNotRetryable(t *testing.T) {
+	for _, flow := range []idem.Flow{idem.FlowClaimComplete, idem.FlowSingleTx} {
+		t.Run(flow.String(), func(t *testing.T) {
+			t.Parallel()
+			db := openDB(t, 4, "")
+			s := newStore(t, db)
+			runs := 0
+			srv := newServer(t, s, &idem.Config{Flow: flow, FingerprintFunc: func(r *http.Request, body []byte) string {
+				return "acme1:" + r.URL.Path + ":" + string(body)
+			}}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				runs++
+				w.WriteHeader(http.StatusCreated)
+			}))
+			for _, c := range []struct {
+				key, body, code, says string
+				status                int
+			}{
+				{randomName("fp-"), strings.Repeat("b", mysqlstore.MaxFingerprintLength), idem.CodeResponseTooLarge, "fingerprint is", 500},
+				{randomName("fp-"), strings.Repeat("b", mysqlstore.MaxFingerprintLength-len("acme1:/orders:")), "", "", 201},
+			} {
+				for attempt := range 2 {
+					req, _ := http.NewRequest(http.MethodPost, srv.URL+"/orders", strings.NewReader(c.body))
+					req.Header.Set("Idempotency-Key", c.key)
+					resp, err := http.DefaultClient.Do(req)
+					if err != nil {
+						t.Fatal(err)
+					}
+					body, _ := io.ReadAll(resp.Body)
+					resp.Body.Close()
+					var p idem.Problem
+					_ = json.Unmarshal(body, &p)
+					if c.status == 201 {
+						if resp.StatusCode != 201 {
+							t.Fatalf("a fingerprint of exactly MaxFingerprintLength bytes: %d %s, want 201", resp.StatusCode, body)
+						}
+						continue
+					}
+					if resp.StatusCode != c.status || p.Code != c.code || resp.Header.Get("Retry-After") != "" || !strings.Contains(p.Detail, c.says) {
+						t.Fatalf("attempt %d: %d %s (Retry-After %q), want %d %s saying %q, no Retry-After", attempt, resp.StatusCode, body, resp.Header.Get("Retry-After"), c.status, c.code, c.says)
+					}
+				}
+			}
+			if flow == idem.FlowClaimComplete && runs != 1 {
+				t.Errorf("the handler ran %d times, want once (the fingerprint that fits): a claim the store refuses runs nothing", runs)
+			}
+		})
+	}
+}
