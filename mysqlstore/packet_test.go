@@ -19,8 +19,12 @@ import (
 func TestResponseOverPacketIsRefused(t *testing.T) { bothModes(t, testResponseOverPacketIsRefused) }
 
 func testResponseOverPacketIsRefused(t *testing.T) {
-	for _, flow := range []idem.Flow{idem.FlowClaimComplete, idem.FlowSingleTx} {
-		t.Run(flow.String(), func(t *testing.T) {
+	for _, c := range []struct {
+		flow  idem.Flow
+		field string
+	}{{idem.FlowClaimComplete, "body"}, {idem.FlowSingleTx, "body"}, {idem.FlowClaimComplete, "headers"}, {idem.FlowSingleTx, "headers"}} {
+		flow := c.flow
+		t.Run(flow.String()+"/"+c.field, func(t *testing.T) {
 			db := openDB(t, 8, "")
 			var max int
 			if err := db.QueryRowContext(ctxFor(t), "SELECT @@max_allowed_packet").Scan(&max); err != nil {
@@ -32,10 +36,16 @@ func testResponseOverPacketIsRefused(t *testing.T) {
 			s := newStore(t, db)
 			orders := ordersTable(t, db)
 			runs := 0
-			srv := newServer(t, s, &idem.Config{Flow: flow, MaxStoredBody: 2 * max}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			cfg := &idem.Config{Flow: flow, MaxStoredBody: 2 * max, StoredHeaders: append([]string{"X-Big"}, idem.DefaultStoredHeaders...)}
+			srv := newServer(t, s, cfg, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				runs++
 				if _, err := mysqlstore.Tx(r.Context()).ExecContext(r.Context(), "INSERT INTO `"+orders+"` (item) VALUES ('huge')"); err != nil {
 					http.Error(w, err.Error(), 500)
+					return
+				}
+				if c.field == "headers" {
+					w.Header().Set("X-Big", strings.Repeat("h", max+1))
+					w.WriteHeader(http.StatusCreated)
 					return
 				}
 				w.WriteHeader(http.StatusCreated)
@@ -59,8 +69,8 @@ func testResponseOverPacketIsRefused(t *testing.T) {
 					}
 					t.Fatalf("attempt %d: answer %d %s (Retry-After %q), want 500 %s without Retry-After", attempt, resp.StatusCode, body, resp.Header.Get("Retry-After"), idem.CodeResponseTooLarge)
 				}
-				if !strings.Contains(p.Detail, "body is") {
-					t.Errorf("detail %q does not say the body is too large", p.Detail)
+				if !strings.Contains(p.Detail, "the "+c.field+" is") {
+					t.Errorf("detail %q does not say the %s is too large", p.Detail, c.field)
 				}
 			}
 			if n := countOrders(t, db, orders, "huge"); n != 0 {

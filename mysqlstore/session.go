@@ -188,32 +188,53 @@ func serverError(err error) bool {
 // (each at most 512 bytes), the packet headers.
 const packetOverhead = 8 << 10
 
-// checkPacket refuses, with an *idem.FieldTooLargeError for the body, a
-// response (its headers encoded as hdr) that cannot travel in one packet of
-// the server's max_allowed_packet: the server would refuse the statement every
-// time (error 1153), and a retry would only meet that again. Before the
-// settings are read it refuses nothing (refused explains the server's answer
-// then).
+// checkPacket refuses, with an *idem.FieldTooLargeError for its largest field
+// (body, headers or ref), a response (its headers encoded as hdr) that cannot
+// travel in one packet of the server's max_allowed_packet: the server would
+// refuse the statement every time (error 1153), and a retry would only meet
+// that again. Before the settings are read it refuses nothing (packetRefused
+// explains the server's answer then).
 func (s *Store) checkPacket(hdr, body []byte, ref string) error {
 	st := s.settings.Load()
 	if st == nil || st.maxPacket <= 0 {
 		return nil
 	}
-	return idem.CheckFieldSize("mysqlstore", "body", int64(len(body)), st.maxPacket-packetOverhead-int64(len(hdr))-int64(len(ref)))
+	if int64(len(hdr))+int64(len(body))+int64(len(ref))+packetOverhead <= st.maxPacket {
+		return nil
+	}
+	return packetError(st.maxPacket, hdr, body, ref)
 }
 
-// packetRefused returns an *idem.FieldTooLargeError for the body when err is
-// the server's refusal of a statement larger than max_allowed_packet (1153,
+// packetError is the *idem.FieldTooLargeError for the largest of the
+// response's fields, whose limit is what the packet leaves it beside the
+// others (0 when maxPacket is not known).
+func packetError(maxPacket int64, hdr, body []byte, ref string) error {
+	field, size, others := "body", int64(len(body)), int64(len(hdr))+int64(len(ref))
+	if n := int64(len(hdr)); n > size {
+		field, size, others = "headers", n, int64(len(body))+int64(len(ref))
+	}
+	if n := int64(len(ref)); n > size {
+		field, size, others = "ref", n, int64(len(body))+int64(len(hdr))
+	}
+	limit := max(maxPacket-packetOverhead-others, 0)
+	return &idem.FieldTooLargeError{Store: "mysqlstore", Field: field, Size: size, Limit: limit}
+}
+
+// packetRefused returns an *idem.FieldTooLargeError (see packetError) when err
+// is the server's refusal of a statement larger than max_allowed_packet (1153,
 // ER_NET_PACKET_TOO_LARGE) or the driver's own (go-sql-driver's
 // ErrPktTooLarge), nil otherwise. Nothing was written: the statement never ran.
 func (s *Store) packetRefused(err error, hdr, body []byte, ref string) error {
-	code, ok := errorNumber(err)
-	if !(ok && code == 1153) && (err == nil || !strings.Contains(err.Error(), "packet for query is too large")) {
+	if err == nil {
 		return nil
 	}
-	var limit int64
-	if st := s.settings.Load(); st != nil {
-		limit = st.maxPacket - packetOverhead - int64(len(hdr)) - int64(len(ref))
+	code, ok := errorNumber(err)
+	if !(ok && code == 1153) && !strings.Contains(err.Error(), "packet for query is too large") {
+		return nil
 	}
-	return errors.Join(&idem.FieldTooLargeError{Store: "mysqlstore", Field: "body", Size: int64(len(body)), Limit: max(limit, 0)}, err)
+	var maxPacket int64
+	if st := s.settings.Load(); st != nil {
+		maxPacket = st.maxPacket
+	}
+	return errors.Join(packetError(maxPacket, hdr, body, ref), err)
 }
