@@ -240,10 +240,41 @@ func explainSetTransaction(singleTx bool, err error) error {
 // isSetTransaction reports whether sql is a SET TRANSACTION statement that
 // raises the isolation to REPEATABLE READ or SERIALIZABLE.
 func isSetTransaction(sql string) bool {
-	l := strings.ToLower(sql)
+	l := strings.ToLower(skipComments(sql))
 	f := strings.Fields(l)
 	return len(f) >= 2 && f[0] == "set" && f[1] == "transaction" &&
 		(strings.Contains(l, "serializable") || strings.Contains(l, "repeatable"))
+}
+
+// skipComments returns sql without its leading white space and comments
+// ("-- …" to the end of the line, "/* … */", nested as PostgreSQL nests them).
+func skipComments(sql string) string {
+	for {
+		sql = strings.TrimLeft(sql, " \t\r\n\f")
+		switch {
+		case strings.HasPrefix(sql, "--"):
+			i := strings.IndexByte(sql, '\n')
+			if i < 0 {
+				return ""
+			}
+			sql = sql[i+1:]
+		case strings.HasPrefix(sql, "/*"):
+			depth, i := 1, 2
+			for depth > 0 && i < len(sql) {
+				switch {
+				case strings.HasPrefix(sql[i:], "/*"):
+					depth, i = depth+1, i+2
+				case strings.HasPrefix(sql[i:], "*/"):
+					depth, i = depth-1, i+2
+				default:
+					i++
+				}
+			}
+			sql = sql[i:]
+		default:
+			return sql
+		}
+	}
 }
 
 // Query delegates to the transaction.

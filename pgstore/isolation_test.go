@@ -79,20 +79,30 @@ func TestEveryIsolationLevel(t *testing.T) {
 	t.Parallel()
 	for _, level := range isolationLevels {
 		for _, f := range flows {
-			for _, how := range []string{"session", "set transaction"} {
-				if how == "set transaction" && f.flow == idem.FlowSingleTx {
+			for _, how := range []string{"session", "set transaction", "commented set transaction"} {
+				if how != "session" && f.flow == idem.FlowSingleTx {
 					continue // BeginLocked's lookup is the transaction's first statement
 				}
 				t.Run(strings.ReplaceAll(level, " ", "_")+"/"+f.name+"/"+strings.ReplaceAll(how, " ", "_"), func(t *testing.T) {
 					t.Parallel()
-					testIsolationLevel(t, level, f.flow, how == "set transaction")
+					set := ""
+					switch how {
+					case "set transaction":
+						set = "SET TRANSACTION ISOLATION LEVEL " + level
+					case "commented set transaction":
+						set = "-- raise the level\n  /* for this\n order */ set\ttransaction isolation level " + level
+					}
+					testIsolationLevel(t, level, f.flow, set)
 				})
 			}
 		}
 	}
 }
 
-func testIsolationLevel(t *testing.T, level string, flow idem.Flow, setTx bool) {
+// testIsolationLevel runs a handler at level, the session default when set is
+// empty, else raised by the handler's statement set.
+func testIsolationLevel(t *testing.T, level string, flow idem.Flow, set string) {
+	setTx := set != ""
 	db := newTestDB(t, 2)
 	sessionLevel := level
 	if setTx {
@@ -113,7 +123,7 @@ func testIsolationLevel(t *testing.T, level string, flow idem.Flow, setTx bool) 
 		ctx := r.Context()
 		tx := pgstore.Tx(ctx)
 		if setTx {
-			if _, err := tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL "+level); err != nil {
+			if _, err := tx.Exec(ctx, set); err != nil {
 				http.Error(w, "set transaction: "+err.Error(), 500)
 				return
 			}
