@@ -187,7 +187,7 @@
 //     also applies to the completion sent with COMMIT. Use SET LOCAL, and keep
 //     the default table schema-qualified if handlers change search_path.
 //   - Every isolation level works, as the session default (per role or
-//     database) or set by the handler with SET TRANSACTION through Tx.Exec, as its first
+//     database) or set by the handler with SET TRANSACTION (Tx.Exec, Query or QueryRow), as its first
 //     statement, in claim-then-complete (sent after another statement, it is
 //     PostgreSQL's to refuse, 25001, as without idem; in the single
 //     transaction idem's lookup is the first statement, so it is always

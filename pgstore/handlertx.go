@@ -237,6 +237,36 @@ func explainSetTransaction(singleTx bool, err error) error {
 	return fmt.Errorf("pgstore: SET TRANSACTION must be the handler's first statement in its transaction; the transaction is aborted: %w", err)
 }
 
+// beforeSetTransaction is Exec's handling of a SET TRANSACTION for Query and
+// QueryRow: when sql is one, as the handler's first statement, in a
+// claim-then-complete transaction, the session takes the key's lock in a
+// transaction of its own and begins the handler's afresh, so that sql is the
+// new transaction's first statement. It marks the transaction as used.
+func (t *handlerTx) beforeSetTransaction(ctx context.Context, sql string, nargs int) error {
+	first := !t.g.ran.Swap(true)
+	l := t.g.lock
+	if !first || !t.root || l == nil || !l.keyed || l.held || nargs != 0 || !isSetTransaction(sql) {
+		return nil
+	}
+	l.held = true // whatever fails below, the unlock at the end is harmless
+	_, err := t.tx.Conn().Exec(ctx, "ROLLBACK; "+l.sql()+"; COMMIT; BEGIN")
+	return t.g.note(err)
+}
+
+// errRows is the pgx.Rows and pgx.Row of a query that was not sent.
+type errRows struct{ err error }
+
+func (errRows) Close()                                       {}
+func (r errRows) Err() error                                 { return r.err }
+func (errRows) CommandTag() pgconn.CommandTag                { return pgconn.CommandTag{} }
+func (errRows) FieldDescriptions() []pgconn.FieldDescription { return nil }
+func (errRows) Next() bool                                   { return false }
+func (r errRows) Scan(...any) error                          { return r.err }
+func (r errRows) Values() ([]any, error)                     { return nil, r.err }
+func (errRows) RawValues() [][]byte                          { return nil }
+func (errRows) Conn() *pgx.Conn                              { return nil }
+func (errRows) TypeMap() *pgtype.Map                         { return pgtype.NewMap() }
+
 // isSetTransaction reports whether sql is a SET TRANSACTION statement that
 // raises the isolation to REPEATABLE READ or SERIALIZABLE.
 func isSetTransaction(sql string) bool {
@@ -283,7 +313,9 @@ func (t *handlerTx) Query(ctx context.Context, sql string, args ...any) (pgx.Row
 		return closedRows{}, pgx.ErrTxClosed
 	}
 	defer t.g.leave()
-	t.g.ran.Store(true)
+	if err := t.beforeSetTransaction(ctx, sql, len(args)); err != nil {
+		return errRows{err}, err
+	}
 	rows, err := t.tx.Query(ctx, sql, args...)
 	if err != nil {
 		return rows, t.g.note(err)
@@ -297,7 +329,9 @@ func (t *handlerTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.R
 		return closedRows{}
 	}
 	defer t.g.leave()
-	t.g.ran.Store(true)
+	if err := t.beforeSetTransaction(ctx, sql, len(args)); err != nil {
+		return errRows{err}
+	}
 	rows, err := t.tx.Query(ctx, sql, args...)
 	return guardRow{rows: rows, err: err, g: t.g}
 }

@@ -79,7 +79,7 @@ func TestEveryIsolationLevel(t *testing.T) {
 	t.Parallel()
 	for _, level := range isolationLevels {
 		for _, f := range flows {
-			for _, how := range []string{"session", "set transaction", "commented set transaction"} {
+			for _, how := range []string{"session", "set transaction", "commented set transaction", "set transaction by query"} {
 				if how != "session" && f.flow == idem.FlowSingleTx {
 					continue // BeginLocked's lookup is the transaction's first statement
 				}
@@ -89,6 +89,8 @@ func TestEveryIsolationLevel(t *testing.T) {
 					switch how {
 					case "set transaction":
 						set = "SET TRANSACTION ISOLATION LEVEL " + level
+					case "set transaction by query":
+						set = "query:SET TRANSACTION ISOLATION LEVEL " + level
 					case "commented set transaction":
 						set = "-- raise the level\n  /* for this\n order */ set\ttransaction isolation level " + level
 					}
@@ -123,7 +125,17 @@ func testIsolationLevel(t *testing.T, level string, flow idem.Flow, set string) 
 		ctx := r.Context()
 		tx := pgstore.Tx(ctx)
 		if setTx {
-			if _, err := tx.Exec(ctx, set); err != nil {
+			var err error
+			if q, ok := strings.CutPrefix(set, "query:"); ok {
+				var rows pgx.Rows
+				if rows, err = tx.Query(ctx, q); err == nil {
+					rows.Close()
+					err = rows.Err()
+				}
+			} else {
+				_, err = tx.Exec(ctx, set)
+			}
+			if err != nil {
 				http.Error(w, "set transaction: "+err.Error(), 500)
 				return
 			}
