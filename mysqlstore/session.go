@@ -217,7 +217,11 @@ func packetError(maxPacket int64, hdr, body []byte, ref string) error {
 		field, size, others = "ref", n, int64(len(body))+int64(len(hdr))
 	}
 	limit := max(maxPacket-packetOverhead-others, 0)
-	return &idem.FieldTooLargeError{Store: "mysqlstore", Field: field, Size: size, Limit: limit}
+	fte := &idem.FieldTooLargeError{Store: "mysqlstore", Field: field, Size: size, Limit: limit}
+	if maxPacket <= 0 {
+		return fmt.Errorf("%w (the server refused a statement larger than its max_allowed_packet)", fte)
+	}
+	return fmt.Errorf("%w (the stored response travels in one statement, and the server's max_allowed_packet is %d bytes)", fte, maxPacket)
 }
 
 // packetRefused returns an *idem.FieldTooLargeError (see packetError) when err
