@@ -27,7 +27,8 @@ const (
 // the method, the escaped URL path (as sent: /files/a%2Fb and /files/a/b differ,
 // as the router tells them apart), the raw query string (as sent, without the
 // "?": /pay?amount=1 and /pay?amount=1000 differ, and so do ?a=1&b=2 and
-// ?b=2&a=1) and the body, each length-prefixed so that no two requests share an
+// ?b=2&a=1, and so do ?a=1 and ?a=%31; an empty query, "/pay?", is the same as
+// none) and the body, each length-prefixed so that no two requests share an
 // input. Headers, the host and the scope are not part of it (the scope is part
 // of the record's identity already).
 func FingerprintV3(r *http.Request, body []byte) string {

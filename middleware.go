@@ -243,6 +243,14 @@ func (h *handler) mismatch(w http.ResponseWriter, req *request, rec *Record) {
 }
 
 func (h *handler) storeFailed(w http.ResponseWriter, req *request, op string, err error) {
+	if errors.Is(err, ErrFieldTooLarge) {
+		// Not an outage: the store cannot keep this request's record (a custom
+		// fingerprint longer than it indexes), and every retry would meet the
+		// same limit.
+		h.problem(w, req, EventStoreError, fmt.Errorf("%s: %w", op, err), CodeResponseTooLarge,
+			"the idempotency store cannot keep this request's record ("+err.Error()+"), so the request was not executed; a retry would meet the same limit", 0)
+		return
+	}
 	h.problem(w, req, EventStoreError, fmt.Errorf("%s: %w", op, err), CodeStoreUnavailable, "the idempotency store could not be reached, so the request was not executed; retry with the same key", 1)
 }
 

@@ -257,11 +257,17 @@
 //     values are refused with an error before they reach the server, which outside
 //     strict SQL mode would truncate them and merge distinct keys. Keep
 //     idem.Config.MaxKeyLength at 255 or less, and hash long scopes.
-//   - fingerprint at most 512 bytes, lock token at most 255.
+//   - fingerprint at most 512 bytes, lock token at most 255. A longer custom
+//     fingerprint (idem.Config.FingerprintFunc) is refused with an
+//     *idem.FieldTooLargeError: the request is answered 500
+//     idempotency_response_too_large, not retryable, and nothing is committed.
 //   - A stored response travels in one packet: the server's max_allowed_packet
 //     (16 MiB on MariaDB 10.11, 64 MiB on MySQL 8) must exceed the largest body plus
-//     headers, or Complete fails and the request is answered 503 with nothing
-//     committed. Keep idem.Config.MaxStoredBody (1 MiB by default) well below it.
+//     headers, or the store refuses the response with an *idem.FieldTooLargeError
+//     for the body (read once with the store's settings, or the server's error
+//     1153): nothing is committed and the request is answered 500
+//     idempotency_response_too_large, not a retryable 503 every retry would meet
+//     again. Keep idem.Config.MaxStoredBody (1 MiB by default) well below it.
 //     body is a LONGBLOB, headers a MEDIUMBLOB (16 MiB), ref a BLOB (64 KiB).
 //   - Config.Table: letters, digits, underscore, at most 53 characters, in the
 //     DSN's database.

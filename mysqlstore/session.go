@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+
+	"github.com/idemkit/idem"
 )
 
 // settings is what the store learns about the server and the connections the
@@ -24,6 +26,10 @@ type settings struct {
 	// with which BeginLocked sends its lock-free read and the lock in one round
 	// trip (see BeginLocked).
 	foundRows bool
+	// maxPacket is the server's max_allowed_packet: a statement larger than that
+	// is refused (error 1153), so a response that cannot fit is refused before
+	// it is sent (see checkPacket).
+	maxPacket int64
 }
 
 // settingsFor returns the store's settings, reading them on conn (the connection
@@ -34,30 +40,31 @@ func (s *Store) settingsFor(ctx context.Context, conn *sql.Conn) (*settings, err
 	if st := s.settings.Load(); st != nil {
 		return st, nil
 	}
-	const read = "SELECT @@log_bin, @@sql_log_bin, @@binlog_format, VERSION()"
+	const read = "SELECT @@log_bin, @@sql_log_bin, @@binlog_format, VERSION(), @@max_allowed_packet"
 	var (
-		logBin, sqlLogBin sql.NullInt64
-		format, version   sql.NullString
+		logBin, sqlLogBin, maxPacket sql.NullInt64
+		format, version              sql.NullString
 	)
 	st := &settings{multi: true}
 	// A connection without multiStatements refuses two statements in one query
 	// with a syntax error (1064) and runs neither. Any other failure (a driver
 	// that does not pass over the first statement's empty result, say) also
 	// means one statement per query.
-	if err := conn.QueryRowContext(ctx, "DO 0; "+read).Scan(&logBin, &sqlLogBin, &format, &version); err != nil {
+	if err := conn.QueryRowContext(ctx, "DO 0; "+read).Scan(&logBin, &sqlLogBin, &format, &version, &maxPacket); err != nil {
 		st.multi = false
 	}
 	var err error
 	if !st.multi {
-		err = conn.QueryRowContext(ctx, read).Scan(&logBin, &sqlLogBin, &format, &version)
+		err = conn.QueryRowContext(ctx, read).Scan(&logBin, &sqlLogBin, &format, &version, &maxPacket)
 	}
 	if err != nil {
-		return nil, s.wrap(fmt.Errorf("reading the server's settings (log_bin, sql_log_bin, binlog_format, version): %w", err))
+		return nil, s.wrap(fmt.Errorf("reading the server's settings (log_bin, sql_log_bin, binlog_format, version, max_allowed_packet): %w", err))
 	}
 	if st.multi {
 		var n sql.NullInt64
 		st.foundRows = conn.QueryRowContext(ctx, "SELECT FOUND_ROWS()").Scan(&n) == nil
 	}
+	st.maxPacket = maxPacket.Int64
 	st.isoVar = "transaction_isolation"
 	if strings.Contains(strings.ToLower(version.String), "mariadb") {
 		st.isoVar = "tx_isolation"
@@ -174,4 +181,64 @@ func setFailed(err error) bool {
 func serverError(err error) bool {
 	_, ok := errorNumber(err)
 	return ok && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded)
+}
+
+// packetOverhead is what a completion or an insert sends besides the response's
+// headers, body and ref: the statement, the scope, key, token and fingerprint
+// (each at most 512 bytes), the packet headers.
+const packetOverhead = 8 << 10
+
+// checkPacket refuses, with an *idem.FieldTooLargeError for its largest field
+// (body, headers or ref), a response (its headers encoded as hdr) that cannot
+// travel in one packet of the server's max_allowed_packet: the server would
+// refuse the statement every time (error 1153), and a retry would only meet
+// that again. Before the settings are read it refuses nothing (packetRefused
+// explains the server's answer then).
+func (s *Store) checkPacket(hdr, body []byte, ref string) error {
+	st := s.settings.Load()
+	if st == nil || st.maxPacket <= 0 {
+		return nil
+	}
+	if int64(len(hdr))+int64(len(body))+int64(len(ref))+packetOverhead <= st.maxPacket {
+		return nil
+	}
+	return packetError(st.maxPacket, hdr, body, ref)
+}
+
+// packetError is the *idem.FieldTooLargeError for the largest of the
+// response's fields, whose limit is what the packet leaves it beside the
+// others (0 when maxPacket is not known).
+func packetError(maxPacket int64, hdr, body []byte, ref string) error {
+	field, size, others := "body", int64(len(body)), int64(len(hdr))+int64(len(ref))
+	if n := int64(len(hdr)); n > size {
+		field, size, others = "headers", n, int64(len(body))+int64(len(ref))
+	}
+	if n := int64(len(ref)); n > size {
+		field, size, others = "ref", n, int64(len(body))+int64(len(hdr))
+	}
+	limit := max(maxPacket-packetOverhead-others, 0)
+	fte := &idem.FieldTooLargeError{Store: "mysqlstore", Field: field, Size: size, Limit: limit}
+	if maxPacket <= 0 {
+		return fmt.Errorf("%w (the server refused a statement larger than its max_allowed_packet)", fte)
+	}
+	return fmt.Errorf("%w (the stored response travels in one statement, and the server's max_allowed_packet is %d bytes)", fte, maxPacket)
+}
+
+// packetRefused returns an *idem.FieldTooLargeError (see packetError) when err
+// is the server's refusal of a statement larger than max_allowed_packet (1153,
+// ER_NET_PACKET_TOO_LARGE) or the driver's own (go-sql-driver's
+// ErrPktTooLarge), nil otherwise. Nothing was written: the statement never ran.
+func (s *Store) packetRefused(err error, hdr, body []byte, ref string) error {
+	if err == nil {
+		return nil
+	}
+	code, ok := errorNumber(err)
+	if !(ok && code == 1153) && !strings.Contains(err.Error(), "packet for query is too large") {
+		return nil
+	}
+	var maxPacket int64
+	if st := s.settings.Load(); st != nil {
+		maxPacket = st.maxPacket
+	}
+	return errors.Join(packetError(maxPacket, hdr, body, ref), err)
 }

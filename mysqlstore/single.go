@@ -261,6 +261,9 @@ func (t *lockedTx) Insert(ctx context.Context, rec *idem.Record) error {
 		if err := checkResponse(resp, hdr); err != nil {
 			return err
 		}
+		if err := t.s.checkPacket(hdr, resp.Body, resp.Ref); err != nil {
+			return err
+		}
 		r.hdr, r.body = hdr, resp.Body
 		if r.body != nil && len(r.body) == 0 {
 			r.body = []byte{} // stored as '' rather than NULL

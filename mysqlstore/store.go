@@ -448,14 +448,18 @@ func claimable(rec *idem.Record, req idem.ClaimRequest) bool {
 
 // Complete implements idem.Store: a compare-and-set on token and state.
 func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, _, expiresAt time.Time) error {
-	args, err := completeArgs(scope, key, token, resp, expiresAt)
+	args, err := s.completeArgs(scope, key, token, resp, expiresAt)
 	if err != nil {
 		return err
 	}
-	return s.execFenced(ctx, s.q.complete, args...)
+	err = s.execFenced(ctx, s.q.complete, args...)
+	if perr := s.packetRefused(err, args[1].([]byte), args[2].([]byte), resp.Ref); perr != nil {
+		return perr
+	}
+	return err
 }
 
-func completeArgs(scope, key, token string, resp *idem.Response, expiresAt time.Time) ([]any, error) {
+func (s *Store) completeArgs(scope, key, token string, resp *idem.Response, expiresAt time.Time) ([]any, error) {
 	if resp == nil {
 		return nil, errors.New("mysqlstore: Complete was given a nil *idem.Response")
 	}
@@ -467,6 +471,9 @@ func completeArgs(scope, key, token string, resp *idem.Response, expiresAt time.
 		return nil, err
 	}
 	if err := checkResponse(resp, hdr); err != nil {
+		return nil, err
+	}
+	if err := s.checkPacket(hdr, resp.Body, resp.Ref); err != nil {
 		return nil, err
 	}
 	var body, ref []byte

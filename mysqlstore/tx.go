@@ -216,7 +216,7 @@ type txn struct {
 // BeginTx opened, then the fenced UPDATE inside it. It returns an error wrapping
 // idem.ErrTxAborted when the server had rolled the transaction back.
 func (t *txn) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, _, expiresAt time.Time) error {
-	args, err := completeArgs(scope, key, token, resp, expiresAt)
+	args, err := t.s.completeArgs(scope, key, token, resp, expiresAt)
 	if err != nil {
 		return err
 	}
@@ -258,6 +258,9 @@ func (t *txn) Complete(ctx context.Context, scope, key, token string, resp *idem
 	}
 	if serr := t.s.statementLogged(err); serr != nil {
 		return serr
+	}
+	if perr := t.s.packetRefused(err, args[1].([]byte), args[2].([]byte), resp.Ref); perr != nil {
+		return perr
 	}
 	if err != nil {
 		return t.explain(err)

@@ -187,8 +187,12 @@
 //     also applies to the completion sent with COMMIT. Use SET LOCAL, and keep
 //     the default table schema-qualified if handlers change search_path.
 //   - Every isolation level works, as the session default (per role or
-//     database) or set by the handler with SET TRANSACTION on Tx in
-//     claim-then-complete. idem's own statements outside the handler's
+//     database) or set by the handler with SET TRANSACTION (Tx.Exec, Query or QueryRow), as its first
+//     statement, in claim-then-complete (sent after another statement, it is
+//     PostgreSQL's to refuse, 25001, as without idem; in the single
+//     transaction idem's lookup is the first statement, so it is always
+//     refused there, with an error that says to use claim-then-complete or the
+//     session default). idem's own statements outside the handler's
 //     transaction (claim, renewal, release) run at READ COMMITTED whatever the
 //     default. While a claimed handler's transaction runs, its session holds
 //     the key's advisory lock, and the renewals leave the record's row alone:

@@ -3,6 +3,7 @@ package pgstore
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -36,6 +37,11 @@ type txGuard struct {
 	// serialization failure or a deadlock (SQLSTATE class 40), which aborted
 	// the transaction: Commit then reports idem.ErrTxConflict.
 	conflict atomic.Bool
+	// ran records that the handler sent a statement (Exec, Query, QueryRow,
+	// SendBatch, CopyFrom) in the transaction: a SET TRANSACTION after that is
+	// PostgreSQL's to refuse (25001), never a reason to begin afresh, which
+	// would roll back what the handler wrote.
+	ran atomic.Bool
 }
 
 // note records a conflict error of the handler's statements, and returns err.
@@ -164,6 +170,7 @@ func (t *handlerTx) CopyFrom(ctx context.Context, tableName pgx.Identifier, colu
 		return 0, pgx.ErrTxClosed
 	}
 	defer t.g.leave()
+	t.g.ran.Store(true)
 	n, err := t.tx.CopyFrom(ctx, tableName, columnNames, rowSrc)
 	return n, t.g.note(err)
 }
@@ -174,6 +181,7 @@ func (t *handlerTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResult
 		return pgx.FailedBatchResults(b, pgx.ErrTxClosed)
 	}
 	defer t.g.leave()
+	t.g.ran.Store(true)
 	return &guardBatch{BatchResults: t.tx.SendBatch(ctx, b), g: t.g}
 }
 
@@ -197,8 +205,10 @@ func (t *handlerTx) Exec(ctx context.Context, sql string, arguments ...any) (pgc
 		return pgconn.CommandTag{}, pgx.ErrTxClosed
 	}
 	defer t.g.leave()
-	if l := t.g.lock; t.root && l != nil && l.keyed && !l.held && len(arguments) == 0 && isSetTransaction(sql) {
-		// The handler raises its transaction's isolation. Before it does, the
+	first := !t.g.ran.Swap(true)
+	if l := t.g.lock; first && t.root && l != nil && l.keyed && !l.held && len(arguments) == 0 && isSetTransaction(sql) {
+		// The handler raises its transaction's isolation, before anything ran
+		// in it (later, PostgreSQL refuses it). Before it does, the
 		// session takes the key's lock (see Store.BeginTx) in a transaction of
 		// its own — nothing has run in the handler's yet, which SET
 		// TRANSACTION requires — and begins the handler's afresh.
@@ -208,16 +218,93 @@ func (t *handlerTx) Exec(ctx context.Context, sql string, arguments ...any) (pgc
 	}
 	tag, err := t.tx.Exec(ctx, sql, arguments...)
 	t.noteEnd(tag)
+	if err != nil && t.root && len(arguments) == 0 && isSetTransaction(sql) {
+		err = explainSetTransaction(t.g.lock == nil, err)
+	}
 	return tag, t.g.note(err)
 }
+
+// explainSetTransaction says why PostgreSQL refused a handler's SET
+// TRANSACTION (25001, it must come before any query), and what to do.
+func explainSetTransaction(singleTx bool, err error) error {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "25001" {
+		return err
+	}
+	if singleTx {
+		return fmt.Errorf("pgstore: SET TRANSACTION cannot raise the isolation of the single-transaction flow's transaction (idem's lookup of the key is its first statement); serve this route with idem.Config{Flow: idem.FlowClaimComplete}, or make the level the session default (ALTER ROLE … SET default_transaction_isolation); the transaction is aborted: %w", err)
+	}
+	return fmt.Errorf("pgstore: SET TRANSACTION must be the handler's first statement in its transaction; the transaction is aborted: %w", err)
+}
+
+// beforeSetTransaction is Exec's handling of a SET TRANSACTION for Query and
+// QueryRow: when sql is one, as the handler's first statement, in a
+// claim-then-complete transaction, the session takes the key's lock in a
+// transaction of its own and begins the handler's afresh, so that sql is the
+// new transaction's first statement. It marks the transaction as used.
+func (t *handlerTx) beforeSetTransaction(ctx context.Context, sql string, nargs int) error {
+	first := !t.g.ran.Swap(true)
+	l := t.g.lock
+	if !first || !t.root || l == nil || !l.keyed || l.held || nargs != 0 || !isSetTransaction(sql) {
+		return nil
+	}
+	l.held = true // whatever fails below, the unlock at the end is harmless
+	_, err := t.tx.Conn().Exec(ctx, "ROLLBACK; "+l.sql()+"; COMMIT; BEGIN")
+	return t.g.note(err)
+}
+
+// errRows is the pgx.Rows and pgx.Row of a query that was not sent.
+type errRows struct{ err error }
+
+func (errRows) Close()                                       {}
+func (r errRows) Err() error                                 { return r.err }
+func (errRows) CommandTag() pgconn.CommandTag                { return pgconn.CommandTag{} }
+func (errRows) FieldDescriptions() []pgconn.FieldDescription { return nil }
+func (errRows) Next() bool                                   { return false }
+func (r errRows) Scan(...any) error                          { return r.err }
+func (r errRows) Values() ([]any, error)                     { return nil, r.err }
+func (errRows) RawValues() [][]byte                          { return nil }
+func (errRows) Conn() *pgx.Conn                              { return nil }
+func (errRows) TypeMap() *pgtype.Map                         { return pgtype.NewMap() }
 
 // isSetTransaction reports whether sql is a SET TRANSACTION statement that
 // raises the isolation to REPEATABLE READ or SERIALIZABLE.
 func isSetTransaction(sql string) bool {
-	l := strings.ToLower(sql)
+	l := strings.ToLower(skipComments(sql))
 	f := strings.Fields(l)
 	return len(f) >= 2 && f[0] == "set" && f[1] == "transaction" &&
 		(strings.Contains(l, "serializable") || strings.Contains(l, "repeatable"))
+}
+
+// skipComments returns sql without its leading white space and comments
+// ("-- …" to the end of the line, "/* … */", nested as PostgreSQL nests them).
+func skipComments(sql string) string {
+	for {
+		sql = strings.TrimLeft(sql, " \t\r\n\f")
+		switch {
+		case strings.HasPrefix(sql, "--"):
+			i := strings.IndexByte(sql, '\n')
+			if i < 0 {
+				return ""
+			}
+			sql = sql[i+1:]
+		case strings.HasPrefix(sql, "/*"):
+			depth, i := 1, 2
+			for depth > 0 && i < len(sql) {
+				switch {
+				case strings.HasPrefix(sql[i:], "/*"):
+					depth, i = depth+1, i+2
+				case strings.HasPrefix(sql[i:], "*/"):
+					depth, i = depth-1, i+2
+				default:
+					i++
+				}
+			}
+			sql = sql[i:]
+		default:
+			return sql
+		}
+	}
 }
 
 // Query delegates to the transaction.
@@ -226,6 +313,9 @@ func (t *handlerTx) Query(ctx context.Context, sql string, args ...any) (pgx.Row
 		return closedRows{}, pgx.ErrTxClosed
 	}
 	defer t.g.leave()
+	if err := t.beforeSetTransaction(ctx, sql, len(args)); err != nil {
+		return errRows{err}, err
+	}
 	rows, err := t.tx.Query(ctx, sql, args...)
 	if err != nil {
 		return rows, t.g.note(err)
@@ -239,6 +329,9 @@ func (t *handlerTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.R
 		return closedRows{}
 	}
 	defer t.g.leave()
+	if err := t.beforeSetTransaction(ctx, sql, len(args)); err != nil {
+		return errRows{err}
+	}
 	rows, err := t.tx.Query(ctx, sql, args...)
 	return guardRow{rows: rows, err: err, g: t.g}
 }

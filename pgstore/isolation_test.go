@@ -79,20 +79,32 @@ func TestEveryIsolationLevel(t *testing.T) {
 	t.Parallel()
 	for _, level := range isolationLevels {
 		for _, f := range flows {
-			for _, how := range []string{"session", "set transaction"} {
-				if how == "set transaction" && f.flow == idem.FlowSingleTx {
+			for _, how := range []string{"session", "set transaction", "commented set transaction", "set transaction by query"} {
+				if how != "session" && f.flow == idem.FlowSingleTx {
 					continue // BeginLocked's lookup is the transaction's first statement
 				}
 				t.Run(strings.ReplaceAll(level, " ", "_")+"/"+f.name+"/"+strings.ReplaceAll(how, " ", "_"), func(t *testing.T) {
 					t.Parallel()
-					testIsolationLevel(t, level, f.flow, how == "set transaction")
+					set := ""
+					switch how {
+					case "set transaction":
+						set = "SET TRANSACTION ISOLATION LEVEL " + level
+					case "set transaction by query":
+						set = "query:SET TRANSACTION ISOLATION LEVEL " + level
+					case "commented set transaction":
+						set = "-- raise the level\n  /* for this\n order */ set\ttransaction isolation level " + level
+					}
+					testIsolationLevel(t, level, f.flow, set)
 				})
 			}
 		}
 	}
 }
 
-func testIsolationLevel(t *testing.T, level string, flow idem.Flow, setTx bool) {
+// testIsolationLevel runs a handler at level, the session default when set is
+// empty, else raised by the handler's statement set.
+func testIsolationLevel(t *testing.T, level string, flow idem.Flow, set string) {
+	setTx := set != ""
 	db := newTestDB(t, 2)
 	sessionLevel := level
 	if setTx {
@@ -113,7 +125,17 @@ func testIsolationLevel(t *testing.T, level string, flow idem.Flow, setTx bool) 
 		ctx := r.Context()
 		tx := pgstore.Tx(ctx)
 		if setTx {
-			if _, err := tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL "+level); err != nil {
+			var err error
+			if q, ok := strings.CutPrefix(set, "query:"); ok {
+				var rows pgx.Rows
+				if rows, err = tx.Query(ctx, q); err == nil {
+					rows.Close()
+					err = rows.Err()
+				}
+			} else {
+				_, err = tx.Exec(ctx, set)
+			}
+			if err != nil {
 				http.Error(w, "set transaction: "+err.Error(), 500)
 				return
 			}
@@ -237,5 +259,104 @@ func TestHandlerSerializationFailureIsAConflict(t *testing.T) {
 				t.Fatalf("balance %d (%v), want 91: the interfering +1, then one -10", balance, err)
 			}
 		})
+	}
+}
+
+// SET TRANSACTION after the handler's first statement: PostgreSQL refuses it
+// (25001, it must come before any query) and the transaction is aborted; it
+// must not roll back what the handler wrote and carry on in a fresh
+// transaction, which would commit a 201 whose order is gone.
+func TestLateSetTransactionLosesNothing(t *testing.T) {
+	t.Parallel()
+	for _, level := range []string{"repeatable read", "serializable"} {
+		t.Run(strings.ReplaceAll(level, " ", "_"), func(t *testing.T) {
+			t.Parallel()
+			db := newTestDB(t, 2)
+			s, pool := isoStore(t, db, "read committed")
+			orders := pgx.Identifier{db.schema, "orders"}.Sanitize()
+			if _, err := pool.Exec(ctx30(t), `CREATE TABLE `+orders+` (id bigserial PRIMARY KEY, idem_key text NOT NULL)`); err != nil {
+				t.Fatal(err)
+			}
+			mw, err := idem.New(s, &idem.Config{Flow: idem.FlowClaimComplete})
+			if err != nil {
+				t.Fatal(err)
+			}
+			srv := httptest.NewServer(mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				ctx := r.Context()
+				tx := pgstore.Tx(ctx)
+				_, key, _ := idem.KeyFrom(ctx)
+				if _, err := tx.Exec(ctx, `INSERT INTO `+orders+` (idem_key) VALUES ($1)`, key); err != nil {
+					http.Error(w, err.Error(), 500)
+					return
+				}
+				if _, err := tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL "+strings.ToUpper(level)); err != nil {
+					http.Error(w, "set transaction: "+err.Error(), 500)
+					return
+				}
+				w.WriteHeader(http.StatusCreated)
+			})))
+			t.Cleanup(srv.Close)
+			key := "late-" + randomHex(4)
+			got := post(srv.URL+"/orders", key, []byte("{}"))
+			if got.err != nil {
+				t.Fatal(got.err)
+			}
+			var n int
+			if err := pool.QueryRow(ctx30(t), `SELECT count(*) FROM `+orders+` WHERE idem_key = $1`, key).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			if got.status == http.StatusCreated && n != 1 {
+				t.Fatalf("answer 201 with %d orders committed: the handler's insert was rolled back by a SET TRANSACTION sent after it", n)
+			}
+			if got.status != http.StatusInternalServerError || !strings.Contains(string(got.body), "25001") || !strings.Contains(string(got.body), "first statement") || n != 0 {
+				t.Fatalf("answer %d %s with %d orders; want the handler's 500 naming PostgreSQL's refusal (25001) and nothing committed", got.status, got.body, n)
+			}
+			assertNoSessionLocks(t, pool)
+		})
+	}
+}
+
+// In the single-transaction flow idem's lookup is the transaction's first
+// statement, so PostgreSQL refuses a handler's SET TRANSACTION: the error says
+// so and what to do (claim-then-complete, or the session default), and nothing
+// commits.
+func TestSetTransactionInSingleTxIsExplained(t *testing.T) {
+	t.Parallel()
+	db := newTestDB(t, 2)
+	s, pool := isoStore(t, db, "read committed")
+	orders := pgx.Identifier{db.schema, "orders"}.Sanitize()
+	if _, err := pool.Exec(ctx30(t), `CREATE TABLE `+orders+` (id bigserial PRIMARY KEY, idem_key text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	mw, err := idem.New(s, &idem.Config{Flow: idem.FlowSingleTx})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ctx := r.Context()
+		tx := pgstore.Tx(ctx)
+		if _, err := tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL SERIALIZABLE"); err != nil {
+			http.Error(w, "set transaction: "+err.Error(), 500)
+			return
+		}
+		_, key, _ := idem.KeyFrom(ctx)
+		if _, err := tx.Exec(ctx, `INSERT INTO `+orders+` (idem_key) VALUES ($1)`, key); err != nil {
+			http.Error(w, err.Error(), 500)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	})))
+	t.Cleanup(srv.Close)
+	key := "single-" + randomHex(4)
+	got := post(srv.URL+"/orders", key, []byte("{}"))
+	if got.err != nil {
+		t.Fatal(got.err)
+	}
+	var n int
+	if err := pool.QueryRow(ctx30(t), `SELECT count(*) FROM `+orders+` WHERE idem_key = $1`, key).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if got.status != http.StatusInternalServerError || !strings.Contains(string(got.body), "idem.FlowClaimComplete") || !strings.Contains(string(got.body), "25001") || n != 0 {
+		t.Fatalf("answer %d %s with %d orders; want the handler's 500 with an error naming claim-then-complete and 25001, nothing committed", got.status, got.body, n)
 	}
 }
