@@ -25,6 +25,13 @@
 //     it ran (method), and when it did not, the key is released — by a panic
 //     idem answers by releasing, recovered in front of idem — and the client
 //     gets connect's answer.
+//   - A binary protobuf request is fingerprinted by what it means, not by the
+//     bytes the client's codec chose: connect-go's default codec (like
+//     grpc-go's) encodes a map in a new order on every attempt, which idem
+//     would refuse as another request (422). The message is decoded with the
+//     procedure's request type and re-encoded deterministically (fingerprint,
+//     below). The codec stays in the fingerprint: a retry in JSON of a call
+//     made in protobuf is refused, never answered with protobuf bytes.
 //   - gRPC-Web answers are replayed with the grpc-* headers they need
 //     (Grpc-Encoding, and the status of a trailers-only error); gRPC calls, whose
 //     status travels in HTTP trailers that idem does not store, are refused with
@@ -35,9 +42,12 @@
 package main
 
 import (
+	"bytes"
+	"compress/gzip"
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
 	"log"
 	"net/http"
 	"slices"
@@ -46,10 +56,13 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"encoding/binary"
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/examples/routers/shop"
 	"github.com/idemkit/idem/memstore"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/structpb"
+	"mime"
 )
 
 // CreateOrderProcedure is the Connect procedure, served at this path.
@@ -61,7 +74,10 @@ const CreateOrderProcedure = "/shop.v1.OrderService/CreateOrder"
 var grpcWebHeaders = []string{"Grpc-Encoding", "Grpc-Accept-Encoding", "Grpc-Status", "Grpc-Message", "Grpc-Status-Details-Bin"}
 
 func newMux(store idem.Store, orders *shop.Orders) (*http.ServeMux, error) {
-	protect, err := idem.New(store, &idem.Config{StoredHeaders: append(slices.Clone(idem.DefaultStoredHeaders), grpcWebHeaders...)})
+	protect, err := idem.New(store, &idem.Config{
+		StoredHeaders:   append(slices.Clone(idem.DefaultStoredHeaders), grpcWebHeaders...),
+		FingerprintFunc: fingerprint(func() proto.Message { return new(structpb.Struct) }),
+	})
 	if err != nil {
 		return nil, err
 	}
@@ -146,6 +162,70 @@ func keyed(protect func(http.Handler) http.Handler, h http.Handler) http.Handler
 		}()
 		inner.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), answerKey{}, out)))
 	})
+}
+
+// fingerprint returns the idem.FingerprintFunc of a procedure whose request
+// messages newReq makes: idem.FingerprintV3 over the codec's name and the
+// message's deterministic encoding when the body is a binary protobuf message
+// (Connect "application/proto", or one gRPC-Web frame of
+// "application/grpc-web[+proto]"), uncompressed or gzip; over the body as
+// sent otherwise (JSON, other encodings, what does not decode).
+func fingerprint(newReq func() proto.Message) idem.FingerprintFunc {
+	return func(r *http.Request, body []byte) string {
+		if canon, ok := canonicalProto(r, body, newReq); ok {
+			return idem.FingerprintV3(r, canon)
+		}
+		return idem.FingerprintV3(r, body)
+	}
+}
+
+// maxCanonicalMessage bounds a compressed message decompressed for its
+// fingerprint; a larger one is fingerprinted as sent.
+const maxCanonicalMessage = 4 << 20
+
+func canonicalProto(r *http.Request, body []byte, newReq func() proto.Message) ([]byte, bool) {
+	mt, _, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	var msg []byte
+	var encoding string
+	switch mt {
+	case "application/proto":
+		msg, encoding = body, r.Header.Get("Content-Encoding")
+	case "application/grpc-web", "application/grpc-web+proto":
+		// One frame: flags (bit 0: compressed with Grpc-Encoding), a 4-byte length, the message.
+		if len(body) < 5 || body[0]&^1 != 0 || int(binary.BigEndian.Uint32(body[1:5])) != len(body)-5 {
+			return nil, false
+		}
+		msg = body[5:]
+		if body[0] == 1 {
+			encoding = r.Header.Get("Grpc-Encoding")
+		}
+	default:
+		return nil, false
+	}
+	switch encoding {
+	case "", "identity":
+	case "gzip":
+		zr, err := gzip.NewReader(bytes.NewReader(msg))
+		if err != nil {
+			return nil, false
+		}
+		msg, err = io.ReadAll(io.LimitReader(zr, maxCanonicalMessage+1))
+		if err != nil || len(msg) > maxCanonicalMessage {
+			return nil, false
+		}
+	default:
+		return nil, false
+	}
+	m := newReq()
+	if err := proto.Unmarshal(msg, m); err != nil {
+		return nil, false
+	}
+	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(m)
+	if err != nil {
+		return nil, false
+	}
+	// The codec's name first: a canonical message never equals a body fingerprinted as sent.
+	return append([]byte("canonical "+mt+"\n"), b...), true
 }
 
 // buffered is a unary answer held until it is known whether the method ran.
