@@ -19,17 +19,26 @@ import (
 // TestEveryCodeKept: every error code a handler can return, by default and
 // with an Idem.KeepFunc that keeps below 500: a kept code is replayed to the
 // retry without running the method; one not kept is not stored, and the retry
-// runs the method again.
+// runs the method again, and the Observer hears EventReleased (outcome
+// "released").
 func TestEveryCodeKept(t *testing.T) {
 	t.Parallel()
-	below500 := &idemgrpc.Config{Idem: &idem.Config{KeepFunc: func(s int) bool { return s < http.StatusInternalServerError }}}
 	for c := codes.Canceled; c <= codes.Unauthenticated; c++ {
-		for _, cfg := range []*idemgrpc.Config{nil, below500} {
+		for _, withKeepFunc := range []bool{false, true} {
+			var released atomic.Int64
+			cfg := &idemgrpc.Config{Idem: &idem.Config{Observer: idem.ObserverFunc(func(_ context.Context, e idem.Event) {
+				if e.Kind == idem.EventReleased {
+					released.Add(1)
+				}
+			})}}
+			if withKeepFunc {
+				cfg.Idem.KeepFunc = func(s int) bool { return s < http.StatusInternalServerError }
+			}
 			want := idemgrpc.DefaultKeepCode(c)
-			if cfg != nil {
+			if withKeepFunc {
 				want = want && idemgrpc.HTTPStatus(c) < 500
 			}
-			t.Run(fmt.Sprintf("%v/keepFunc=%v", c, cfg != nil), func(t *testing.T) {
+			t.Run(fmt.Sprintf("%v/keepFunc=%v", c, withKeepFunc), func(t *testing.T) {
 				t.Parallel()
 				var n atomic.Int64
 				create := func(ctx context.Context, in *structpb.Struct) (*structpb.Struct, error) {
@@ -48,6 +57,9 @@ func TestEveryCodeKept(t *testing.T) {
 				fresh := retry.err == nil && !retry.replayed && n.Load() == 2
 				if (want && !kept) || (!want && !fresh) {
 					t.Fatalf("retry after %v: %v (replayed %v), %d runs; want kept=%v", c, retry.err, retry.replayed, n.Load(), want)
+				}
+				if wantReleased := map[bool]int64{true: 0, false: 1}[want]; released.Load() != wantReleased {
+					t.Fatalf("%d released events after %v; want %d (the outcome %s)", released.Load(), c, wantReleased, map[bool]string{true: "stored", false: "not kept"}[want])
 				}
 			})
 		}
