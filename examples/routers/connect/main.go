@@ -144,8 +144,11 @@ func keyed(protect func(http.Handler) http.Handler, h http.Handler) http.Handler
 		buf.writeTo(w)
 	}))
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		ct := r.Header.Get("Content-Type")
-		if strings.HasPrefix(ct, "application/grpc") && !strings.HasPrefix(ct, "application/grpc-web") {
+		// connect matches the media type without regard to case (and
+		// Application/GRPC is gRPC to it), so the refusal does too.
+		ct, _, _ := strings.Cut(r.Header.Get("Content-Type"), ";")
+		ct = strings.ToLower(strings.TrimSpace(ct))
+		if ct == "application/grpc" || strings.HasPrefix(ct, "application/grpc+") {
 			h.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), refusedKey{}, true)))
 			return
 		}
