@@ -168,9 +168,10 @@ func parseRaw(b []byte) ([]rawField, bool) {
 	var fields []rawField
 	for len(b) > 0 {
 		num, typ, n := protowire.ConsumeField(b)
-		if n < 0 || typ == protowire.StartGroupType || typ == protowire.EndGroupType {
-			return nil, false // malformed, or a group: left as it came
+		if n < 0 || typ == protowire.EndGroupType {
+			return nil, false // malformed: left as it came
 		}
+		// A group (proto2) is one field, kept whole as it came.
 		f := rawField{num: num, typ: typ, body: b[:n]}
 		if typ == protowire.BytesType {
 			_, _, tn := protowire.ConsumeTag(b)

@@ -97,6 +97,26 @@ func TestFingerprintNestedUnknownMap(t *testing.T) {
 	}
 }
 
+// TestFingerprintUnknownMapNextToGroup: an unknown proto2 group (field 10)
+// next to an unknown map (9) in another order: one message. Before, a group
+// left every unknown field of the message as it came, and the retry was
+// refused.
+func TestFingerprintUnknownMapNextToGroup(t *testing.T) {
+	t.Parallel()
+	group := concat(protowire.AppendTag(nil, 10, protowire.StartGroupType), field(1, protowire.VarintType, []byte{7}), protowire.AppendTag(nil, 10, protowire.EndGroupType))
+	base := structValueEntry("cart", "c1")
+	a := concat(base, mapEntry(9, "a", "1"), mapEntry(9, "b", "2"), group)
+	b := concat(base, mapEntry(9, "b", "2"), mapEntry(9, "a", "1"), group)
+	rep, err, runs := sendTwice(t, nil, a, b)
+	if err != nil || !rep || runs != 1 {
+		t.Fatalf("the same map in another order next to a group: %v (replayed %v, %d runs); want the replay", err, rep, runs)
+	}
+	other := concat(base, mapEntry(9, "a", "1"), mapEntry(9, "b", "2"), concat(protowire.AppendTag(nil, 10, protowire.StartGroupType), field(1, protowire.VarintType, []byte{8}), protowire.AppendTag(nil, 10, protowire.EndGroupType)))
+	if rep, err, _ := sendTwice(t, nil, a, other); status.Code(err) != codes.FailedPrecondition || rep {
+		t.Fatalf("another group value under the key: %v (replayed %v); want FailedPrecondition", err, rep)
+	}
+}
+
 // TestKnownFieldsOnlyKeepsAnyOfUnknownType: with KnownFieldsOnly, the value of
 // an Any whose type the server does not know is still the request's content:
 // packed afresh (its map in another order) it gets the replay, another value
