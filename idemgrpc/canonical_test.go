@@ -26,7 +26,7 @@ func field(num protowire.Number, typ protowire.Type, payload []byte) []byte {
 
 // sendTwice sends a, then b, under one key to a fresh server (cfg) and returns
 // what the second call got and how often the method ran.
-func sendTwice(t *testing.T, cfg *idemgrpc.Config, a, b []byte) (replayed bool, err error, runs int64) {
+func sendTwice(t *testing.T, cfg *idemgrpc.Config, a, b []byte) (replayed bool, runs int64, err error) {
 	t.Helper()
 	if bytes.Equal(a, b) {
 		t.Fatal("test setup: the two encodings must differ in bytes")
@@ -41,7 +41,7 @@ func sendTwice(t *testing.T, cfg *idemgrpc.Config, a, b []byte) (replayed bool, 
 		t.Fatal(err)
 	}
 	replayed, err = invokeRaw(cc, createMethod, "k-canon", b)
-	return replayed, err, n.Load()
+	return replayed, n.Load(), err
 }
 
 // TestFingerprintTellsDifferentMessagesApart: unknown fields whose bytes differ
@@ -72,7 +72,7 @@ func TestFingerprintTellsDifferentMessagesApart(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			rep, err, runs := sendTwice(t, nil, c[0], c[1])
+			rep, runs, err := sendTwice(t, nil, c[0], c[1])
 			if status.Code(err) != codes.FailedPrecondition || rep || runs != 1 {
 				t.Fatalf("a different message under the key: %v (replayed %v, %d runs); want FailedPrecondition", err, rep, runs)
 			}
@@ -91,7 +91,7 @@ func TestFingerprintNestedUnknownMap(t *testing.T) {
 	}
 	a := nested(mapEntry(3, "a", "1"), mapEntry(3, "b", "2"), mapEntry(3, "c", "3"))
 	b := nested(mapEntry(3, "c", "3"), mapEntry(3, "a", "1"), mapEntry(3, "b", "2"))
-	rep, err, runs := sendTwice(t, nil, a, b)
+	rep, runs, err := sendTwice(t, nil, a, b)
 	if err != nil || !rep || runs != 1 {
 		t.Fatalf("the same nested map in another order: %v (replayed %v, %d runs); want the replay", err, rep, runs)
 	}
@@ -107,12 +107,12 @@ func TestFingerprintUnknownMapNextToGroup(t *testing.T) {
 	base := structValueEntry("cart", "c1")
 	a := concat(base, mapEntry(9, "a", "1"), mapEntry(9, "b", "2"), group)
 	b := concat(base, mapEntry(9, "b", "2"), mapEntry(9, "a", "1"), group)
-	rep, err, runs := sendTwice(t, nil, a, b)
+	rep, runs, err := sendTwice(t, nil, a, b)
 	if err != nil || !rep || runs != 1 {
 		t.Fatalf("the same map in another order next to a group: %v (replayed %v, %d runs); want the replay", err, rep, runs)
 	}
 	other := concat(base, mapEntry(9, "a", "1"), mapEntry(9, "b", "2"), concat(protowire.AppendTag(nil, 10, protowire.StartGroupType), field(1, protowire.VarintType, []byte{8}), protowire.AppendTag(nil, 10, protowire.EndGroupType)))
-	if rep, err, _ := sendTwice(t, nil, a, other); status.Code(err) != codes.FailedPrecondition || rep {
+	if rep, _, err := sendTwice(t, nil, a, other); status.Code(err) != codes.FailedPrecondition || rep {
 		t.Fatalf("another group value under the key: %v (replayed %v); want FailedPrecondition", err, rep)
 	}
 }
