@@ -106,3 +106,19 @@ func TestProtoRetryInOtherBytes(t *testing.T) {
 		})
 	}
 }
+
+// TestJSONRetryInOtherBytes: one JSON message with its keys in another order
+// and other spacing (another client build, a client that rebuilt its object)
+// gets the replay; another value is refused.
+func TestJSONRetryInOtherBytes(t *testing.T) {
+	t.Parallel()
+	srv, orders := startOrders(t)
+	s1, _, body1 := post(t, srv.URL, "application/json", "k-json", []byte(`{"cart_id":"c_json","total_cents":1900}`))
+	s2, rep, body2 := post(t, srv.URL, "application/json", "k-json", []byte(`{ "total_cents": 1900,  "cart_id": "c_json" }`))
+	if s1 != 200 || s2 != 200 || rep != "true" || !bytes.Equal(body1, body2) || len(orders.List("t1", "c_json")) != 1 {
+		t.Fatalf("one JSON message in other bytes: %d then %d (replayed %q), %d orders; want the replay of one order", s1, s2, rep, len(orders.List("t1", "c_json")))
+	}
+	if s, _, _ := post(t, srv.URL, "application/json", "k-json", []byte(`{"cart_id":"c_json","total_cents":1}`)); s != http.StatusUnprocessableEntity {
+		t.Fatalf("another JSON message under the key: %d; want 422", s)
+	}
+}

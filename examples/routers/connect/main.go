@@ -30,8 +30,9 @@
 //     grpc-go's) encodes a map in a new order on every attempt, which idem
 //     would refuse as another request (422). The message is decoded with the
 //     procedure's request type and re-encoded deterministically (fingerprint,
-//     below). The codec stays in the fingerprint: a retry in JSON of a call
-//     made in protobuf is refused, never answered with protobuf bytes.
+//     below); so is a JSON one (its keys in another order, other spacing).
+//     The codec stays in the fingerprint: a retry in JSON of a call made in
+//     protobuf is refused, never answered with protobuf bytes.
 //   - gRPC-Web answers are replayed with the grpc-* headers they need
 //     (Grpc-Encoding, and the status of a trailers-only error); gRPC calls, whose
 //     status travels in HTTP trailers that idem does not store, are refused with
@@ -60,6 +61,7 @@ import (
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/examples/routers/shop"
 	"github.com/idemkit/idem/memstore"
+	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/structpb"
 	"mime"
@@ -169,10 +171,11 @@ func keyed(protect func(http.Handler) http.Handler, h http.Handler) http.Handler
 
 // fingerprint returns the idem.FingerprintFunc of a procedure whose request
 // messages newReq makes: idem.FingerprintV3 over the codec's name and the
-// message's deterministic encoding when the body is a binary protobuf message
-// (Connect "application/proto", or one gRPC-Web frame of
-// "application/grpc-web[+proto]"), uncompressed or gzip; over the body as
-// sent otherwise (JSON, other encodings, what does not decode).
+// message's deterministic encoding when the body is a protobuf message, binary
+// or JSON (Connect "application/proto" and "application/json", or one
+// gRPC-Web frame of "application/grpc-web[+proto|+json]"), uncompressed or
+// gzip; over the body as sent otherwise (other encodings, what does not
+// decode).
 func fingerprint(newReq func() proto.Message) idem.FingerprintFunc {
 	return func(r *http.Request, body []byte) string {
 		if canon, ok := canonicalProto(r, body, newReq); ok {
@@ -193,7 +196,9 @@ func canonicalProto(r *http.Request, body []byte, newReq func() proto.Message) (
 	switch mt {
 	case "application/proto":
 		msg, encoding = body, r.Header.Get("Content-Encoding")
-	case "application/grpc-web", "application/grpc-web+proto":
+	case "application/json":
+		msg, encoding = body, r.Header.Get("Content-Encoding")
+	case "application/grpc-web", "application/grpc-web+proto", "application/grpc-web+json":
 		// One frame: flags (bit 0: compressed with Grpc-Encoding), a 4-byte length, the message.
 		if len(body) < 5 || body[0]&^1 != 0 || int(binary.BigEndian.Uint32(body[1:5])) != len(body)-5 {
 			return nil, false
@@ -220,7 +225,11 @@ func canonicalProto(r *http.Request, body []byte, newReq func() proto.Message) (
 		return nil, false
 	}
 	m := newReq()
-	if err := proto.Unmarshal(msg, m); err != nil {
+	unmarshal := proto.Unmarshal
+	if strings.HasSuffix(mt, "json") {
+		unmarshal = protojson.Unmarshal
+	}
+	if err := unmarshal(msg, m); err != nil {
 		return nil, false
 	}
 	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(m)
