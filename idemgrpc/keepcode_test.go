@@ -101,3 +101,28 @@ func TestHandlerTimeoutCodeNotKept(t *testing.T) {
 		})
 	}
 }
+
+// TestObserverPanicGoesToRecoverer: an Observer that panics on EventExecuted
+// (after the outcome is committed) panics the call, as docs/grpc.md says; a
+// recovery interceptor in front turns it into Internal, and the retry gets the
+// stored outcome, replayed, without running the method again.
+func TestObserverPanicGoesToRecoverer(t *testing.T) {
+	t.Parallel()
+	var fired atomic.Bool
+	obs := idem.ObserverFunc(func(_ context.Context, e idem.Event) {
+		if e.Kind == idem.EventExecuted && fired.CompareAndSwap(false, true) {
+			panic("exporter bug")
+		}
+	})
+	c := &counter{}
+	s := newServer(t, memstore.New(nil), &idemgrpc.Config{Idem: &idem.Config{Observer: obs}})
+	cc := dial(t, serve(t, s, &ordersService{create: c.create}, recoverer))
+	in := mustStruct(t, map[string]any{"cart": "c"})
+	if first := invoke(context.Background(), cc, createMethod, "k-obs", "t1", in); status.Code(first.err) != codes.Internal {
+		t.Fatalf("call whose Observer panicked: %v; want the recovery interceptor's Internal", first.err)
+	}
+	retry := invoke(context.Background(), cc, createMethod, "k-obs", "t1", in)
+	if retry.err != nil || !retry.replayed || c.n.Load() != 1 {
+		t.Fatalf("retry: %v (replayed %v), %d runs; want the stored outcome replayed", retry.err, retry.replayed, c.n.Load())
+	}
+}
