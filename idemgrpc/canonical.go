@@ -22,15 +22,19 @@ import (
 //     upgrade): they are grouped by field number, in number order (the order
 //     of different fields carries no meaning: proto.Equal ignores it), and an
 //     unknown length-delimited field whose every occurrence is shaped like a map
-//     entry (fields 1 and 2 only) has its entries sorted. A payload that parses
-//     as a message is canonicalised the same way, recursively.
+//     entry (fields 1 and 2 only, no key twice) has its entries sorted. A
+//     payload that parses as a message has its runs of map entries sorted the
+//     same way, recursively, but its fields keep their order (encoders write
+//     a message's fields in number order; a bytes value or packed list that
+//     happens to parse must not be re-sorted).
 //   - the value of a google.protobuf.Any: decoded with Config.Types when its
 //     type is known there and canonicalised as a message, otherwise treated as
-//     unknown fields.
+//     unknown fields (kept with KnownFieldsOnly: it is the request's content).
 //
 // The cost of the map-entry rule: an unknown repeated message field of two
-// fields numbered 1 and 2 whose elements come in another order fingerprints
-// the same. Config.KnownFieldsOnly leaves unknown fields out altogether.
+// fields numbered 1 and 2, with distinct field-1 values, whose elements come
+// in another order fingerprints the same. Config.KnownFieldsOnly leaves
+// unknown fields out altogether.
 
 // maxCanonicalDepth bounds the recursion into nested unknown payloads.
 const maxCanonicalDepth = 32
@@ -80,7 +84,7 @@ func (c *canonicalizer) message(m protoreflect.Message, depth int) {
 		if c.dropUnknown {
 			m.SetUnknown(nil)
 		} else {
-			m.SetUnknown(canonicalRaw(u, depth))
+			m.SetUnknown(canonicalRaw(u, depth, true))
 		}
 	}
 }
@@ -102,9 +106,10 @@ func (c *canonicalizer) anyValue(m protoreflect.Message, depth int) {
 			}
 		}
 	}
-	if !c.dropUnknown {
-		a.Value = canonicalRaw(a.GetValue(), depth+1)
-	}
+	// A type the server does not know: its value is the message itself, not
+	// unknown fields of the request, so it is canonicalised (never dropped)
+	// even with KnownFieldsOnly.
+	a.Value = canonicalRaw(a.GetValue(), depth+1, true)
 }
 
 type rawField struct {
@@ -115,8 +120,13 @@ type rawField struct {
 }
 
 // canonicalRaw returns b, a run of encoded fields, in the canonical order
-// described above; b itself when it does not parse.
-func canonicalRaw(b []byte, depth int) []byte {
+// described above; b itself when it does not parse. top says that b is known to
+// be a message (the unknown fields of a decoded message, the value of an Any):
+// its fields are grouped by number. A nested payload may as well be a string,
+// bytes or a packed list that happens to parse: encoders write a message's
+// fields in number order, so its fields keep their order and only runs of
+// adjacent map entries are sorted.
+func canonicalRaw(b []byte, depth int, top bool) []byte {
 	fields, ok := parseRaw(b)
 	if !ok || depth > maxCanonicalDepth {
 		return b
@@ -124,11 +134,13 @@ func canonicalRaw(b []byte, depth int) []byte {
 	for i, f := range fields {
 		if f.typ == protowire.BytesType {
 			if inner, ok := parseRaw(f.val); ok && len(inner) > 0 {
-				fields[i] = bytesField(f.num, canonicalRaw(f.val, depth+1))
+				fields[i] = bytesField(f.num, canonicalRaw(f.val, depth+1, false))
 			}
 		}
 	}
-	slices.SortStableFunc(fields, func(a, b rawField) int { return int(a.num) - int(b.num) })
+	if top {
+		slices.SortStableFunc(fields, func(a, b rawField) int { return int(a.num) - int(b.num) })
+	}
 	for i := 0; i < len(fields); {
 		j := i
 		for j < len(fields) && fields[j].num == fields[i].num {
@@ -156,9 +168,10 @@ func parseRaw(b []byte) ([]rawField, bool) {
 	var fields []rawField
 	for len(b) > 0 {
 		num, typ, n := protowire.ConsumeField(b)
-		if n < 0 || typ == protowire.StartGroupType || typ == protowire.EndGroupType {
-			return nil, false // malformed, or a group: left as it came
+		if n < 0 || typ == protowire.EndGroupType {
+			return nil, false // malformed: left as it came
 		}
+		// A group (proto2) is one field, kept whole as it came.
 		f := rawField{num: num, typ: typ, body: b[:n]}
 		if typ == protowire.BytesType {
 			_, _, tn := protowire.ConsumeTag(b)
@@ -171,10 +184,12 @@ func parseRaw(b []byte) ([]rawField, bool) {
 	return fields, true
 }
 
-// allMapEntries reports whether every field of run is length-delimited with a
-// payload of fields 1 (key) and 2 (value) only, each at most once: the shape
-// of a map entry.
+// allMapEntries reports whether run has the shape of a map's entries: every
+// field length-delimited with a payload of fields 1 (key) and 2 (value) only,
+// each at most once, and no key twice (a map has one entry per key, so a
+// repeated message whose elements share a field 1 is not taken for one).
 func allMapEntries(run []rawField) bool {
+	keys := make(map[string]bool, len(run))
 	for _, f := range run {
 		if f.typ != protowire.BytesType {
 			return false
@@ -184,12 +199,20 @@ func allMapEntries(run []rawField) bool {
 			return false
 		}
 		var seen [3]bool
+		var key []byte
 		for _, e := range inner {
 			if (e.num != 1 && e.num != 2) || seen[e.num] {
 				return false
 			}
 			seen[e.num] = true
+			if e.num == 1 {
+				key = e.body
+			}
 		}
+		if keys[string(key)] {
+			return false
+		}
+		keys[string(key)] = true
 	}
 	return true
 }

@@ -19,7 +19,8 @@
 // map sorted, and the value of a google.protobuf.Any is decoded (with
 // Config.Types) and re-encoded the same way, so that a retry of one message
 // encoded afresh is a retry, not a key reuse. Config.KnownFieldsOnly leaves
-// unknown fields out of the fingerprint.
+// unknown fields out of the fingerprint (not the value of an Any of a type
+// the server does not know). See docs/grpc.md for what is told apart.
 //
 // The method's handler runs with the context idem gives a claimed request: the
 // call's values, not the client's cancellation, ending at idem.Config's

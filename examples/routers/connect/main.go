@@ -25,6 +25,14 @@
 //     it ran (method), and when it did not, the key is released — by a panic
 //     idem answers by releasing, recovered in front of idem — and the client
 //     gets connect's answer.
+//   - A binary protobuf request is fingerprinted by what it means, not by the
+//     bytes the client's codec chose: connect-go's default codec (like
+//     grpc-go's) encodes a map in a new order on every attempt, which idem
+//     would refuse as another request (422). The message is decoded with the
+//     procedure's request type and re-encoded deterministically (fingerprint,
+//     below); so is a JSON one (its keys in another order, other spacing).
+//     The codec stays in the fingerprint: a retry in JSON of a call made in
+//     protobuf is refused, never answered with protobuf bytes.
 //   - gRPC-Web answers are replayed with the grpc-* headers they need
 //     (Grpc-Encoding, and the status of a trailers-only error); gRPC calls, whose
 //     status travels in HTTP trailers that idem does not store, are refused with
@@ -35,9 +43,12 @@
 package main
 
 import (
+	"bytes"
+	"compress/gzip"
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
 	"log"
 	"net/http"
 	"slices"
@@ -46,10 +57,14 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"encoding/binary"
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/examples/routers/shop"
 	"github.com/idemkit/idem/memstore"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/structpb"
+	"mime"
 )
 
 // CreateOrderProcedure is the Connect procedure, served at this path.
@@ -61,7 +76,10 @@ const CreateOrderProcedure = "/shop.v1.OrderService/CreateOrder"
 var grpcWebHeaders = []string{"Grpc-Encoding", "Grpc-Accept-Encoding", "Grpc-Status", "Grpc-Message", "Grpc-Status-Details-Bin"}
 
 func newMux(store idem.Store, orders *shop.Orders) (*http.ServeMux, error) {
-	protect, err := idem.New(store, &idem.Config{StoredHeaders: append(slices.Clone(idem.DefaultStoredHeaders), grpcWebHeaders...)})
+	protect, err := idem.New(store, &idem.Config{
+		StoredHeaders:   append(slices.Clone(idem.DefaultStoredHeaders), grpcWebHeaders...),
+		FingerprintFunc: fingerprint(func() proto.Message { return new(structpb.Struct) }),
+	})
 	if err != nil {
 		return nil, err
 	}
@@ -128,8 +146,11 @@ func keyed(protect func(http.Handler) http.Handler, h http.Handler) http.Handler
 		buf.writeTo(w)
 	}))
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		ct := r.Header.Get("Content-Type")
-		if strings.HasPrefix(ct, "application/grpc") && !strings.HasPrefix(ct, "application/grpc-web") {
+		// connect matches the media type without regard to case (and
+		// Application/GRPC is gRPC to it), so the refusal does too.
+		ct, _, _ := strings.Cut(r.Header.Get("Content-Type"), ";")
+		ct = strings.ToLower(strings.TrimSpace(ct))
+		if ct == "application/grpc" || strings.HasPrefix(ct, "application/grpc+") {
 			h.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), refusedKey{}, true)))
 			return
 		}
@@ -146,6 +167,77 @@ func keyed(protect func(http.Handler) http.Handler, h http.Handler) http.Handler
 		}()
 		inner.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), answerKey{}, out)))
 	})
+}
+
+// fingerprint returns the idem.FingerprintFunc of a procedure whose request
+// messages newReq makes: idem.FingerprintV3 over the codec's name and the
+// message's deterministic encoding when the body is a protobuf message, binary
+// or JSON (Connect "application/proto" and "application/json", or one
+// gRPC-Web frame of "application/grpc-web[+proto|+json]"), uncompressed or
+// gzip; over the body as sent otherwise (other encodings, what does not
+// decode).
+func fingerprint(newReq func() proto.Message) idem.FingerprintFunc {
+	return func(r *http.Request, body []byte) string {
+		if canon, ok := canonicalProto(r, body, newReq); ok {
+			return idem.FingerprintV3(r, canon)
+		}
+		return idem.FingerprintV3(r, body)
+	}
+}
+
+// maxCanonicalMessage bounds a compressed message decompressed for its
+// fingerprint; a larger one is fingerprinted as sent.
+const maxCanonicalMessage = 4 << 20
+
+func canonicalProto(r *http.Request, body []byte, newReq func() proto.Message) ([]byte, bool) {
+	mt, _, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	var msg []byte
+	var encoding string
+	switch mt {
+	case "application/proto":
+		msg, encoding = body, r.Header.Get("Content-Encoding")
+	case "application/json":
+		msg, encoding = body, r.Header.Get("Content-Encoding")
+	case "application/grpc-web", "application/grpc-web+proto", "application/grpc-web+json":
+		// One frame: flags (bit 0: compressed with Grpc-Encoding), a 4-byte length, the message.
+		if len(body) < 5 || body[0]&^1 != 0 || int(binary.BigEndian.Uint32(body[1:5])) != len(body)-5 {
+			return nil, false
+		}
+		msg = body[5:]
+		if body[0] == 1 {
+			encoding = r.Header.Get("Grpc-Encoding")
+		}
+	default:
+		return nil, false
+	}
+	switch encoding {
+	case "", "identity":
+	case "gzip":
+		zr, err := gzip.NewReader(bytes.NewReader(msg))
+		if err != nil {
+			return nil, false
+		}
+		msg, err = io.ReadAll(io.LimitReader(zr, maxCanonicalMessage+1))
+		if err != nil || len(msg) > maxCanonicalMessage {
+			return nil, false
+		}
+	default:
+		return nil, false
+	}
+	m := newReq()
+	unmarshal := proto.Unmarshal
+	if strings.HasSuffix(mt, "json") {
+		unmarshal = protojson.Unmarshal
+	}
+	if err := unmarshal(msg, m); err != nil {
+		return nil, false
+	}
+	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(m)
+	if err != nil {
+		return nil, false
+	}
+	// The codec's name first: a canonical message never equals a body fingerprinted as sent.
+	return append([]byte("canonical "+mt+"\n"), b...), true
 }
 
 // buffered is a unary answer held until it is known whether the method ran.
