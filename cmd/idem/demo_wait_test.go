@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/internal/racetest"
+	"github.com/idemkit/idem/internal/testenv"
 )
 
 // TestDemoInFlightWait: two demo processes on one SQLite file with
@@ -26,8 +27,64 @@ func TestDemoInFlightWait(t *testing.T) {
 	db := "sqlite:" + filepath.Join(dir, "shared.db")
 	a := startDemo(t, dir, nil, "--db", db, "--handler-delay", "1s", "--in-flight-wait", "10s")
 	b := startDemo(t, dir, nil, "--db", db, "--handler-delay", "1s", "--in-flight-wait", "10s")
+	waitAtTwoDemos(t, a, b, func(cart string) int { return countSQLite(t, filepath.Join(dir, "shared.db"), cart) })
+}
+
+// TestDemoInFlightWaitTwoProcesses: the same across two demo processes on one
+// PostgreSQL database (woken by LISTEN/NOTIFY), one MariaDB database (polled),
+// and with the keys in one Redis (pub/sub; the orders in one SQLite file).
+func TestDemoInFlightWaitTwoProcesses(t *testing.T) {
+	t.Parallel()
+	t.Run("postgres", func(t *testing.T) {
+		t.Parallel()
+		dbURL := newPostgresDatabase(t)
+		dir := t.TempDir()
+		a := startDemo(t, dir, nil, "--db", dbURL, "--handler-delay", "1s", "--in-flight-wait", "10s")
+		b := startDemo(t, dir, nil, "--db", dbURL, "--handler-delay", "1s", "--in-flight-wait", "10s")
+		pg := pgConnect(t, dbURL)
+		waitAtTwoDemos(t, a, b, func(cart string) int {
+			var n int
+			if err := pg.QueryRow(context.Background(), "SELECT count(*) FROM orders WHERE cart_id = $1", cart).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			return n
+		})
+	})
+	t.Run("mysql", func(t *testing.T) {
+		t.Parallel()
+		dbURL, db := newMySQLDatabase(t)
+		dir := t.TempDir()
+		a := startDemo(t, dir, nil, "--db", dbURL, "--handler-delay", "1s", "--in-flight-wait", "10s")
+		b := startDemo(t, dir, nil, "--db", dbURL, "--handler-delay", "1s", "--in-flight-wait", "10s")
+		waitAtTwoDemos(t, a, b, func(cart string) int {
+			var n int
+			if err := db.QueryRow("SELECT count(*) FROM orders WHERE cart_id = ?", cart).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			return n
+		})
+	})
+	t.Run("redis", func(t *testing.T) {
+		t.Parallel()
+		redisURL := testenv.RedisURL(t)
+		prefix := "idem-waittest-" + cliRandHex(5) + ":"
+		t.Cleanup(func() { deleteRedisPrefix(t, redisURL, prefix) })
+		dir := t.TempDir()
+		db := "sqlite:" + filepath.Join(dir, "orders.db")
+		a := startDemo(t, dir, nil, "--db", db, "--keys", redisURL, "--table", prefix, "--handler-delay", "1s", "--in-flight-wait", "10s")
+		b := startDemo(t, dir, nil, "--db", db, "--keys", redisURL, "--table", prefix, "--handler-delay", "1s", "--in-flight-wait", "10s")
+		waitAtTwoDemos(t, a, b, func(cart string) int { return countSQLite(t, filepath.Join(dir, "orders.db"), cart) })
+	})
+}
+
+// waitAtTwoDemos fires 20 requests with one key at two demos started with
+// --in-flight-wait, spread over both at one moment: one executes, every other
+// gets its byte-exact replay (no 409), and count(cart) finds one order.
+func waitAtTwoDemos(t *testing.T, a, b *demoProc, count func(cart string) int) {
+	t.Helper()
 	const n = 20
-	body := []byte(`{"cart_id":"c_wait","total_cents":1900}`)
+	cart := "c_wait_" + cliRandHex(4)
+	body := []byte(`{"cart_id":"` + cart + `","total_cents":1900}`)
 	urls := [2]string{a.URL + "/orders", b.URL + "/orders"}
 	key := "wait-" + cliRandHex(8)
 	hdr := http.Header{"Authorization": {"Bearer t1"}}
@@ -55,7 +112,7 @@ func TestDemoInFlightWait(t *testing.T) {
 			t.Fatalf("a replay differs from the executed answer:\n%s\n%s", r.Body, created)
 		}
 	}
-	if got := countSQLite(t, filepath.Join(dir, "shared.db"), "c_wait"); got != 1 {
+	if got := count(cart); got != 1 {
 		t.Fatalf("%d orders for the cart, want 1", got)
 	}
 }
