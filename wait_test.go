@@ -1,15 +1,18 @@
 package idem_test
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"os/exec"
 	"runtime"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -292,4 +295,80 @@ func onMemstore(t *testing.T, check func(t *testing.T, newStore func(*testing.T)
 			return s
 		}, idem.FlowAuto)
 	})
+}
+
+// TestInFlightWaitManyWaitersTwoProcesses measures, by hand, N waiters on one
+// key with the clients in a second process (IDEM_WAIT_PROCESSES=N; one
+// process cannot hold both ends of 10,000 connections under a 20,000-file
+// limit): every waiter must get the byte-exact replay, and the server's heap
+// and stacks per waiting request are reported, never asserted.
+func TestInFlightWaitManyWaitersTwoProcesses(t *testing.T) {
+	if url := os.Getenv("IDEM_WAIT_CLIENT_OF"); url != "" {
+		waitClientProcess(t, url)
+		return
+	}
+	n, _ := strconv.Atoi(os.Getenv("IDEM_WAIT_PROCESSES"))
+	if n <= 0 {
+		t.Skip("set IDEM_WAIT_PROCESSES=N to run N waiters from a second process")
+	}
+	s := memstore.New(nil)
+	t.Cleanup(func() { _ = s.Close() })
+	key := waittest.Key(t)
+	joins := idem.WaitJoins(key)
+	g := waittest.NewGated()
+	srv := waittest.Server(t, s, idem.Config{InFlightWait: 5 * time.Minute, InFlightMaxWaiters: n, InFlightMaxWaitersPerKey: n}, g)
+	defer g.Open()
+	go waittest.Post(context.Background(), waittest.Client(), srv.URL, key, nil)
+	<-g.Entered
+	var base runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&base)
+	cmd := exec.Command(os.Args[0], "-test.run=^TestInFlightWaitManyWaitersTwoProcesses$", "-test.v")
+	cmd.Env = append(os.Environ(), "IDEM_WAIT_CLIENT_OF="+srv.URL, "IDEM_WAIT_KEY="+key, "IDEM_WAIT_PROCESSES="+strconv.Itoa(n))
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	for range n {
+		<-joins
+	}
+	var ms runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&ms)
+	t.Logf("%d waiters: server heap and stacks %.1f KiB per waiting request (net/http's connection included), %d goroutines",
+		n, float64(ms.HeapInuse+ms.StackInuse-base.HeapInuse-base.StackInuse)/1024/float64(n), runtime.NumGoroutine())
+	g.Open()
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("client process: %v\n%s", err, out.String())
+	}
+	t.Log(strings.TrimSpace(out.String()))
+}
+
+// waitClientProcess is the client half of
+// TestInFlightWaitManyWaitersTwoProcesses: N requests with the key, each on a
+// connection of its own; every one must be the replayed 201.
+func waitClientProcess(t *testing.T, url string) {
+	n, _ := strconv.Atoi(os.Getenv("IDEM_WAIT_PROCESSES"))
+	key := os.Getenv("IDEM_WAIT_KEY")
+	c := waittest.Client()
+	var wg sync.WaitGroup
+	var replayed, other atomic.Int64
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			a := waittest.Post(context.Background(), c, url, key, nil)
+			if a.Status == http.StatusCreated && a.Replayed {
+				replayed.Add(1)
+			} else {
+				other.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	if other.Load() != 0 {
+		t.Fatalf("%d replayed, %d other answers; want %d replays", replayed.Load(), other.Load(), n)
+	}
+	t.Logf("client: %d replayed, 0 other answers", replayed.Load())
 }
