@@ -448,6 +448,18 @@ func claimable(rec *idem.Record, req idem.ClaimRequest) bool {
 
 // Complete implements idem.Store: a compare-and-set on token and state.
 func (s *Store) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, _, expiresAt time.Time) error {
+	if s.settings.Load() == nil {
+		// checkPacket needs the server's max_allowed_packet: a statement over it
+		// is refused, and the server may close the connection before the driver
+		// reads why ("bad connection", a retryable store error every time).
+		// Read once per Store, on a connection of the pool (no transaction of
+		// the caller's holds one here); a failure leaves the check to the
+		// server's answer.
+		if conn, err := s.db.Conn(ctx); err == nil {
+			_, _ = s.settingsFor(ctx, conn)
+			_ = conn.Close()
+		}
+	}
 	args, err := s.completeArgs(scope, key, token, resp, expiresAt)
 	if err != nil {
 		return err
