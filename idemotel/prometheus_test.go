@@ -79,22 +79,18 @@ func families(t *testing.T, reg *prometheus.Registry) (map[string]string, map[st
 	return shape, bounds
 }
 
-// TestPrometheusNamesMatchIdemprom: idemotel's metrics, exported to Prometheus
-// by the OpenTelemetry Prometheus exporter, have idemprom's names, types,
-// labels and bucket bounds, so deploy's rules and dashboard (built on
-// idemprom) match them. Before, the gauge came out as
-// idem_janitor_last_sweep_seconds and the labels as idem_outcome and
-// idem_store_op.
-func TestPrometheusNamesMatchIdemprom(t *testing.T) {
-	t.Parallel()
-	promReg := prometheus.NewRegistry()
+// drivenRegistries drives idemprom and idemotel (through the OpenTelemetry
+// Prometheus exporter) with the same events (drive) and returns the registry
+// each exports to.
+func drivenRegistries(t *testing.T) (promReg, otelReg *prometheus.Registry) {
+	t.Helper()
+	promReg = prometheus.NewRegistry()
 	m, err := idemprom.New(promReg, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	drive(m)
-
-	otelReg := prometheus.NewRegistry()
+	otelReg = prometheus.NewRegistry()
 	exp, err := otelprom.New(otelprom.WithRegisterer(otelReg), otelprom.WithoutScopeInfo(), otelprom.WithoutTargetInfo())
 	if err != nil {
 		t.Fatal(err)
@@ -106,6 +102,18 @@ func TestPrometheusNamesMatchIdemprom(t *testing.T) {
 		t.Fatal(err)
 	}
 	drive(tel)
+	return promReg, otelReg
+}
+
+// TestPrometheusNamesMatchIdemprom: idemotel's metrics, exported to Prometheus
+// by the OpenTelemetry Prometheus exporter, have idemprom's names, types,
+// labels and bucket bounds, so deploy's rules and dashboard (built on
+// idemprom) match them. Before, the gauge came out as
+// idem_janitor_last_sweep_seconds and the labels as idem_outcome and
+// idem_store_op.
+func TestPrometheusNamesMatchIdemprom(t *testing.T) {
+	t.Parallel()
+	promReg, otelReg := drivenRegistries(t)
 
 	want, wantBounds := families(t, promReg)
 	got, gotBounds := families(t, otelReg)

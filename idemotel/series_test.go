@@ -1,16 +1,11 @@
 package idemotel_test
 
 import (
-	"context"
 	"sort"
 	"strings"
 	"testing"
 
-	"github.com/idemkit/idem/idemotel"
-	"github.com/idemkit/idem/idemprom"
 	"github.com/prometheus/client_golang/prometheus"
-	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
-	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 )
 
 // series returns every exported series as name{label=value,…}, without the
@@ -43,24 +38,7 @@ func series(t *testing.T, reg *prometheus.Registry) []string {
 // is one idemprom exports, and none is missing.
 func TestPrometheusSeriesMatchIdemprom(t *testing.T) {
 	t.Parallel()
-	promReg := prometheus.NewRegistry()
-	m, err := idemprom.New(promReg, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	drive(m)
-	otelReg := prometheus.NewRegistry()
-	exp, err := otelprom.New(otelprom.WithRegisterer(otelReg), otelprom.WithoutScopeInfo(), otelprom.WithoutTargetInfo())
-	if err != nil {
-		t.Fatal(err)
-	}
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(exp))
-	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
-	tel, err := idemotel.New(&idemotel.Config{MeterProvider: mp})
-	if err != nil {
-		t.Fatal(err)
-	}
-	drive(tel)
+	promReg, otelReg := drivenRegistries(t)
 	a, b := series(t, promReg), series(t, otelReg)
 	am := map[string]bool{}
 	for _, s := range a {
