@@ -684,7 +684,6 @@ type failingFinish struct {
 	fail atomic.Bool
 }
 
-
 func (s *failingFinish) FinishStep(ctx context.Context, scope, key, name, owner string, st idem.StepState, result []byte, now time.Time) error {
 	if s.fail.Load() {
 		return errors.New("disk full")
