@@ -205,16 +205,24 @@ func TestStepRecoveryPointAfterCrash(t *testing.T) {
 // the retry does not call the provider again, gets ErrStepUnknown, and the
 // key's outcome is unknown (in flight: 409 for the next request).
 func TestStepUnknownRerunOrRefuse(t *testing.T) {
-	for _, policy := range []idem.UnknownPolicy{idem.StepRerun, idem.StepRefuse} {
-		t.Run(policy.String(), func(t *testing.T) {
+	for _, c := range []struct {
+		flow   idem.Flow
+		policy idem.UnknownPolicy
+	}{{idem.FlowClaimComplete, idem.StepRerun}, {idem.FlowClaimComplete, idem.StepRefuse}, {idem.FlowSingleTx, idem.StepRerun}, {idem.FlowSingleTx, idem.StepRefuse}} {
+		policy := c.policy
+		t.Run(c.flow.String()+"/"+policy.String(), func(t *testing.T) {
 			t.Parallel()
 			mem := stepMem(t)
+			var store idem.Store = mem
+			if c.flow == idem.FlowSingleTx {
+				store = newFakeSingleTx(mem)
+			}
 			clk := newClock()
 			p := newProvider(true)
 			var crash sync.Once
 			var keys []string
 			var mu sync.Mutex
-			srv := stepServer(t, mem, idem.Config{NowFunc: clk.Now}, func(w http.ResponseWriter, r *http.Request) {
+			srv := stepServer(t, store, idem.Config{NowFunc: clk.Now, Flow: c.flow}, func(w http.ResponseWriter, r *http.Request) {
 				ch, err := idem.Step(r.Context(), "charge", func(ctx context.Context, key string) (charge, error) {
 					mu.Lock()
 					keys = append(keys, key)
