@@ -146,7 +146,6 @@ type smHarness struct {
 	rec     smRec
 	steps   map[string]*smStep
 	preds   []smPred // predicted provider calls, in order
-	checked int      // provider calls checked so far
 	answers []smAnswer
 	keys    map[string]bool // every derived key seen
 }
