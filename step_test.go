@@ -902,3 +902,33 @@ func TestStepAmbiguousFailure(t *testing.T) {
 		t.Fatalf("calls %d, errors %v; want one call, then ErrStepUnknown", calls, got)
 	}
 }
+
+// A result type whose MarshalJSON refuses its zero value is not refused
+// before the step runs (only types encoding/json cannot encode at all are).
+func TestStepTypeRefusingZero(t *testing.T) {
+	t.Parallel()
+	mem := stepMem(t)
+	var got money
+	var gotErr error
+	srv := stepServer(t, mem, idem.Config{}, func(w http.ResponseWriter, r *http.Request) {
+		got, gotErr = idem.Step(r.Context(), "price", func(context.Context, string) (money, error) { return money{Cents: 5, Currency: "EUR"}, nil })
+		w.WriteHeader(http.StatusCreated)
+	})
+	srv.post(t, "k")
+	if gotErr != nil || got != (money{Cents: 5, Currency: "EUR"}) {
+		t.Fatalf("Step = %+v, %v", got, gotErr)
+	}
+}
+
+type money struct {
+	Cents    int
+	Currency string
+}
+
+func (m money) MarshalJSON() ([]byte, error) {
+	if m.Currency == "" {
+		return nil, errors.New("money without a currency")
+	}
+	type plain money
+	return json.Marshal(plain(m))
+}
