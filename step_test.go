@@ -932,3 +932,40 @@ func (m money) MarshalJSON() ([]byte, error) {
 	type plain money
 	return json.Marshal(plain(m))
 }
+
+// A goroutine of the handler that calls Step after the request finished (its
+// outcome stored) is refused, and its step does not run, in both flows.
+func TestStepAfterTheRequestFinished(t *testing.T) {
+	for _, flow := range []idem.Flow{idem.FlowClaimComplete, idem.FlowSingleTx} {
+		t.Run(flow.String(), func(t *testing.T) {
+			t.Parallel()
+			mem := stepMem(t)
+			var store idem.Store = mem
+			if flow == idem.FlowSingleTx {
+				store = newFakeSingleTx(mem)
+			}
+			later := make(chan struct{})
+			done := make(chan error, 1)
+			ran := false
+			srv := stepServer(t, store, idem.Config{Flow: flow}, func(w http.ResponseWriter, r *http.Request) {
+				ctx := r.Context()
+				go func() {
+					<-later
+					_, err := idem.Step(ctx, "late", func(context.Context, string) (int, error) { ran = true; return 1, nil })
+					done <- err
+				}()
+				w.WriteHeader(http.StatusCreated)
+			})
+			if a := srv.post(t, "k"); a.status != http.StatusCreated {
+				t.Fatalf("%d %s", a.status, a.body)
+			}
+			close(later)
+			if err := <-done; err == nil || ran {
+				t.Fatalf("Step after the request finished: %v (ran %v), want refused", err, ran)
+			}
+			if steps := stepsOf(t, mem, "k", time.Now()); len(steps) != 0 {
+				t.Fatalf("a step was recorded after the request finished: %v", steps)
+			}
+		})
+	}
+}
