@@ -579,10 +579,14 @@ func deleteExpired(t *testing.T, s Store, o Options) {
 func hostile(t *testing.T, s Store, o Options) {
 	f := newFix(o)
 	for name, req := range map[string]idem.BeginStepRequest{
-		"NUL in name":         f.begin("char\x00ge", "A", true, f.now),
-		"empty name":          f.begin("", "A", true, f.now),
-		"NUL in owner":        f.begin("charge", "A\x00B", true, f.now),
-		"NUL in derived key":  func() idem.BeginStepRequest { r := f.begin("charge", "A", true, f.now); r.DerivedKey = "idem_\x00"; return r }(),
+		"NUL in name":  f.begin("char\x00ge", "A", true, f.now),
+		"empty name":   f.begin("", "A", true, f.now),
+		"NUL in owner": f.begin("charge", "A\x00B", true, f.now),
+		"NUL in derived key": func() idem.BeginStepRequest {
+			r := f.begin("charge", "A", true, f.now)
+			r.DerivedKey = "idem_\x00"
+			return r
+		}(),
 		"empty derived key":   func() idem.BeginStepRequest { r := f.begin("charge", "A", true, f.now); r.DerivedKey = ""; return r }(),
 		"name over the limit": f.begin(strings.Repeat("n", idem.MaxStepNameLength+1), "A", true, f.now),
 	} {
