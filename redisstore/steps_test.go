@@ -2,6 +2,7 @@ package redisstore_test
 
 import (
 	"context"
+	"slices"
 	"testing"
 	"time"
 
@@ -16,10 +17,11 @@ func TestStepStore(t *testing.T) {
 	steptest.Run(t, func(t *testing.T) steptest.Store { return setup(t).store }, steptest.Options{NoDeleteExpired: true})
 }
 
-// TestStepsExpireInRedis: the hash of a record's steps shares the record's
-// hash slot (one script touches both on Redis Cluster), carries a Redis
-// expiry of the steps' latest ExpiresAt − Now, raised by a later BeginStep
-// and never lowered, and is gone when that time is up.
+// TestStepsExpireInRedis: a step record's hash and the operation's index of
+// steps share the record's hash slot (one script touches them and the record
+// on Redis Cluster); the hash carries a Redis expiry of its ExpiresAt − Now,
+// raised by a BeginStep that moves it later and never lowered, the index
+// that of the latest step; and they are gone when that time is up.
 func TestStepsExpireInRedis(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -33,36 +35,40 @@ func TestStepsExpireInRedis(t *testing.T) {
 		}
 	}
 	begin("a", time.Hour)
-	keys := keysUnder(t, b.client, b.prefix)
-	if len(keys) != 1 {
-		t.Fatalf("keys under the prefix: %v, want the steps hash", keys)
-	}
 	rec := b.prefix + "{cw.aw}" // recordKey("s", "k")
-	if keys[0] != rec+":steps" {
-		t.Fatalf("steps key %q, want %q", keys[0], rec+":steps")
+	keys := keysUnder(t, b.client, b.prefix)
+	slices.Sort(keys)
+	if want := []string{rec + ":step:a", rec + ":steps"}; !slices.Equal(keys, want) {
+		t.Fatalf("keys under the prefix: %q, want %q", keys, want)
 	}
-	slotA, errA := b.client.ClusterKeySlot(ctx, keys[0]).Result()
-	slotB, errB := b.client.ClusterKeySlot(ctx, rec).Result()
-	if errA == nil && errB == nil && slotA != slotB {
-		t.Fatalf("steps hash in slot %d, its record in %d", slotA, slotB)
+	for _, k := range keys {
+		slotA, errA := b.client.ClusterKeySlot(ctx, k).Result()
+		slotB, errB := b.client.ClusterKeySlot(ctx, rec).Result()
+		if errA == nil && errB == nil && slotA != slotB {
+			t.Fatalf("%s in slot %d, its record in %d", k, slotA, slotB)
+		}
 	}
-	pttl := func() time.Duration {
-		d, err := b.client.PTTL(ctx, keys[0]).Result()
+	pttl := func(k string) time.Duration {
+		d, err := b.client.PTTL(ctx, k).Result()
 		if err != nil {
 			t.Fatal(err)
 		}
 		return d
 	}
-	if d := pttl(); d < 59*time.Minute || d > time.Hour {
+	if d := pttl(rec + ":step:a"); d < 59*time.Minute || d > time.Hour {
 		t.Fatalf("PTTL %v, want about an hour", d)
 	}
-	begin("b", 2*time.Hour)
-	if d := pttl(); d < 119*time.Minute {
-		t.Fatalf("PTTL after a later step %v, want about two hours", d)
+	begin("a", 2*time.Hour) // moves a's expiry later
+	begin("b", 3*time.Hour)
+	begin("b", time.Minute) // never lowered
+	if d := pttl(rec + ":step:a"); d < 119*time.Minute || d > 2*time.Hour {
+		t.Fatalf("PTTL of a after a later expiry %v, want about two hours", d)
 	}
-	begin("c", time.Minute)
-	if d := pttl(); d < 119*time.Minute {
-		t.Fatalf("PTTL after an earlier step %v: lowered", d)
+	if d := pttl(rec + ":step:b"); d < 179*time.Minute {
+		t.Fatalf("PTTL of b %v, want about three hours", d)
+	}
+	if d := pttl(rec + ":steps"); d < 179*time.Minute {
+		t.Fatalf("PTTL of the index %v, want about three hours", d)
 	}
 	// A short-lived operation: gone from Redis when its time is up.
 	if _, _, err := b.store.BeginStep(ctx, idem.BeginStepRequest{Scope: "s", Key: "short", Name: "a", Owner: "o",
@@ -70,9 +76,9 @@ func TestStepsExpireInRedis(t *testing.T) {
 		t.Fatal(err)
 	}
 	deadline := time.Now().Add(5 * time.Second)
-	for len(keysUnder(t, b.client, b.prefix)) != 1 {
+	for len(keysUnder(t, b.client, b.prefix)) != 3 {
 		if time.Now().After(deadline) {
-			t.Fatalf("the short-lived steps hash is still there: %v", keysUnder(t, b.client, b.prefix))
+			t.Fatalf("the short-lived step's keys are still there: %v", keysUnder(t, b.client, b.prefix))
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
