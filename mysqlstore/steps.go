@@ -3,6 +3,7 @@ package mysqlstore
 import (
 	"context"
 	"crypto/rand"
+	"database/sql"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -159,6 +160,14 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	if code, ok := errorNumber(err); !ok || (code != 1062 && code != 1213) {
 		return nil, false, s.wrapSteps(err)
 	}
+	// The step exists: a plain read decides when nothing is to be written (a
+	// replay of a done or failed step, or a started step this call may not
+	// take, whose expiry does not move), as the upsert would at that instant.
+	if rec, ok, err := s.peekStep(ctx, req); err != nil {
+		return nil, false, err
+	} else if ok {
+		return rec, false, nil
+	}
 
 	rerun := req.Rerun
 	take := []any{now, rerun, owner}
@@ -231,6 +240,50 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 		return nil, false, s.wrapSteps(err)
 	}
 	return rec, began, nil
+}
+
+// peekStep reads the live step record of req, and with req.Holder whether the
+// request record is held, in one plain read (one snapshot). It reports ok when
+// that read decides BeginStep without a write: a live record that req may not
+// take and whose expiry req would not move (rec, with ok), or a broken fence
+// (idem.ErrLockLost).
+func (s *Store) peekStep(ctx context.Context, req idem.BeginStepRequest) (*idem.StepRecord, bool, error) {
+	t := quote(s.StepsTable())
+	held := "1"
+	args := []any{}
+	if req.Holder {
+		held = "EXISTS (SELECT 1 FROM " + s.q.table + " WHERE `scope` = ? AND `key` = ? AND `state` = 1 AND `token` = ? AND `expires_at` > ?)"
+		args = append(args, []byte(req.Scope), []byte(req.Key), []byte(req.Owner), req.Now.UnixMicro())
+	}
+	st, err := s.stmt(ctx, "SELECT "+held+", `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at` FROM "+t+
+		" WHERE `scope` = ? AND `key` = ? AND `name` = ?")
+	if err != nil {
+		return nil, false, s.wrapSteps(err)
+	}
+	args = append(args, []byte(req.Scope), []byte(req.Key), []byte(req.Name))
+	var ok bool
+	var state uint8
+	var owner, dk []byte
+	var started, expires int64
+	r := &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name}
+	err = st.QueryRowContext(ctx, args...).Scan(&ok, &state, &owner, &dk, &r.Result, &started, &expires)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, false, nil
+	}
+	if err != nil {
+		return nil, false, s.wrapSteps(err)
+	}
+	if !ok {
+		return nil, false, idem.ErrLockLost
+	}
+	now := req.Now.UnixMicro()
+	r.State, r.Owner, r.DerivedKey = idem.StepState(state), string(owner), string(dk)
+	takeable := r.State == idem.StepStarted && (r.Owner == "" || (req.Rerun && r.Owner != req.Owner))
+	if expires <= now || takeable || req.ExpiresAt.UnixMicro() > expires {
+		return nil, false, nil
+	}
+	r.StartedAt, r.ExpiresAt = time.UnixMicro(started), time.UnixMicro(expires)
+	return r, true, nil
 }
 
 // stepExec runs one autocommitted statement and returns the rows it changed.

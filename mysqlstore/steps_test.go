@@ -120,3 +120,63 @@ func TestStepMissingTableSaysMigrate(t *testing.T) {
 		t.Fatalf("BeginStep without the table = %v, want advice to migrate", err)
 	}
 }
+
+// BenchmarkStep: a step's first BeginStep (fenced), FinishStep and a replay's
+// BeginStep, per op.
+func BenchmarkStep(b *testing.B) {
+	steptest.Bench(b, newStore(b, openDB(b, 4, "")))
+}
+
+// TestStepReplayWritesNothing: a BeginStep that finds the step done (and
+// would not move its expiry) writes nothing (seq, which every write bumps,
+// stays); one that moves the expiry writes.
+func TestStepReplayWritesNothing(t *testing.T) {
+	t.Parallel()
+	db := openDB(t, 4, "")
+	s := newStore(t, db)
+	ctx := ctxFor(t)
+	now := time.Now()
+	tok := randomName("tok-")
+	if _, ok, err := s.Claim(ctx, idem.ClaimRequest{Scope: "s", Key: "k", Fingerprint: "v1:x", Token: tok,
+		Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)}); err != nil || !ok {
+		t.Fatalf("claim: %v %v", ok, err)
+	}
+	req := idem.BeginStepRequest{Scope: "s", Key: "k", Name: "charge", Owner: tok, Holder: true, Rerun: true,
+		DerivedKey: "idem_1", Now: now, ExpiresAt: now.Add(time.Hour)}
+	if _, began, err := s.BeginStep(ctx, req); err != nil || !began {
+		t.Fatal(began, err)
+	}
+	if err := s.FinishStep(ctx, "s", "k", "charge", tok, idem.StepDone, []byte(`1`), now); err != nil {
+		t.Fatal(err)
+	}
+	seq := func() int {
+		var n int
+		if err := db.QueryRowContext(ctx, "SELECT `seq` FROM `"+s.StepsTable()+"`").Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	before := seq()
+	for _, holder := range []bool{true, false} {
+		req.Holder = holder
+		if rec, began, err := s.BeginStep(ctx, req); err != nil || began || rec.State != idem.StepDone {
+			t.Fatalf("replay: %+v %v %v", rec, began, err)
+		}
+		if after := seq(); after != before {
+			t.Fatalf("replay (holder %v) wrote the row (seq %d → %d)", holder, before, after)
+		}
+	}
+	// A fenced-out replay is refused, also on the read path.
+	bad := req
+	bad.Owner, bad.Holder = "someone-else", true
+	if _, _, err := s.BeginStep(ctx, bad); !errors.Is(err, idem.ErrLockLost) {
+		t.Fatalf("fenced-out replay = %v, want ErrLockLost", err)
+	}
+	req.ExpiresAt = now.Add(2 * time.Hour)
+	if rec, began, err := s.BeginStep(ctx, req); err != nil || began || !rec.ExpiresAt.Equal(req.ExpiresAt) {
+		t.Fatalf("replay with a later expiry: %+v %v %v", rec, began, err)
+	}
+	if after := seq(); after == before {
+		t.Fatal("a later expiry did not write the row")
+	}
+}

@@ -83,3 +83,9 @@ func TestStepsExpireInRedis(t *testing.T) {
 		time.Sleep(50 * time.Millisecond)
 	}
 }
+
+// BenchmarkStep: a step's first BeginStep (fenced), FinishStep and a replay's
+// BeginStep, per op.
+func BenchmarkStep(b *testing.B) {
+	steptest.Bench(b, setup(b).store)
+}

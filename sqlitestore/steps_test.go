@@ -299,3 +299,9 @@ func TestStepsFileNotCreatedByReads(t *testing.T) {
 		t.Fatalf("steps file after reads only: %v, want absent", err)
 	}
 }
+
+// BenchmarkStep: a step's first BeginStep (fenced), FinishStep and a replay's
+// BeginStep, per op.
+func BenchmarkStep(b *testing.B) {
+	steptest.Bench(b, newStore(b, openDB(b)))
+}
