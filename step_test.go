@@ -205,16 +205,24 @@ func TestStepRecoveryPointAfterCrash(t *testing.T) {
 // the retry does not call the provider again, gets ErrStepUnknown, and the
 // key's outcome is unknown (in flight: 409 for the next request).
 func TestStepUnknownRerunOrRefuse(t *testing.T) {
-	for _, policy := range []idem.UnknownPolicy{idem.StepRerun, idem.StepRefuse} {
-		t.Run(policy.String(), func(t *testing.T) {
+	for _, c := range []struct {
+		flow   idem.Flow
+		policy idem.UnknownPolicy
+	}{{idem.FlowClaimComplete, idem.StepRerun}, {idem.FlowClaimComplete, idem.StepRefuse}, {idem.FlowSingleTx, idem.StepRerun}, {idem.FlowSingleTx, idem.StepRefuse}} {
+		policy := c.policy
+		t.Run(c.flow.String()+"/"+policy.String(), func(t *testing.T) {
 			t.Parallel()
 			mem := stepMem(t)
+			var store idem.Store = mem
+			if c.flow == idem.FlowSingleTx {
+				store = newFakeSingleTx(mem)
+			}
 			clk := newClock()
 			p := newProvider(true)
 			var crash sync.Once
 			var keys []string
 			var mu sync.Mutex
-			srv := stepServer(t, mem, idem.Config{NowFunc: clk.Now}, func(w http.ResponseWriter, r *http.Request) {
+			srv := stepServer(t, store, idem.Config{NowFunc: clk.Now, Flow: c.flow}, func(w http.ResponseWriter, r *http.Request) {
 				ch, err := idem.Step(r.Context(), "charge", func(ctx context.Context, key string) (charge, error) {
 					mu.Lock()
 					keys = append(keys, key)
@@ -864,5 +872,33 @@ func TestStepSurvivesSingleTxRollback(t *testing.T) {
 	calls, _ := p.total()
 	if a.status != http.StatusCreated || calls != 1 || runs != 2 {
 		t.Fatalf("retry: %d %s, provider calls %d, runs %d; want 201, 1 call, 2 runs", a.status, a.body, calls, runs)
+	}
+}
+
+// StepAmbiguous: a failure after which the service may have acted leaves the
+// step begun, so that StepRefuse refuses it on the retry (a plain transient
+// error would let it run again).
+func TestStepAmbiguousFailure(t *testing.T) {
+	t.Parallel()
+	mem := stepMem(t)
+	clk := newClock()
+	calls := 0
+	errTimeout := errors.New("provider: timeout after the request was sent")
+	var got []error
+	srv := stepServer(t, mem, idem.Config{NowFunc: clk.Now, KeepFunc: func(s int) bool { return s < 500 }}, func(w http.ResponseWriter, r *http.Request) {
+		_, err := idem.Step(r.Context(), "send", func(ctx context.Context, key string) (int, error) {
+			calls++
+			return 0, idem.StepAmbiguous(errTimeout)
+		}, idem.OnUnknown(idem.StepRefuse))
+		got = append(got, err)
+		http.Error(w, err.Error(), http.StatusServiceUnavailable)
+	})
+	srv.post(t, "k")
+	if st := stepsOf(t, mem, "k", clk.Now())["send"]; st.State != idem.StepStarted || st.Owner == "" {
+		t.Fatalf("after an ambiguous failure the step is %+v, want left begun under its owner", st)
+	}
+	srv.post(t, "k")
+	if calls != 1 || len(got) != 2 || !errors.Is(got[0], errTimeout) || !errors.Is(got[1], idem.ErrStepUnknown) {
+		t.Fatalf("calls %d, errors %v; want one call, then ErrStepUnknown", calls, got)
 	}
 }
