@@ -95,14 +95,51 @@ func checkStep(scope, key, name, owner string) error {
 	return nil
 }
 
-func checkStepResult(result []byte) ([]byte, error) {
+func (s *Store) checkStepResult(ctx context.Context, result []byte) ([]byte, error) {
 	if err := idem.CheckFieldSize("mysqlstore", "step result", int64(len(result)), MaxStepResultLength); err != nil {
 		return nil, err
+	}
+	// The result travels in one statement: over the server's
+	// max_allowed_packet it is refused every time (and the server may close
+	// the connection before the driver reads why). Read the setting once per
+	// Store, as Complete does.
+	if s.settings.Load() == nil {
+		if conn, err := s.db.Conn(ctx); err == nil {
+			_, _ = s.settingsFor(ctx, conn)
+			_ = conn.Close()
+		}
+	}
+	if st := s.settings.Load(); st != nil && st.maxPacket > 0 && int64(len(result))+packetOverhead > st.maxPacket {
+		return nil, stepPacketError(st.maxPacket, len(result))
 	}
 	if result == nil {
 		result = []byte{}
 	}
 	return result, nil
+}
+
+// stepPacketError is the *idem.FieldTooLargeError of a step result that does
+// not fit in one packet of maxPacket bytes (0 when not known).
+func stepPacketError(maxPacket int64, size int) error {
+	fte := &idem.FieldTooLargeError{Store: "mysqlstore", Field: "step result", Size: int64(size), Limit: max(maxPacket-packetOverhead, 0)}
+	return fmt.Errorf("%w (the step result travels in one statement, and the server's max_allowed_packet is %d bytes)", fte, maxPacket)
+}
+
+// stepPacketRefused turns the server's or the driver's refusal of a statement
+// over max_allowed_packet into stepPacketError; nil for any other error.
+func (s *Store) stepPacketRefused(err error, size int) error {
+	if err == nil {
+		return nil
+	}
+	code, ok := errorNumber(err)
+	if !(ok && code == 1153) && !strings.Contains(err.Error(), "packet for query is too large") {
+		return nil
+	}
+	var maxPacket int64
+	if st := s.settings.Load(); st != nil {
+		maxPacket = st.maxPacket
+	}
+	return errors.Join(stepPacketError(maxPacket, size), err)
 }
 
 func stepNonce() []byte {
@@ -319,13 +356,16 @@ func (s *Store) FinishStep(ctx context.Context, scope, key, name, owner string, 
 	if state != idem.StepDone && state != idem.StepFailed {
 		return fmt.Errorf("mysqlstore: finish step: state %v; a step finishes done or failed", state)
 	}
-	result, err := checkStepResult(result)
+	result, err := s.checkStepResult(ctx, result)
 	if err != nil {
 		return err
 	}
 	n, err := s.stepExec(ctx, "UPDATE "+quote(s.StepsTable())+" SET `state` = ?, `result` = ?, `seq` = `seq` + 1"+live+
 		" AND `state` = 1 AND `owner` = ? AND `owner` <> ''",
 		uint8(state), result, []byte(scope), []byte(key), []byte(name), now.UnixMicro(), []byte(owner))
+	if perr := s.stepPacketRefused(err, len(result)); perr != nil {
+		return perr
+	}
 	if err != nil {
 		return err
 	}
@@ -399,7 +439,7 @@ func (s *Store) SettleStep(ctx context.Context, scope, key, name string, state i
 		q = "DELETE FROM " + t + live
 	case idem.StepDone, idem.StepFailed:
 		var err error
-		if result, err = checkStepResult(result); err != nil {
+		if result, err = s.checkStepResult(ctx, result); err != nil {
 			return err
 		}
 		q = "UPDATE " + t + " SET `state` = ?, `result` = ?, `seq` = `seq` + 1" + live
@@ -408,6 +448,9 @@ func (s *Store) SettleStep(ctx context.Context, scope, key, name string, state i
 		return fmt.Errorf("mysqlstore: settle step: state %v; settle a step as done or failed, or 0 to forget it", state)
 	}
 	n, err := s.stepExec(ctx, q, args...)
+	if perr := s.stepPacketRefused(err, len(result)); perr != nil {
+		return perr
+	}
 	if err != nil {
 		return err
 	}

@@ -180,3 +180,48 @@ func TestStepReplayWritesNothing(t *testing.T) {
 		t.Fatal("a later expiry did not write the row")
 	}
 }
+
+// TestStepResultOverPacket: a step result that cannot travel in one packet of
+// the server's max_allowed_packet is refused as idem.ErrFieldTooLarge (naming
+// the step result), on a fresh Store too, and the record stays started, the
+// connection usable; one that fits is recorded.
+func TestStepResultOverPacket(t *testing.T) {
+	t.Parallel()
+	db := openDB(t, 2, "")
+	ctx := ctxFor(t)
+	var maxPacket int
+	if err := db.QueryRowContext(ctx, "SELECT @@max_allowed_packet").Scan(&maxPacket); err != nil {
+		t.Fatal(err)
+	}
+	if maxPacket > 64<<20 {
+		t.Skipf("max_allowed_packet is %d bytes; the test sends one more", maxPacket)
+	}
+	s := newStore(t, db)
+	now := time.Now()
+	if _, began, err := s.BeginStep(ctx, idem.BeginStepRequest{Scope: "s", Key: "k", Name: "n", Owner: "o",
+		DerivedKey: "idem_x", Now: now, ExpiresAt: now.Add(time.Hour)}); err != nil || !began {
+		t.Fatal(began, err)
+	}
+	fresh, err := mysqlstore.New(db, &mysqlstore.Config{Table: s.Table()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	big := make([]byte, maxPacket+1)
+	var fte *idem.FieldTooLargeError
+	for name, st := range map[string]*mysqlstore.Store{"store": s, "fresh store": fresh} {
+		err := st.FinishStep(ctx, "s", "k", "n", "o", idem.StepDone, big, now)
+		if !errors.As(err, &fte) || fte.Field != "step result" {
+			t.Fatalf("%s: FinishStep with a result over max_allowed_packet = %v, want ErrFieldTooLarge for the step result", name, err)
+		}
+		if err := st.SettleStep(ctx, "s", "k", "n", idem.StepDone, big, now); !errors.As(err, &fte) {
+			t.Fatalf("%s: SettleStep with a result over max_allowed_packet = %v, want ErrFieldTooLarge", name, err)
+		}
+	}
+	recs, err := s.GetSteps(ctx, "s", "k", now)
+	if err != nil || len(recs) != 1 || recs[0].State != idem.StepStarted {
+		t.Fatalf("after the refusals: %+v, %v", recs, err)
+	}
+	if err := s.FinishStep(ctx, "s", "k", "n", "o", idem.StepDone, make([]byte, 1<<20), now); err != nil {
+		t.Fatalf("FinishStep with a 1 MiB result: %v", err)
+	}
+}
