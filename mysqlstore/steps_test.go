@@ -21,6 +21,27 @@ func testStepStore(t *testing.T) {
 	steptest.Run(t, func(t *testing.T) steptest.Store { return newStore(t, db) }, steptest.Options{Resolution: time.Microsecond})
 }
 
+// TestStepStoreSQLModes runs the step checks under MariaDB's
+// SIMULTANEOUS_ASSIGNMENT and ORACLE modes, in which every assignment of ON
+// DUPLICATE KEY UPDATE sees the old row (see the upsert's ours).
+func TestStepStoreSQLModes(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []string{"SIMULTANEOUS_ASSIGNMENT,STRICT_TRANS_TABLES", "ORACLE"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
+			db := openDB(t, 24, sqlModeDSN(mode))
+			var got string
+			if err := db.QueryRowContext(ctxFor(t), "SELECT @@SESSION.sql_mode").Scan(&got); err != nil {
+				t.Fatal(err)
+			}
+			if !strings.Contains(got, "SIMULTANEOUS_ASSIGNMENT") {
+				t.Skipf("the server has no SIMULTANEOUS_ASSIGNMENT mode (sql_mode = %q): not MariaDB", got)
+			}
+			steptest.Run(t, func(t *testing.T) steptest.Store { return newStore(t, db) }, steptest.Options{Resolution: time.Microsecond})
+		})
+	}
+}
+
 // beginFinish begins and finishes step name within 3 seconds: far less than
 // innodb_lock_wait_timeout, so that a step waiting for a lock of the open
 // transaction fails the test.
