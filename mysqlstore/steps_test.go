@@ -2,6 +2,7 @@ package mysqlstore_test
 
 import (
 	"context"
+	"fmt"
 	"errors"
 	"strings"
 	"testing"
@@ -244,5 +245,28 @@ func TestStepResultOverPacket(t *testing.T) {
 	}
 	if err := s.FinishStep(ctx, "s", "k", "n", "o", idem.StepDone, make([]byte, 1<<20), now); err != nil {
 		t.Fatalf("FinishStep with a 1 MiB result: %v", err)
+	}
+}
+
+// TestStepHTTP: idem.Step in a handler over loopback HTTP, in both flows,
+// records the step while the handler's transaction is open and has written,
+// and the retry after an answer not kept gets the recorded result without
+// calling the provider again (steptest.HTTP).
+func TestStepHTTP(t *testing.T) { bothModes(t, testStepHTTP) }
+
+func testStepHTTP(t *testing.T) {
+	db := openDB(t, 8, "")
+	orders := randomName("step_orders_")
+	dropAtEnd(t, db, orders)
+	if _, err := db.ExecContext(ctxFor(t), "CREATE TABLE `"+orders+"` (cart VARCHAR(10)) ENGINE=InnoDB"); err != nil {
+		t.Fatal(err)
+	}
+	for _, flow := range []idem.Flow{idem.FlowClaimComplete, idem.FlowSingleTx} {
+		t.Run(fmt.Sprint(flow), func(t *testing.T) {
+			steptest.HTTP(t, newStore(t, db), flow, func(ctx context.Context) error {
+				_, err := mysqlstore.Tx(ctx).ExecContext(ctx, "INSERT INTO `"+orders+"` VALUES ('c1')")
+				return err
+			})
+		})
 	}
 }

@@ -2,6 +2,7 @@ package pgstore_test
 
 import (
 	"context"
+	"fmt"
 	"errors"
 	"strings"
 	"testing"
@@ -231,5 +232,24 @@ func TestStepReplayWritesNothing(t *testing.T) {
 	}
 	if after := version(); after == before {
 		t.Fatalf("a later expiry left the row at %s", after)
+	}
+}
+
+// TestStepHTTP: idem.Step in a handler over loopback HTTP, in both flows,
+// records the step while the handler's transaction is open and has written,
+// and the retry after an answer not kept gets the recorded result without
+// calling the provider again (steptest.HTTP).
+func TestStepHTTP(t *testing.T) {
+	t.Parallel()
+	db := newTestDB(t, 8)
+	orders := db.schema + ".step_orders"
+	db.exec(t, `CREATE TABLE `+orders+` (cart text)`)
+	for _, flow := range []idem.Flow{idem.FlowClaimComplete, idem.FlowSingleTx} {
+		t.Run(fmt.Sprint(flow), func(t *testing.T) {
+			steptest.HTTP(t, db.newStore(t), flow, func(ctx context.Context) error {
+				_, err := pgstore.Tx(ctx).Exec(ctx, `INSERT INTO `+orders+` VALUES ('c1')`)
+				return err
+			})
+		})
 	}
 }

@@ -89,3 +89,11 @@ func TestStepsExpireInRedis(t *testing.T) {
 func BenchmarkStep(b *testing.B) {
 	steptest.Bench(b, setup(b).store)
 }
+
+// TestStepHTTP: idem.Step in a handler over loopback HTTP records the step,
+// and the retry after an answer not kept gets the recorded result without
+// calling the provider again (steptest.HTTP; Redis has no transaction).
+func TestStepHTTP(t *testing.T) {
+	t.Parallel()
+	steptest.HTTP(t, setup(t).store, idem.FlowClaimComplete, func(context.Context) error { return nil })
+}

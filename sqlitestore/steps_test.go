@@ -359,3 +359,24 @@ func TestStepReplayWritesNothing(t *testing.T) {
 		t.Fatal("a BeginStep that writes did not wait for the steps file's write lock; the check above proves nothing")
 	}
 }
+
+// TestStepHTTP: idem.Step in a handler over loopback HTTP, in both flows,
+// records the step while the handler's transaction holds the records file's
+// write lock (it wrote first), and the retry after an answer not kept gets
+// the recorded result without calling the provider again (steptest.HTTP).
+func TestStepHTTP(t *testing.T) {
+	t.Parallel()
+	for _, flow := range []idem.Flow{idem.FlowClaimComplete, idem.FlowSingleTx} {
+		t.Run(fmt.Sprint(flow), func(t *testing.T) {
+			t.Parallel()
+			db := openDB(t)
+			if _, err := db.Exec(`CREATE TABLE step_orders (cart TEXT)`); err != nil {
+				t.Fatal(err)
+			}
+			steptest.HTTP(t, newStore(t, db), flow, func(ctx context.Context) error {
+				_, err := sqlitestore.Tx(ctx).ExecContext(ctx, `INSERT INTO step_orders VALUES ('c1')`)
+				return err
+			})
+		})
+	}
+}
