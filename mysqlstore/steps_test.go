@@ -2,8 +2,8 @@ package mysqlstore_test
 
 import (
 	"context"
-	"fmt"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"

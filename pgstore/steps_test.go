@@ -2,8 +2,8 @@ package pgstore_test
 
 import (
 	"context"
-	"fmt"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
