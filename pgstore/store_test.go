@@ -83,8 +83,8 @@ func TestMigrateConcurrentAndIdempotent(t *testing.T) {
 JOIN pg_class c ON c.oid = i.indrelid
 JOIN pg_namespace n ON n.oid = c.relnamespace
 JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = i.indkey[0]
-WHERE n.nspname = $1 AND i.indnatts = 1 AND a.attname = 'expires_at'`, db.schema); n != 1 {
-		t.Errorf("%d expires_at indexes in the schema, want 1", n)
+WHERE n.nspname = $1 AND i.indnatts = 1 AND a.attname = 'expires_at'`, db.schema); n != 2 {
+		t.Errorf("%d expires_at indexes in the schema, want 2 (the records' and the step records')", n)
 	}
 	if _, _, err := s.Claim(ctx30(t), idem.ClaimRequest{Scope: "s", Key: "k", Fingerprint: "v1:x", Token: "t", Now: time.Now(), LeaseUntil: time.Now().Add(time.Minute), ExpiresAt: time.Now().Add(time.Hour)}); err != nil {
 		t.Fatalf("Claim on the migrated table: %v", err)
@@ -103,7 +103,7 @@ func TestMigrationFiles(t *testing.T) {
 		}
 		return err
 	})
-	if strings.Join(names, " ") != "001_create.down.sql 001_create.up.sql" {
+	if strings.Join(names, " ") != "001_create.down.sql 001_create.up.sql 002_create_steps.down.sql 002_create_steps.up.sql" {
 		t.Fatalf("Migrations holds %v", names)
 	}
 	conn, err := db.pool.Acquire(ctx30(t))
@@ -126,6 +126,12 @@ func TestMigrationFiles(t *testing.T) {
 	}
 	run("001_create.up.sql")
 	run("001_create.up.sql") // idempotent
+	run("002_create_steps.up.sql")
+	run("002_create_steps.up.sql")
+	if n := db.count(t, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = 'idem_records_steps'`, db.schema); n != 1 {
+		t.Fatalf("up migration made %d idem_records_steps tables", n)
+	}
+	run("002_create_steps.down.sql")
 	if n := db.count(t, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = 'idem_records'`, db.schema); n != 1 {
 		t.Fatalf("up migration made %d idem_records tables", n)
 	}
