@@ -24,6 +24,9 @@ func init() {
 }
 
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) > 0 && args[0] == "load" {
+		return runBenchLoad(ctx, args[1:], stdout, stderr)
+	}
 	fs := flag.NewFlagSet("idem bench", flag.ContinueOnError)
 	stores := fs.String("stores", strings.Join(bench.Stores, ","), "comma-separated stores to benchmark: "+strings.Join(bench.Stores, ", ")+" (or the store packages' names: memstore, sqlitestore, pgstore, mysqlstore, redisstore)")
 	duration := fs.Duration("duration", 3*time.Second, "measured time per cell (store × variant × clients), split over the rounds")
@@ -43,6 +46,8 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	isolate := fs.Bool("isolate", true, "run each server in a process of its own (this binary, re-executed) and measure its CPU, allocations and memory per request; false runs server and load generator in one process")
 	pin := fs.Bool("pin", true, "with --isolate, pin the server process to CPU 0 and the load generator to CPU 1 with taskset (needs 2 CPUs and taskset)")
 	memRecords := fs.Int("memory-records", 150_000, "with --isolate, first-time requests sent to a fresh memstore and a fresh Fiber server to measure memory per stored record; 0 skips it")
+	overhead := fs.Bool("overhead", false, "measure only what idem on memstore and Fiber's idempotency middleware add to their own bare servers, in server CPU per request (issue 30's method): a fresh server process per slice at GOMAXPROCS=1 on CPU 0, a separate fasthttp loader process (idem bench load) on CPU 1, --rounds interleaved rounds; writes overhead.md and overhead.json to --out. Takes --concurrency, --duration, --rounds, --replay-keys, --warmup, --pin, --out")
+	warmup := fs.Duration("warmup", 300*time.Millisecond, "with --overhead, unmeasured load before every measured slice")
 	serve := fs.Bool("serve", false, "internal: be the server process of an isolated run (the spec is in "+bench.ServeEnv+")")
 	fs.Usage = storeUsage(fs, benchUsage, benchEnvVars)
 	pos, code, ok := parseFlags(fs, args, benchEnvVars, stdout, stderr)
@@ -68,6 +73,9 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 			return exitFailure
 		}
 		return exitOK
+	}
+	if *overhead {
+		return runOverhead(ctx, args, fs, *concurrency, *duration, *rounds, *replayKeys, *warmup, *pin, *out, stdout, stderr)
 	}
 	cfg := bench.Config{
 		Duration: *duration, Rounds: *rounds, Fiber: *fiber, PoolSize: *pool, ReplayKeys: *replayKeys,

@@ -210,7 +210,7 @@ func startChild(ctx context.Context, name string, cfg *Config, suffix string) (*
 		argv = append([]string{"taskset", "-c", strconv.Itoa(cfg.serverCPU)}, argv...)
 	}
 	cmd := exec.Command(argv[0], argv[1:]...)
-	cmd.Env = append(os.Environ(), ServeEnv+"="+string(spec))
+	cmd.Env = append(append(os.Environ(), ServeEnv+"="+string(spec)), cfg.serverEnv...)
 	cmd.Stderr = cfg.Log
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
