@@ -18,7 +18,7 @@ import (
 
 // runOverhead is idem bench --overhead: bench.RunOverhead with this binary as
 // the server (idem bench --serve) and the loader (idem bench load).
-func runOverhead(ctx context.Context, args []string, fs *flag.FlagSet, concurrency string, duration time.Duration, rounds, replayKeys int, warmup time.Duration, pin bool, out string, stdout, stderr io.Writer) int {
+func runOverhead(ctx context.Context, args []string, fs *flag.FlagSet, concurrency string, duration time.Duration, rounds, replayKeys int, warmup time.Duration, pin bool, out, cpuprofile string, stdout, stderr io.Writer) int {
 	exe, err := os.Executable()
 	if err != nil {
 		fmt.Fprintf(stderr, "idem bench --overhead: needs this binary's path to start the servers and loaders: %v\n", err)
@@ -27,6 +27,13 @@ func runOverhead(ctx context.Context, args []string, fs *flag.FlagSet, concurren
 	cfg := bench.OverheadConfig{
 		Duration: duration, Rounds: rounds, ReplayKeys: replayKeys, Warmup: warmup, Log: stderr,
 		ServerCommand: []string{exe, "bench", "--serve"}, LoaderCommand: []string{exe, "bench", "load"},
+		CPUProfileDir: cpuprofile,
+	}
+	if cpuprofile != "" {
+		if err := os.MkdirAll(cpuprofile, 0o755); err != nil {
+			fmt.Fprintf(stderr, "idem bench: --cpuprofile: %v\n", err)
+			return exitFailure
+		}
 	}
 	if warmup == 0 {
 		cfg.Warmup = -1

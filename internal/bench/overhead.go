@@ -9,6 +9,8 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 )
@@ -38,6 +40,10 @@ type OverheadConfig struct {
 	// Pin runs servers with taskset on CPU 0 and loaders on CPU 1 (both with
 	// GOMAXPROCS=1).
 	Pin bool
+	// CPUProfileDir, when set, gets a CPU profile of every server process,
+	// named TARGET-VARIANT-cN-rR.pprof (the whole time it served: the replay
+	// keys' completion and the warm-up included).
+	CPUProfileDir string
 	// Log receives one line per slice. Defaults to io.Discard.
 	Log io.Writer
 }
@@ -168,7 +174,12 @@ func RunOverhead(ctx context.Context, cfg OverheadConfig) (*OverheadReport, erro
 					cells[id] = c
 					order = append(order, id)
 				}
-				res, err := overheadSlice(ctx, &cfg, &bcfg, jb.target, LoadSpec{
+				scfg := bcfg
+				if cfg.CPUProfileDir != "" {
+					name := fmt.Sprintf("%s-%s-c%d-r%d.pprof", jb.target, strings.ReplaceAll(v.name, " ", "-"), conc, round+1)
+					scfg.serverEnv = append(slices.Clone(bcfg.serverEnv), CPUProfileEnv+"="+filepath.Join(cfg.CPUProfileDir, name))
+				}
+				res, err := overheadSlice(ctx, &cfg, &scfg, jb.target, LoadSpec{
 					Keys: v.keys, Clients: conc, Duration: slice, Warmup: cfg.Warmup, ReplayKeys: cfg.ReplayKeys,
 					RunID: randomHex(4),
 				}, v.path)
