@@ -80,9 +80,9 @@ func (h *handler) serveClaim(w http.ResponseWriter, req *request) {
 // than meeting 409 for a lease (and, under LapsedRefuse, an unknown outcome)
 // for an operation that never ran.
 func (h *handler) claimKey(req *request, claim ClaimRequest) (*Record, bool, error) {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(req.r.Context()), max(h.Lease, h.CleanupTimeout))
+	ctx, cancel := req.claimContext(max(h.Lease, h.CleanupTimeout))
 	rec, claimed, err := h.store.Claim(ctx, claim)
-	cancel()
+	req.endClaimContext(cancel)
 	if err != nil {
 		err = errors.Join(err, h.undoClaim(req, claim.Token))
 	}

@@ -161,7 +161,9 @@ func (c *cleanupContext) Done() <-chan struct{} {
 	defer c.mu.Unlock()
 	if c.done == nil {
 		c.done = make(chan struct{})
-		if d := time.Until(c.deadline); d <= 0 {
+		if c.err != nil {
+			close(c.done) // cancelled before anyone asked
+		} else if d := time.Until(c.deadline); d <= 0 {
 			c.expireLocked()
 		} else {
 			gen := c.gen
