@@ -80,7 +80,7 @@ func (h *handler) serveClaim(w http.ResponseWriter, req *request) {
 // than meeting 409 for a lease (and, under LapsedRefuse, an unknown outcome)
 // for an operation that never ran.
 func (h *handler) claimKey(req *request, claim ClaimRequest) (*Record, bool, error) {
-	ctx, cancel := req.claimContext(max(h.Lease, h.CleanupTimeout))
+	ctx, cancel := req.claimContext(h.wallAt(claim.Now), max(h.Lease, h.CleanupTimeout))
 	rec, claimed, err := h.store.Claim(ctx, claim)
 	req.endClaimContext(cancel)
 	if err != nil {
@@ -127,7 +127,8 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string, tak
 	// The handler's context: the request's values, not the client's cancellation
 	// (a claimed operation runs to its end), HandlerTimeout, and ErrLockLost as the
 	// cause when the lease is lost.
-	req.exec.init(r.Context(), h.handlerDeadline(), rw)
+	started := time.Now() // one reading for the handler's deadline and its lease renewal
+	req.exec.init(r.Context(), h.handlerDeadlineAt(started), rw)
 	defer req.exec.end(nil)
 	hctx := &req.exec
 	var ctx context.Context = hctx
@@ -151,7 +152,7 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string, tak
 	if tx == nil {
 		rw.spill = req
 	}
-	req.startTimer(token, true)
+	req.startTimerAt(token, true, started)
 	settled := false
 	defer func() {
 		if settled {
@@ -179,7 +180,8 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string, tak
 	settled = true
 	req.stopRenewal()
 
-	cctx := req.freshCleanup()
+	ended := time.Now()
+	cctx := req.freshCleanupAt(ended)
 	defer req.cctx.stop()
 	if req.spilled {
 		return // too large to keep: stored without its body and streamed already
@@ -207,7 +209,7 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string, tak
 	defer stored.release()
 	resp := &stored.Response
 	if tx == nil {
-		err := h.complete(cctx, req, token, resp)
+		err := h.completeAt(cctx, req, token, resp, h.recordTime(ended))
 		if errors.Is(err, ErrFieldTooLarge) {
 			// The effects happened and the store cannot keep the answer whole:
 			// keep that the operation completed, with its status, so that a
@@ -371,7 +373,11 @@ func (h *handler) newClaim(req *request, now time.Time) ClaimRequest {
 // complete stores resp as the outcome of the claim held under token, fenced,
 // outside any transaction, to expire TTL from now.
 func (h *handler) complete(ctx context.Context, req *request, token string, resp *Response) error {
-	now := h.NowFunc()
+	return h.completeAt(ctx, req, token, resp, h.NowFunc())
+}
+
+// completeAt is complete at now, a reading of NowFunc.
+func (h *handler) completeAt(ctx context.Context, req *request, token string, resp *Response, now time.Time) error {
 	return h.store.Complete(ctx, req.scope, req.key, token, resp, now, now.Add(h.TTL))
 }
 

@@ -13,12 +13,12 @@ import (
 // request that claims twice (a lapsed claim under an older fingerprint
 // version) gets a context of the context package the second time, so that a
 // context the first claim handed on is never started afresh.
-func (req *request) claimContext(timeout time.Duration) (context.Context, context.CancelFunc) {
+func (req *request) claimContext(wall time.Time, timeout time.Duration) (context.Context, context.CancelFunc) {
 	if req.claimCtxUsed {
 		return context.WithTimeout(context.WithoutCancel(req.r.Context()), timeout)
 	}
 	req.claimCtxUsed = true
-	req.claimCtx.reset(req.r.Context(), timeout)
+	req.claimCtx.resetAt(req.r.Context(), wall, timeout)
 	return &req.claimCtx, nil
 }
 
@@ -46,4 +46,23 @@ func (c *cleanupContext) cancel() {
 			close(c.done)
 		}
 	}
+}
+
+// wallAt returns a wall clock reading for now, given now, a reading of
+// NowFunc: the same reading when NowFunc is time.Now (one clock reading
+// instead of two), time.Now otherwise.
+func (h *handler) wallAt(now time.Time) time.Time {
+	if h.wallClock {
+		return now
+	}
+	return time.Now()
+}
+
+// recordTime returns a reading of NowFunc for now, given wall, a wall clock
+// reading: wall itself when NowFunc is time.Now.
+func (h *handler) recordTime(wall time.Time) time.Time {
+	if h.wallClock {
+		return wall
+	}
+	return h.NowFunc()
 }

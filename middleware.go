@@ -300,6 +300,12 @@ func (req *request) freshCleanup() context.Context {
 	return &req.cctx
 }
 
+// freshCleanupAt is freshCleanup with wall, a wall clock reading, for now.
+func (req *request) freshCleanupAt(wall time.Time) context.Context {
+	req.cctx.resetAt(req.r.Context(), wall, req.h.CleanupTimeout)
+	return &req.cctx
+}
+
 // releaseKey gives the key up so that the next request runs afresh. A record no
 // longer in flight under token (taken over, or completed after all) is nothing
 // to undo.
