@@ -61,10 +61,13 @@ type OverheadCell struct {
 	// that minus the same target's bare handler's, summed over the same rounds.
 	ServerCPUMicros float64 `json:"server_cpu_us_per_req"`
 	ExtraMicros     float64 `json:"extra_server_cpu_us_per_req"`
-	// RoundExtra is ExtraMicros of each round alone, for the spread.
-	RoundExtra []float64 `json:"extra_per_round"`
-	Allocs     float64   `json:"allocs_per_req"`
-	AllocBytes float64   `json:"alloc_bytes_per_req"`
+	// RoundExtra is ExtraMicros of each round alone, for the spread, and
+	// MedianExtra their median: on a busy machine one disturbed round moves
+	// the sum, not the median.
+	RoundExtra  []float64 `json:"extra_per_round"`
+	MedianExtra float64   `json:"median_extra_per_round"`
+	Allocs      float64   `json:"allocs_per_req"`
+	AllocBytes  float64   `json:"alloc_bytes_per_req"`
 	// PeakRSSMiB is the highest VmHWM of the rounds' server processes (each
 	// fresh) after their slice; HeapLiveMiB the live heap after a GC.
 	PeakRSSMiB  float64 `json:"peak_rss_mib"`
@@ -203,6 +206,7 @@ func RunOverhead(ctx context.Context, cfg OverheadConfig) (*OverheadReport, erro
 						c.RoundExtra = append(c.RoundExtra, float64(c.roundCPU[r])/1e3/float64(c.roundReq[r])-float64(b.roundCPU[r])/1e3/float64(b.roundReq[r]))
 					}
 				}
+				c.MedianExtra = median(c.RoundExtra)
 			}
 		}
 		rep.Cells = append(rep.Cells, *c)
@@ -395,16 +399,17 @@ func (r *OverheadReport) WriteMarkdown(w io.Writer) error {
 			c.Target, c.Variant, c.Concurrency, c.Throughput, c.P50Micros, c.ServerCPUMicros, extra, rounds, c.Allocs, c.AllocBytes, c.PeakRSSMiB, c.LoaderBusy, check)
 	}
 	fmt.Fprintf(b, "\n**idem on memstore against Fiber**, extra server CPU per request over each one's own bare server (µs):\n\n")
-	fmt.Fprintf(b, "| clients | idem first | Fiber first | first: idem ≤ Fiber | idem replay | Fiber replay | replay: idem ≤ Fiber | peak RSS first idem / Fiber MiB |\n|--:|--:|--:|---|--:|--:|---|---|\n")
+	fmt.Fprintf(b, "| clients | idem first | Fiber first | first: idem ≤ Fiber | idem replay | Fiber replay | replay: idem ≤ Fiber | medians of the rounds: first idem / Fiber, replay idem / Fiber | peak RSS first idem / Fiber MiB |\n|--:|--:|--:|---|--:|--:|---|---|---|\n")
 	for _, conc := range r.concurrencies() {
 		mf, ff := r.cell("memory", VariantFirst, conc), r.cell("fiber", VariantFirst, conc)
 		mr, fr := r.cell("memory", VariantReplay, conc), r.cell("fiber", VariantReplay, conc)
 		if mf == nil || ff == nil || mr == nil || fr == nil {
 			continue
 		}
-		fmt.Fprintf(b, "| %d | %+.2f | %+.2f | %s | %+.2f | %+.2f | %s | %.0f / %.0f |\n", conc,
+		fmt.Fprintf(b, "| %d | %+.2f | %+.2f | %s | %+.2f | %+.2f | %s | %+.1f / %+.1f, %+.1f / %+.1f | %.0f / %.0f |\n", conc,
 			mf.ExtraMicros, ff.ExtraMicros, yesNo(mf.ExtraMicros <= ff.ExtraMicros),
-			mr.ExtraMicros, fr.ExtraMicros, yesNo(mr.ExtraMicros <= fr.ExtraMicros), mf.PeakRSSMiB, ff.PeakRSSMiB)
+			mr.ExtraMicros, fr.ExtraMicros, yesNo(mr.ExtraMicros <= fr.ExtraMicros),
+			mf.MedianExtra, ff.MedianExtra, mr.MedianExtra, fr.MedianExtra, mf.PeakRSSMiB, ff.PeakRSSMiB)
 	}
 	_, err := io.WriteString(w, b.String())
 	return err
