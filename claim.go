@@ -124,6 +124,10 @@ func (h *handler) refuseUnknown(w http.ResponseWriter, req *request, err error) 
 func (h *handler) execute(w http.ResponseWriter, req *request, token string, takenOver bool) {
 	r := req.r
 	rw := req.recorder(w)
+	if h.reuseResponses {
+		rw.usePooled()
+		defer rw.releasePooled()
+	}
 	// The handler's context: the request's values, not the client's cancellation
 	// (a claimed operation runs to its end), HandlerTimeout, and ErrLockLost as the
 	// cause when the lease is lost.
@@ -306,7 +310,10 @@ func (req *request) spillOutcome() {
 // request.
 func (h *handler) response(w http.ResponseWriter, rw *recorder) *storedResponse {
 	var sr *storedResponse
-	if h.reuseResponses {
+	if rw.pooled != nil {
+		sr = rw.pooled // returned by rw.releasePooled, with the body's storage
+		sr.Response = Response{Status: rw.statusOrOK(), Header: h.storedHeaderInto(sr, rw.header()), Ref: rw.ref}
+	} else if h.reuseResponses {
 		sr = responsePool.Get().(*storedResponse)
 		sr.pooled = true
 		sr.Response = Response{Status: rw.statusOrOK(), Header: h.storedHeaderInto(sr, rw.header()), Ref: rw.ref}
@@ -328,12 +335,17 @@ type storedResponse struct {
 	hdr    http.Header
 	vals   []string
 	pooled bool
+	buf    []byte    // storage for a recorder's body (usePooled)
+	owner  *recorder // the recorder whose body is in buf: it returns sr (releasePooled)
 }
 
 var responsePool = sync.Pool{New: func() any { return &storedResponse{hdr: make(http.Header, 4)} }}
 
 // release gives sr's memory to a later request, if it is pooled.
 func (sr *storedResponse) release() {
+	if sr.owner != nil {
+		return // its recorder returns it, once it let go of the body's storage
+	}
 	if !sr.pooled || len(sr.hdr) > 16 || cap(sr.vals) > 64 {
 		return // not ours to reuse, or an unusual answer whose storage should go
 	}
