@@ -243,12 +243,19 @@ With --isolate (the default) each server runs in a process of its own, pinned to
 --pin, the load generator on CPU 1, and the server's CPU, allocations, database round trips
 and statements per request are reported beside throughput.
 
+With --overhead it measures only what idem on memstore and Fiber's idempotency
+middleware each add to their own bare server, in server CPU per request: a fresh
+server process per slice (GOMAXPROCS=1, CPU 0), a separate fasthttp load generator
+process (idem bench load, GOMAXPROCS=1, CPU 1), interleaved rounds, the server's CPU
+read from /proc around the measured window; overhead.md and overhead.json in --out.
+
 The servers are named by URL, in the forms idem demo --db and --keys take; the
 environment variables in brackets set them too (a flag wins).
 
 Example:
   idem bench --stores memory,postgres --concurrency 1,8 --duration 2s
   idem bench --stores mysql --mysql mysql://root@127.0.0.1:3306/test
+  idem bench --overhead --concurrency 1,8,64 --duration 4s --rounds 3
 
 Exit codes: 0 done, 1 a cell's counts are inconsistent (a replay that executed, a
 lost or doubled row) or a store failed, 2 bad usage.
