@@ -80,9 +80,9 @@ func (h *handler) serveClaim(w http.ResponseWriter, req *request) {
 // than meeting 409 for a lease (and, under LapsedRefuse, an unknown outcome)
 // for an operation that never ran.
 func (h *handler) claimKey(req *request, claim ClaimRequest) (*Record, bool, error) {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(req.r.Context()), max(h.Lease, h.CleanupTimeout))
+	ctx, cancel := req.claimContext(h.wallAt(claim.Now), max(h.Lease, h.CleanupTimeout))
 	rec, claimed, err := h.store.Claim(ctx, claim)
-	cancel()
+	req.endClaimContext(cancel)
 	if err != nil {
 		err = errors.Join(err, h.undoClaim(req, claim.Token))
 	}
@@ -124,10 +124,15 @@ func (h *handler) refuseUnknown(w http.ResponseWriter, req *request, err error) 
 func (h *handler) execute(w http.ResponseWriter, req *request, token string, takenOver bool) {
 	r := req.r
 	rw := req.recorder(w)
+	if h.reuseResponses {
+		rw.usePooled()
+		defer rw.releasePooled()
+	}
 	// The handler's context: the request's values, not the client's cancellation
 	// (a claimed operation runs to its end), HandlerTimeout, and ErrLockLost as the
 	// cause when the lease is lost.
-	req.exec.init(r.Context(), h.handlerDeadline(), rw)
+	started := time.Now() // one reading for the handler's deadline and its lease renewal
+	req.exec.init(r.Context(), h.handlerDeadlineAt(started), rw)
 	defer req.exec.end(nil)
 	hctx := &req.exec
 	var ctx context.Context = hctx
@@ -151,7 +156,7 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string, tak
 	if tx == nil {
 		rw.spill = req
 	}
-	req.startTimer(token, true)
+	req.startTimerAt(token, true, started)
 	settled := false
 	defer func() {
 		if settled {
@@ -179,7 +184,8 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string, tak
 	settled = true
 	req.stopRenewal()
 
-	cctx := req.freshCleanup()
+	ended := time.Now()
+	cctx := req.freshCleanupAt(ended)
 	defer req.cctx.stop()
 	if req.spilled {
 		return // too large to keep: stored without its body and streamed already
@@ -207,7 +213,7 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string, tak
 	defer stored.release()
 	resp := &stored.Response
 	if tx == nil {
-		err := h.complete(cctx, req, token, resp)
+		err := h.completeAt(cctx, req, token, resp, h.recordTime(ended))
 		if errors.Is(err, ErrFieldTooLarge) {
 			// The effects happened and the store cannot keep the answer whole:
 			// keep that the operation completed, with its status, so that a
@@ -304,7 +310,10 @@ func (req *request) spillOutcome() {
 // request.
 func (h *handler) response(w http.ResponseWriter, rw *recorder) *storedResponse {
 	var sr *storedResponse
-	if h.reuseResponses {
+	if rw.pooled != nil {
+		sr = rw.pooled // returned by rw.releasePooled, with the body's storage
+		sr.Response = Response{Status: rw.statusOrOK(), Header: h.storedHeaderInto(sr, rw.header()), Ref: rw.ref}
+	} else if h.reuseResponses {
 		sr = responsePool.Get().(*storedResponse)
 		sr.pooled = true
 		sr.Response = Response{Status: rw.statusOrOK(), Header: h.storedHeaderInto(sr, rw.header()), Ref: rw.ref}
@@ -326,12 +335,17 @@ type storedResponse struct {
 	hdr    http.Header
 	vals   []string
 	pooled bool
+	buf    []byte    // storage for a recorder's body (usePooled)
+	owner  *recorder // the recorder whose body is in buf: it returns sr (releasePooled)
 }
 
 var responsePool = sync.Pool{New: func() any { return &storedResponse{hdr: make(http.Header, 4)} }}
 
 // release gives sr's memory to a later request, if it is pooled.
 func (sr *storedResponse) release() {
+	if sr.owner != nil {
+		return // its recorder returns it, once it let go of the body's storage
+	}
 	if !sr.pooled || len(sr.hdr) > 16 || cap(sr.vals) > 64 {
 		return // not ours to reuse, or an unusual answer whose storage should go
 	}
@@ -371,7 +385,11 @@ func (h *handler) newClaim(req *request, now time.Time) ClaimRequest {
 // complete stores resp as the outcome of the claim held under token, fenced,
 // outside any transaction, to expire TTL from now.
 func (h *handler) complete(ctx context.Context, req *request, token string, resp *Response) error {
-	now := h.NowFunc()
+	return h.completeAt(ctx, req, token, resp, h.NowFunc())
+}
+
+// completeAt is complete at now, a reading of NowFunc.
+func (h *handler) completeAt(ctx context.Context, req *request, token string, resp *Response, now time.Time) error {
 	return h.store.Complete(ctx, req.scope, req.key, token, resp, now, now.Add(h.TTL))
 }
 

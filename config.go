@@ -322,6 +322,7 @@ type settings struct {
 	keyed         map[string]bool
 	storedHdrs    []string // canonical
 	observeClaims bool     // the Observer wants EventClaimed
+	wallClock     bool     // NowFunc is time.Now: a record time is a wall clock reading too
 }
 
 // Validate reports what is wrong with c, as New would, without needing a store.
@@ -422,6 +423,7 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 	}
 	if cfg.NowFunc == nil {
 		cfg.NowFunc = time.Now
+		s.wallClock = true
 	}
 	if cfg.CleanupTimeout == 0 {
 		cfg.CleanupTimeout = DefaultCleanupTimeout

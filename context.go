@@ -138,12 +138,17 @@ type cleanupContext struct {
 
 // reset starts the context afresh: values from values, ending timeout from now.
 func (c *cleanupContext) reset(values context.Context, timeout time.Duration) {
+	c.resetAt(values, time.Now(), timeout)
+}
+
+// resetAt is reset with now, a wall clock reading, for the current time.
+func (c *cleanupContext) resetAt(values context.Context, now time.Time, timeout time.Duration) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.timer != nil {
 		c.timer.Stop()
 	}
-	c.values, c.deadline = values, time.Now().Add(timeout)
+	c.values, c.deadline = values, now.Add(timeout)
 	c.done, c.timer, c.err = nil, nil, nil
 	c.gen++
 }
@@ -161,7 +166,9 @@ func (c *cleanupContext) Done() <-chan struct{} {
 	defer c.mu.Unlock()
 	if c.done == nil {
 		c.done = make(chan struct{})
-		if d := time.Until(c.deadline); d <= 0 {
+		if c.err != nil {
+			close(c.done) // cancelled before anyone asked
+		} else if d := time.Until(c.deadline); d <= 0 {
 			c.expireLocked()
 		} else {
 			gen := c.gen

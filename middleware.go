@@ -74,14 +74,16 @@ type request struct {
 	fp    string
 	start time.Time
 
-	bodyReader bodyReader
-	rw         recorder
-	exec       execContext
-	cctx       cleanupContext
-	spilled    bool      // the outcome was stored early and the response streamed
-	claimed    bool      // the request holds the key: its next event ends the hold
-	held       bool      // the request held the key at some point (InFlightWait: wake the waiters)
-	waitUntil  time.Time // the end of its wait for a holder's outcome, once it waited
+	bodyReader   bodyReader
+	rw           recorder
+	exec         execContext
+	cctx         cleanupContext
+	claimCtx     cleanupContext // the claim's (claimContext)
+	claimCtxUsed bool
+	spilled      bool      // the outcome was stored early and the response streamed
+	claimed      bool      // the request holds the key: its next event ends the hold
+	held         bool      // the request held the key at some point (InFlightWait: wake the waiters)
+	waitUntil    time.Time // the end of its wait for a holder's outcome, once it waited
 	renewal
 }
 
@@ -295,6 +297,12 @@ func (req *request) recorder(w http.ResponseWriter) *recorder {
 // CleanupTimeout from now on the wall clock.
 func (req *request) freshCleanup() context.Context {
 	req.cctx.reset(req.r.Context(), req.h.CleanupTimeout)
+	return &req.cctx
+}
+
+// freshCleanupAt is freshCleanup with wall, a wall clock reading, for now.
+func (req *request) freshCleanupAt(wall time.Time) context.Context {
+	req.cctx.resetAt(req.r.Context(), wall, req.h.CleanupTimeout)
 	return &req.cctx
 }
 

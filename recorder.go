@@ -40,6 +40,7 @@ type recorder struct {
 	written bool                    // the handler wrote its status (or a body)
 	unknown bool                    // MarkOutcomeUnknown was called
 	head    bool                    // the request is a HEAD: a Content-Length describes a body not sent
+	pooled  *storedResponse         // whose storage body uses (usePooled); nil: its own
 	req     *request                // the request the recorder belongs to (for Step)
 	steps   atomic.Pointer[stepRun] // made by the first Step (step.go)
 }

@@ -16,7 +16,15 @@ func (h *handler) handlerDeadline() time.Time {
 	if h.HandlerTimeout <= 0 {
 		return time.Time{}
 	}
-	return time.Now().Add(h.HandlerTimeout)
+	return h.handlerDeadlineAt(time.Now())
+}
+
+// handlerDeadlineAt is handlerDeadline with wall, a wall clock reading, for now.
+func (h *handler) handlerDeadlineAt(wall time.Time) time.Time {
+	if h.HandlerTimeout <= 0 {
+		return time.Time{}
+	}
+	return wall.Add(h.HandlerTimeout)
 }
 
 // renewal is what the middleware's scheduler does for a running handler: it
@@ -41,12 +49,17 @@ type renewal struct {
 
 // startTimer hands the running handler to the scheduler.
 func (req *request) startTimer(token string, renew bool) {
+	req.startTimerAt(token, renew, time.Now())
+}
+
+// startTimerAt is startTimer with wall, a wall clock reading, for now.
+func (req *request) startTimerAt(token string, renew bool, wall time.Time) {
 	req.mu.Lock()
 	req.token, req.renew = token, renew
 	if req.deadlineOf == nil {
 		req.deadlineOf = &req.exec
 	}
-	req.nextRenew = time.Now().Add(req.h.Lease / 3)
+	req.nextRenew = wall.Add(req.h.Lease / 3)
 	req.mu.Unlock()
 	req.h.sched.add(req)
 }

@@ -24,6 +24,9 @@ func init() {
 }
 
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) > 0 && args[0] == "load" {
+		return runBenchLoad(ctx, args[1:], stdout, stderr)
+	}
 	fs := flag.NewFlagSet("idem bench", flag.ContinueOnError)
 	stores := fs.String("stores", strings.Join(bench.Stores, ","), "comma-separated stores to benchmark: "+strings.Join(bench.Stores, ", ")+" (or the store packages' names: memstore, sqlitestore, pgstore, mysqlstore, redisstore)")
 	duration := fs.Duration("duration", 3*time.Second, "measured time per cell (store × variant × clients), split over the rounds")
@@ -43,6 +46,9 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	isolate := fs.Bool("isolate", true, "run each server in a process of its own (this binary, re-executed) and measure its CPU, allocations and memory per request; false runs server and load generator in one process")
 	pin := fs.Bool("pin", true, "with --isolate, pin the server process to CPU 0 and the load generator to CPU 1 with taskset (needs 2 CPUs and taskset)")
 	memRecords := fs.Int("memory-records", 150_000, "with --isolate, first-time requests sent to a fresh memstore and a fresh Fiber server to measure memory per stored record; 0 skips it")
+	overhead := fs.Bool("overhead", false, "measure only what idem on memstore and Fiber's idempotency middleware add to their own bare servers, in server CPU per request (issue 30's method): a fresh server process per slice at GOMAXPROCS=1 on CPU 0, a separate fasthttp loader process (idem bench load) on CPU 1, --rounds interleaved rounds; writes overhead.md and overhead.json to --out. Takes --concurrency, --duration, --rounds, --replay-keys, --warmup, --pin, --out")
+	cpuprofile := fs.String("cpuprofile", "", "with --overhead, write a CPU profile of every server process into this `directory` (TARGET-VARIANT-cN-rR.pprof)")
+	warmup := fs.Duration("warmup", 300*time.Millisecond, "with --overhead, unmeasured load before every measured slice")
 	serve := fs.Bool("serve", false, "internal: be the server process of an isolated run (the spec is in "+bench.ServeEnv+")")
 	fs.Usage = storeUsage(fs, benchUsage, benchEnvVars)
 	pos, code, ok := parseFlags(fs, args, benchEnvVars, stdout, stderr)
@@ -68,6 +74,9 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 			return exitFailure
 		}
 		return exitOK
+	}
+	if *overhead {
+		return runOverhead(ctx, args, fs, *concurrency, *duration, *rounds, *replayKeys, *warmup, *pin, *out, *cpuprofile, stdout, stderr)
 	}
 	cfg := bench.Config{
 		Duration: *duration, Rounds: *rounds, Fiber: *fiber, PoolSize: *pool, ReplayKeys: *replayKeys,
@@ -234,12 +243,19 @@ With --isolate (the default) each server runs in a process of its own, pinned to
 --pin, the load generator on CPU 1, and the server's CPU, allocations, database round trips
 and statements per request are reported beside throughput.
 
+With --overhead it measures only what idem on memstore and Fiber's idempotency
+middleware each add to their own bare server, in server CPU per request: a fresh
+server process per slice (GOMAXPROCS=1, CPU 0), a separate fasthttp load generator
+process (idem bench load, GOMAXPROCS=1, CPU 1), interleaved rounds, the server's CPU
+read from /proc around the measured window; overhead.md and overhead.json in --out.
+
 The servers are named by URL, in the forms idem demo --db and --keys take; the
 environment variables in brackets set them too (a flag wins).
 
 Example:
   idem bench --stores memory,postgres --concurrency 1,8 --duration 2s
   idem bench --stores mysql --mysql mysql://root@127.0.0.1:3306/test
+  idem bench --overhead --concurrency 1,8,64 --duration 4s --rounds 3
 
 Exit codes: 0 done, 1 a cell's counts are inconsistent (a replay that executed, a
 lost or doubled row) or a store failed, 2 bad usage.

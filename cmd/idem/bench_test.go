@@ -207,3 +207,44 @@ func TestBenchMySQLDefault(t *testing.T) {
 			m[1], dsn, cfg.MultiStatements, cfg.InterpolateParams, cfg.ParseTime)
 	}
 }
+
+// TestBenchOverhead runs idem bench --overhead with the built binary as the
+// server (--serve) and the loader (bench load), as a user would.
+func TestBenchOverhead(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	code, stdout, stderr := runIdem(t, dir, nil, "bench", "--overhead", "--duration", "100ms", "--rounds", "1",
+		"--concurrency", "2", "--replay-keys", "8", "--warmup", "20ms", "--out", dir)
+	if code != exitOK {
+		t.Fatalf("exit %d; stderr:\n%s\nstdout:\n%s", code, stderr, stdout)
+	}
+	b, err := os.ReadFile(filepath.Join(dir, "overhead.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rep bench.OverheadReport
+	if err := json.Unmarshal(b, &rep); err != nil {
+		t.Fatalf("overhead.json: %v", err)
+	}
+	if len(rep.Cells) != 6 {
+		t.Fatalf("%d cells; want 6 (memory and fiber × baseline, first, replay)", len(rep.Cells))
+	}
+	for _, c := range rep.Cells {
+		if c.Check != "" || c.ServerCPUMicros <= 0 || c.Requests <= 0 {
+			t.Errorf("%s %s: check %q, %d requests, server CPU %.1f µs/request", c.Target, c.Variant, c.Check, c.Requests, c.ServerCPUMicros)
+		}
+	}
+	if !strings.Contains(stdout, "| clients | idem first | Fiber first |") {
+		t.Errorf("stdout lacks the comparison:\n%s", stdout)
+	}
+}
+
+// TestBenchLoadNeedsURL: idem bench load run by hand without --url says what
+// to give.
+func TestBenchLoadNeedsURL(t *testing.T) {
+	t.Setenv(bench.LoadEnv, "")
+	var stderr bytes.Buffer
+	if code := run(context.Background(), []string{"bench", "load"}, io.Discard, &stderr); code != exitUsage || !strings.Contains(stderr.String(), "--url") {
+		t.Fatalf("exit %d, stderr %q; want usage exit and a hint at --url", code, stderr.String())
+	}
+}

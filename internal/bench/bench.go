@@ -78,7 +78,8 @@ type Config struct {
 	// Log receives one progress line per step. Defaults to io.Discard.
 	Log io.Writer
 
-	serverCPU, loaderCPU int // -1: not pinned
+	serverCPU, loaderCPU int      // -1: not pinned
+	serverEnv            []string // added to the server processes' environment
 }
 
 func (c *Config) defaults() {

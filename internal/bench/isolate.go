@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"time"
@@ -20,6 +21,11 @@ import (
 // server process started by Run with Config.Isolate; the command it runs
 // (Config.ServerCommand) must hand it to Serve.
 const ServeEnv = "IDEM_BENCH_SERVE"
+
+// CPUProfileEnv, when set for a server process, names the file Serve writes a
+// CPU profile of the whole time it serves to (idem bench --overhead
+// --cpuprofile DIR sets it for every server process).
+const CPUProfileEnv = "IDEM_BENCH_CPUPROFILE"
 
 // statsPath is the server's bookkeeping endpoint: a snapshot of serverStats.
 const statsPath = "/_bench/stats"
@@ -160,6 +166,17 @@ func Serve(ctx context.Context, spec string, stdin io.Reader, stdout io.Writer) 
 		return nil
 	}
 	defer t.close()
+	if path := os.Getenv(CPUProfileEnv); path != "" {
+		f, err := os.Create(path)
+		if err != nil {
+			return fmt.Errorf("%s: %w", CPUProfileEnv, err)
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			_ = f.Close()
+			return fmt.Errorf("%s: %w", CPUProfileEnv, err)
+		}
+		defer func() { pprof.StopCPUProfile(); _ = f.Close() }()
+	}
 	h.URL, h.Version, h.Store, h.Orders, h.ReplayHeader = t.url, t.version, t.store, t.backend.where(), t.replayHeader
 	for _, v := range t.variants {
 		h.Variants = append(h.Variants, wireVariant{v.name, v.path, v.keys})
@@ -210,7 +227,7 @@ func startChild(ctx context.Context, name string, cfg *Config, suffix string) (*
 		argv = append([]string{"taskset", "-c", strconv.Itoa(cfg.serverCPU)}, argv...)
 	}
 	cmd := exec.Command(argv[0], argv[1:]...)
-	cmd.Env = append(os.Environ(), ServeEnv+"="+string(spec))
+	cmd.Env = append(append(os.Environ(), ServeEnv+"="+string(spec)), cfg.serverEnv...)
 	cmd.Stderr = cfg.Log
 	stdin, err := cmd.StdinPipe()
 	if err != nil {

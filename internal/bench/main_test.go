@@ -17,5 +17,12 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
+	if spec := os.Getenv(LoadEnv); spec != "" {
+		if err := Load(context.Background(), spec, os.Stdout); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	os.Exit(m.Run())
 }
