@@ -75,11 +75,7 @@ func (c *countConnector) Connect(context.Context) (driver.Conn, error) {
 	if walPages {
 		// No automatic checkpoint: the WAL keeps every frame written, and
 		// benchOrder counts them.
-		st, err := conn.Prepare("PRAGMA wal_autocheckpoint = 0")
-		if err == nil {
-			_, err = st.Exec(nil) //nolint:staticcheck // the driver's old interface is enough here
-			_ = st.Close()
-		}
+		_, err := conn.(driver.ExecerContext).ExecContext(context.Background(), "PRAGMA wal_autocheckpoint = 0", nil)
 		if err != nil {
 			_ = conn.Close()
 			return nil, err
