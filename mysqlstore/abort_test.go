@@ -33,7 +33,7 @@ func countersTable(t testing.TB, db *sql.DB) string {
 // counter 1, a heavier transaction (it inserted many rows first, so InnoDB picks
 // the lighter tx as the victim) updates counter 2, then each updates the other's
 // row. It returns the error tx got, which the caller checks is 1213.
-func deadlock(t *testing.T, db *sql.DB, tx *sql.Tx, counters string) error {
+func deadlock(t *testing.T, db *sql.DB, tx mysqlstore.Querier, counters string) error {
 	t.Helper()
 	ctx := ctxFor(t)
 	upd := "UPDATE `" + counters + "` SET n = n + 1 WHERE id = ?"

@@ -63,7 +63,7 @@ func benchmarkOrder(b *testing.B, extra string) {
 		writeOrder(w, id)
 	})
 	viaIdem := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		res, err := mysqlstore.Tx(r.Context()).ExecContext(r.Context(), insert, "bench")
+		res, err := mysqlstore.Conn(r.Context()).ExecContext(r.Context(), insert, "bench")
 		if err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return

@@ -71,6 +71,35 @@ func orderHandler(table string, hold func(r *http.Request)) http.Handler {
 	})
 }
 
+// connOrderHandler is orderHandler on mysqlstore.Conn, the documented handle.
+func connOrderHandler(table string, hold func(r *http.Request)) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		q := mysqlstore.Conn(r.Context())
+		if q == nil {
+			http.Error(w, "no transaction", http.StatusInternalServerError)
+			return
+		}
+		var in struct{ Item string }
+		if err := json.NewDecoder(r.Body).Decode(&in); err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		res, err := q.ExecContext(r.Context(), "INSERT INTO `"+table+"` (item) VALUES (?)", in.Item)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		id, _ := res.LastInsertId()
+		if hold != nil {
+			hold(r)
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Location", fmt.Sprintf("/orders/%d", id))
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, `{"id":%d,"item":%q}`, id, in.Item)
+	})
+}
+
 func newServer(t testing.TB, s *mysqlstore.Store, cfg *idem.Config, h http.Handler) *httptest.Server {
 	t.Helper()
 	mw, err := idem.New(s, cfg)

@@ -16,7 +16,7 @@ import (
 // A store on a MySQL or MariaDB database, migrated at start-up, with a handler that
 // writes its order in the request's transaction. (Compile-only: it needs a server.)
 func Example() {
-	db, err := sql.Open("mysql", "app:secret@tcp(127.0.0.1:3306)/shop")
+	db, err := sql.Open("mysql", "app:secret@tcp(127.0.0.1:3306)/shop?multiStatements=true&interpolateParams=true")
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -32,8 +32,8 @@ func Example() {
 		log.Fatal(err)
 	}
 	createOrder := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		tx := mysqlstore.Tx(r.Context()) // commits together with the stored response
-		res, err := tx.ExecContext(r.Context(), "INSERT INTO orders (item) VALUES (?)", r.FormValue("item"))
+		q := mysqlstore.Conn(r.Context()) // commits together with the stored response
+		res, err := q.ExecContext(r.Context(), "INSERT INTO orders (item) VALUES (?)", r.FormValue("item"))
 		if err != nil {
 			http.Error(w, "could not store the order", http.StatusInternalServerError)
 			return
@@ -67,5 +67,11 @@ func ExampleNew() {
 // Outside a request that idem executes, Tx is nil.
 func ExampleTx() {
 	fmt.Println(mysqlstore.Tx(context.Background()) == nil)
+	// Output: true
+}
+
+// Outside a request that idem executes, Conn is nil.
+func ExampleConn() {
+	fmt.Println(mysqlstore.Conn(context.Background()) == nil)
 	// Output: true
 }

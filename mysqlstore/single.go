@@ -93,6 +93,12 @@ func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Tim
 	}
 	lt := &lockedTx{s: s, st: st, conn: conn, lock: s.lockExpr(scope, key), now: now, scope: scope, key: key, ins: ins}
 	read := "SELECT " + columns + " FROM " + s.q.table + " WHERE `scope` = " + litString(scope) + " AND `key` = " + litString(key)
+	// The second read needs only the expiry (a row and its 13 column
+	// definitions cost the client more than the round trip's other packets).
+	check := "SELECT `expires_at` FROM " + s.q.table + " WHERE `scope` = " + litString(scope) + " AND `key` = " + litString(key)
+	if st.multi && st.foundRows {
+		return s.beginLockedConn(ctx, lt, read, check)
+	}
 	rec, locked, err := s.readOrLock(ctx, conn, st, lt.lock, read+" AND `expires_at` > "+litInt(now.UnixMicro()))
 	switch {
 	case err != nil:
@@ -113,9 +119,6 @@ func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Tim
 		return ctx, nil, nil, s.wrap(err)
 	}
 	lt.tx, lt.ctx = tx, ctx
-	// The second read needs only the expiry (a row and its 13 column
-	// definitions cost the client more than the round trip's other packets).
-	check := "SELECT `expires_at` FROM " + s.q.table + " WHERE `scope` = " + litString(scope) + " AND `key` = " + litString(key)
 	rows, _, err := run(ctx, st, tx, true, mark, check)
 	if err != nil {
 		_ = tx.Rollback()
@@ -148,6 +151,124 @@ func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Tim
 		return ctx, &lockedTx{done: true}, rec, nil
 	}
 	return context.WithValue(ctx, txKey{}, &txn{s: s, st: st, tx: lt.tx, ctx: ctx}), lt, nil, nil
+}
+
+// beginLockedConn is BeginLocked on connections that take several statements
+// (multiStatements) on a server with FOUND_ROWS(): the lock-free read, the
+// guard that takes the key's lock and turns autocommit off, the savepoint that
+// begins the transaction and the read of the record's expiry under the lock
+// go in one round trip; the batch stops at the guard, which fails (1231),
+// when the read found a live record or the lock is held elsewhere. The
+// transaction is the session's own (autocommit off), not a *sql.Tx: the
+// handler runs its statements on the connection (Conn), and Commit sends the
+// record, COMMIT and the lock's release in one more round trip, so a
+// first-time request costs three round trips with the handler's one statement.
+// A handler that asks for a *sql.Tx (Tx) gets one begun then, at the cost of
+// two more round trips (START TRANSACTION and the savepoint).
+func (s *Store) beginLockedConn(ctx context.Context, lt *lockedTx, read, check string) (context.Context, idem.LockedTx, *idem.Record, error) {
+	conn, st, now := lt.conn, lt.st, lt.now
+	take := "GET_LOCK(" + lt.lock + ", 0) = 1"
+	guard := "SET autocommit = IF(IF(FOUND_ROWS() > 0, 0, " + take + "), 0, 2), " + s.isolationSQL(st)
+	live := read + " AND `expires_at` > " + litInt(now.UnixMicro())
+	rows, err := conn.QueryContext(ctx, live+"; "+guard+"; "+mark+"; "+check)
+	if err != nil {
+		lt.discard()
+		return ctx, nil, nil, s.wrap(fmt.Errorf("reading the record and taking the key's lock: %w", err))
+	}
+	var rec *idem.Record
+	for rows.Next() {
+		if rec != nil {
+			continue
+		}
+		if rec, err = scanRecord(rows); err != nil {
+			_ = rows.Close()
+			lt.discard()
+			return ctx, nil, nil, s.wrap(err)
+		}
+	}
+	var expires sql.NullInt64
+	locked := rows.Err() == nil && rows.NextResultSet()
+	if locked {
+		for rows.Next() {
+			if err = rows.Scan(&expires); err != nil {
+				break
+			}
+		}
+	}
+	if err == nil {
+		err = rows.Err()
+	}
+	if cerr := rows.Close(); err == nil {
+		err = cerr
+	}
+	switch {
+	case err != nil && setFailed(err) && !locked:
+		// The guard refused (the session is as it was): a live record, or the
+		// lock is held elsewhere.
+		if rec != nil {
+			_ = conn.Close()
+			return ctx, &lockedTx{done: true}, rec, nil
+		}
+		rec, err = scanRecord(conn.QueryRowContext(ctx, live))
+		if errors.Is(err, sql.ErrNoRows) {
+			_ = conn.Close()
+			return ctx, nil, nil, idem.ErrInFlight
+		}
+		if err != nil {
+			lt.discard()
+			return ctx, nil, nil, s.wrap(err)
+		}
+		_ = conn.Close()
+		return ctx, &lockedTx{done: true}, rec, nil
+	case err != nil:
+		lt.discard()
+		return ctx, nil, nil, s.wrap(fmt.Errorf("reading the record, taking the key's lock and beginning the transaction: %w", err))
+	case !locked || rec != nil:
+		lt.discard()
+		return ctx, nil, nil, s.wrap(errors.New("the guard did not refuse after the record was read"))
+	}
+	// The lock is held, autocommit off and the transaction begun: on failure
+	// the connection is closed, which frees both.
+	lt.ctx = ctx
+	switch {
+	case !expires.Valid:
+	case expires.Int64 <= now.UnixMicro():
+		lt.expired = true
+	default:
+		// Committed between the lock-free read and the lock: read it whole.
+		rec, err = scanRecord(conn.QueryRowContext(ctx, read))
+		_ = lt.Rollback(ctx)
+		if err != nil {
+			return ctx, nil, nil, s.wrap(err)
+		}
+		return ctx, &lockedTx{done: true}, rec, nil
+	}
+	return context.WithValue(ctx, txKey{}, &txn{s: s, st: st, conn: conn, ctx: ctx, locked: lt}), lt, nil, nil
+}
+
+// beginSQLTx gives the transaction of beginLockedConn a *sql.Tx, for a
+// handler that asks for one (Tx): START TRANSACTION (which commits the
+// session's transaction, in which nothing was written yet) and the savepoint
+// again. Commit and Rollback then go through it.
+func (t *lockedTx) beginSQLTx() (*sql.Tx, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.tx != nil {
+		return t.tx, nil
+	}
+	if t.done {
+		return nil, sql.ErrTxDone
+	}
+	tx, err := t.conn.BeginTx(t.ctx, nil)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := tx.ExecContext(t.ctx, mark); err != nil {
+		_ = tx.Rollback()
+		return nil, err
+	}
+	t.tx = tx
+	return tx, nil
 }
 
 // readOrLock reads the live record of the key on conn with live, a query without
@@ -385,21 +506,37 @@ func (t *lockedTx) Commit(ctx context.Context) error {
 	inline := t.rec == nil || t.rec.inline()
 	if !inline || !t.st.multi {
 		// One statement at a time; the record as parameters when large.
-		if _, _, err := run(ctx, t.st, t.tx, false, stmts...); err != nil {
+		var ex execer = t.conn
+		if t.tx != nil {
+			ex = t.tx
+		}
+		if _, _, err := run(ctx, t.st, ex, false, stmts...); err != nil {
 			return t.fail(err)
 		}
 		if t.rec != nil {
 			var err error
-			if inline {
-				_, err = t.tx.ExecContext(ctx, t.insertSQL())
-			} else {
+			switch {
+			case inline:
+				_, err = ex.ExecContext(ctx, t.insertSQL())
+			case t.tx != nil:
 				_, err = t.tx.StmtContext(ctx, t.ins).ExecContext(ctx, t.rec.args()...)
+			default:
+				// The session's own transaction (beginLockedConn): the driver
+				// prepares the statement on this connection.
+				_, err = t.conn.ExecContext(ctx, t.s.q.lockedInsert, t.rec.args()...)
 			}
 			if err != nil {
 				return t.fail(err)
 			}
 		}
-		err := t.tx.Commit()
+		var err error
+		if t.tx != nil {
+			err = t.tx.Commit()
+		} else if _, err = t.conn.ExecContext(ctx, "COMMIT"); err != nil && !serverError(err) {
+			// The outcome is unknown: close the connection.
+			t.discard()
+			return fmt.Errorf("mysqlstore: commit: %w", err)
+		}
 		t.release(err == nil)
 		if serverError(err) {
 			// The server answered the COMMIT with an error: nothing committed.
@@ -416,7 +553,11 @@ func (t *lockedTx) Commit(ctx context.Context) error {
 	// COMMIT first, then the release: the lock is freed only once the record is
 	// committed.
 	stmts = append(stmts, "COMMIT", t.releaseSQL())
-	_, err := t.tx.ExecContext(ctx, strings.Join(stmts, "; "))
+	var ex execer = t.conn
+	if t.tx != nil {
+		ex = t.tx
+	}
+	_, err := ex.ExecContext(ctx, strings.Join(stmts, "; "))
 	switch {
 	case err == nil:
 	case setFailed(err):
@@ -426,15 +567,20 @@ func (t *lockedTx) Commit(ctx context.Context) error {
 		// The outcome is unknown (the connection broke, or ctx ended during
 		// the round trip): close the connection, which rolls back whatever did
 		// not commit and frees the lock.
-		_ = t.tx.Rollback()
+		if t.tx != nil {
+			_ = t.tx.Rollback()
+		}
 		t.discard()
 		return fmt.Errorf("mysqlstore: commit: %w", err)
 	default:
 		return t.fail(err)
 	}
-	// The transaction is committed, and the session back in autocommit mode:
-	// database/sql's Commit only closes its Tx (a COMMIT with nothing to commit).
-	_ = t.tx.Commit()
+	if t.tx != nil {
+		// The transaction is committed, and the session back in autocommit
+		// mode: database/sql's Commit only closes its Tx (a COMMIT with
+		// nothing to commit, one more round trip).
+		_ = t.tx.Commit()
+	}
 	if err != nil {
 		t.discard()
 		return nil
@@ -454,7 +600,7 @@ func (t *lockedTx) releaseSQL() string {
 // COMMIT: nothing was committed. It rolls back, releases the lock and says what
 // happened.
 func (t *lockedTx) fail(err error) error {
-	t.release(t.tx.Rollback() == nil)
+	t.rollback()
 	if code, ok := errorNumber(err); ok && code == 1305 { // ER_SP_DOES_NOT_EXIST
 		return errAborted(err)
 	}
@@ -483,11 +629,28 @@ func (t *lockedTx) Rollback(context.Context) error {
 		return nil
 	}
 	t.done = true
-	err := t.tx.Rollback()
-	t.release(err == nil)
-	if err != nil && !errors.Is(err, sql.ErrTxDone) {
+	if err := t.rollback(); err != nil && !errors.Is(err, sql.ErrTxDone) {
 		return fmt.Errorf("mysqlstore: rollback: %w", err)
 	}
+	return nil
+}
+
+// rollback rolls the transaction back and releases the lock: through the
+// *sql.Tx when there is one, else with ROLLBACK and the release in one round
+// trip on the connection (closed instead when that fails).
+func (t *lockedTx) rollback() error {
+	if t.tx != nil {
+		err := t.tx.Rollback()
+		t.release(err == nil)
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := t.conn.ExecContext(ctx, "ROLLBACK; "+t.releaseSQL()); err != nil {
+		t.discard()
+		return nil // closing the connection rolled back and freed the lock
+	}
+	_ = t.conn.Close()
 	return nil
 }
 

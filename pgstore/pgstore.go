@@ -57,6 +57,7 @@ type Store struct {
 	deleteSQL, lockSQL, lookupSQL, insertSQL                        string
 	heldSQL, lockedSQL                                              string
 	insertAndCommitSQL, insertFreshSQL                              string
+	insertFreshPlainSQL                                             string
 
 	steps stepSQL // the step records' table and statements (steps.go)
 }
@@ -220,6 +221,11 @@ WHERE r.expires_at <= $14`
 	// fail with unique_violation, which aborts the transaction in the same way.
 	s.insertFreshSQL = `INSERT INTO ` + t + ` (scope, key, ` + cols + `)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)`
+	// insertFreshPlainSQL is insertFreshSQL for the usual record: complete,
+	// with its body, without a ref. Those three columns are constants in the
+	// statement rather than parameters that pgx encodes and PostgreSQL decodes.
+	s.insertFreshPlainSQL = `INSERT INTO ` + t + ` (scope, key, ` + cols + `)
+VALUES ($1, $2, 2, $3, $4, $5, $6, $7, $8, $9, $10, false, NULL)`
 }
 
 // PreferredFlow implements idem.FlowPreferrer: the single-transaction flow, which

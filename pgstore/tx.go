@@ -585,7 +585,12 @@ func (t *lockedTx) Insert(_ context.Context, rec *idem.Record) error {
 		*a = plainInsertArgs(rec, status, valid, hdr, body, omitted, ref, t.now)
 	}
 	t.stmt, t.insert = t.s.insertAndCommitSQL, a[:]
-	if t.fresh {
+	switch {
+	case t.fresh && rec.State == idem.StateComplete && !omitted && ref == nil && valid:
+		// The usual record: state, body_omitted and ref as constants.
+		a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9] = a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10]
+		t.stmt, t.insert = t.s.insertFreshPlainSQL, a[:10]
+	case t.fresh:
 		t.stmt, t.insert = t.s.insertFreshSQL, a[:13]
 	}
 	return nil

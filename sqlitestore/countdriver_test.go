@@ -72,6 +72,15 @@ func (c *countConnector) Connect(context.Context) (driver.Conn, error) {
 	if err != nil {
 		return nil, err
 	}
+	if walPages {
+		// No automatic checkpoint: the WAL keeps every frame written, and
+		// benchOrder counts them.
+		_, err := conn.(driver.ExecerContext).ExecContext(context.Background(), "PRAGMA wal_autocheckpoint = 0", nil)
+		if err != nil {
+			_ = conn.Close()
+			return nil, err
+		}
+	}
 	return &countConn{conn: conn, n: c.n}, nil
 }
 

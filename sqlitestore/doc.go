@@ -25,7 +25,12 @@
 // embedded, versioned migrations (Migrations) and records the versions applied
 // in idem_migrations. Times are integer Unix nanoseconds (UTC, good until the
 // year 2262); a record counts while expires_at is greater than the caller's
-// clock reading.
+// clock reading. The table is clustered on its primary key (WITHOUT ROWID) and
+// has no other index: a record is one entry in one B-tree. Version 2 moved
+// tables of version 1 (a rowid table with an expires_at index) to this shape,
+// copying every record as it was; a process of an older release keeps serving
+// requests on the new table, but its janitor fails (its statement names the
+// rowid) until it is upgraded.
 //
 //	CREATE TABLE idem_records (
 //	    scope        TEXT    NOT NULL,
@@ -42,8 +47,7 @@
 //	    body_omitted INTEGER NOT NULL DEFAULT 0 CHECK (body_omitted IN (0, 1)),
 //	    ref          TEXT,
 //	    PRIMARY KEY (scope, key)
-//	);
-//	CREATE INDEX idem_records_expires_at_idx ON idem_records (expires_at);
+//	) WITHOUT ROWID;
 //
 // # Claim
 //
@@ -76,14 +80,23 @@
 //
 // # Janitor
 //
-// DeleteExpired deletes in bounded batches, one statement each, using the
-// expires_at index:
+// DeleteExpired deletes in bounded batches. Without an index on expires_at
+// (which every insert would have to write), it walks the primary key: a read
+// without any lock finds the next expired keys after where the previous batch
+// stopped, then a statement under the write lock deletes the expired records of
+// that key range (a range scan of the keys just read, re-checked at now):
 //
-//	DELETE FROM idem_records WHERE rowid IN
-//	    (SELECT rowid FROM idem_records WHERE expires_at <= ? LIMIT ?)
+//	SELECT scope, key FROM idem_records
+//	WHERE (scope, key) > (?, ?) AND expires_at <= ? ORDER BY scope, key LIMIT ?
 //
-// Run idem.Janitor (or `idem gc`) with the store; each batch holds the write lock
-// only for its own statement.
+//	DELETE FROM idem_records WHERE (scope, key) IN (SELECT scope, key FROM idem_records
+//	    WHERE (scope, key) > (?, ?) AND (scope, key) <= (?, ?) AND expires_at <= ?
+//	    ORDER BY scope, key LIMIT ?)
+//
+// The Store remembers where a batch stopped; at the end of the table the next
+// batch starts again from its beginning. Run idem.Janitor (or `idem gc`) with
+// the store: a sweep reads the whole table once, without the write lock, and
+// each batch holds the lock only for deleting what it found.
 //
 // # One writer
 //
@@ -227,15 +240,12 @@
 //     commits in the claim-then-complete flow (the claim, then the transaction),
 //     one in the single-transaction flow. Replays, 422s and 409s cost one read in
 //     either flow and never wait for the write lock.
-//   - A first-time request writes its record in three B-trees (the table, its
-//     primary key and the expires_at index): with the handler's own row, four
-//     pages per commit written to the WAL (4.4 on average, with page splits),
-//     against one for a bare insert. Each page costs SQLite two pwrite calls and
-//     a checksum over the page, which modernc.org/sqlite runs in Go (about 5,000
-//     instructions). The expires_at index is one of those pages, about a tenth
-//     of a first-time request's CPU; it keeps each DeleteExpired batch an index
-//     range scan, where without it every sweep would scan the whole table under
-//     the write lock.
+//   - A first-time request writes its record into one B-tree (the table is its
+//     primary key): with the handler's own row, two to three pages per commit
+//     written to the WAL, against one for a bare insert. A sweep of the janitor
+//     reads the whole table (outside the write lock), where an expires_at index
+//     would let it read only the expired records, at the price of a third
+//     B-tree written by every request.
 //   - Bodies are kept whole in the row; idem.Config.MaxStoredBody (1 MiB by
 //     default) bounds them. SQLite's own limit is 1 GB per value.
 package sqlitestore

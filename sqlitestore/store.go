@@ -65,6 +65,9 @@ type Store struct {
 	prepared [numStmts]atomic.Pointer[sql.Stmt]
 	busy     *busyKeys  // shared by the Stores on db
 	st       stepsState // the step records' database (steps.go)
+
+	sweepMu sync.Mutex  // serializes DeleteExpired
+	sweep   sweepCursor // where the last DeleteExpired stopped
 }
 
 var (
@@ -130,7 +133,10 @@ const (
 	stmtComplete
 	stmtRelease
 	stmtExtend
-	stmtDeleteExpired
+	stmtExpiredFrom
+	stmtExpiredAll
+	stmtDeleteRange
+	stmtDeleteUpTo
 	stmtLock
 	stmtLockLive
 	stmtInsert
@@ -158,9 +164,16 @@ WHERE r.expires_at <= ?5
 RETURNING created_at`,
 		stmtComplete: `UPDATE ` + t + ` SET state = 2, expires_at = ?, status = ?, headers = ?, body = ?, body_omitted = ?, ref = ?
 WHERE scope = ? AND key = ? AND token = ? AND state = 1`,
-		stmtRelease:       `DELETE FROM ` + t + ` WHERE scope = ? AND key = ? AND token = ? AND state = 1`,
-		stmtExtend:        `UPDATE ` + t + ` SET lease_until = ?1, expires_at = MAX(expires_at, ?1) WHERE scope = ? AND key = ? AND token = ? AND state = 1`,
-		stmtDeleteExpired: `DELETE FROM ` + t + ` WHERE rowid IN (SELECT rowid FROM ` + t + ` WHERE expires_at <= ? LIMIT ?)`,
+		stmtRelease: `DELETE FROM ` + t + ` WHERE scope = ? AND key = ? AND token = ? AND state = 1`,
+		stmtExtend:  `UPDATE ` + t + ` SET lease_until = ?1, expires_at = MAX(expires_at, ?1) WHERE scope = ? AND key = ? AND token = ? AND state = 1`,
+		// The janitor's read, outside the write lock: the next expired keys in
+		// primary key order, after a cursor (From) or from the start (All).
+		stmtExpiredFrom: `SELECT scope, key FROM ` + t + ` WHERE (scope, key) > (?1, ?2) AND expires_at <= ?3 ORDER BY scope, key LIMIT ?4`,
+		stmtExpiredAll:  `SELECT scope, key FROM ` + t + ` WHERE expires_at <= ?1 ORDER BY scope, key LIMIT ?2`,
+		// The janitor's delete, under the write lock: the expired records of a key
+		// range the read found, a bounded range scan of the primary key.
+		stmtDeleteRange: `DELETE FROM ` + t + ` WHERE (scope, key) IN (SELECT scope, key FROM ` + t + ` WHERE (scope, key) > (?1, ?2) AND (scope, key) <= (?3, ?4) AND expires_at <= ?5 ORDER BY scope, key LIMIT ?6)`,
+		stmtDeleteUpTo:  `DELETE FROM ` + t + ` WHERE (scope, key) IN (SELECT scope, key FROM ` + t + ` WHERE (scope, key) <= (?1, ?2) AND expires_at <= ?3 ORDER BY scope, key LIMIT ?4)`,
 		stmtInsert: `INSERT INTO ` + t + ` AS r (scope, key, state, fingerprint, token, created_at, lease_until, expires_at, status, headers, body, body_omitted, ref)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (scope, key) DO UPDATE SET
@@ -487,32 +500,127 @@ func (s *Store) Get(ctx context.Context, scope, key string, now time.Time) (*ide
 	return r.record(scope, key)
 }
 
-// DeleteExpired implements idem.Store with one bounded statement:
+// DeleteExpired implements idem.Store. The table has no index on expires_at
+// (every insert would have to write it), so expired records are found by a scan
+// of the primary key, in two steps that keep the write lock short:
 //
-//	DELETE FROM idem_records WHERE rowid IN
-//	    (SELECT rowid FROM idem_records WHERE expires_at <= ? LIMIT ?)
+//	SELECT scope, key FROM idem_records                      -- no lock (WAL read)
+//	WHERE (scope, key) > (?, ?) AND expires_at <= ?          -- from where the last call stopped
+//	ORDER BY scope, key LIMIT ?
+//
+//	DELETE FROM idem_records WHERE (scope, key) IN (         -- under the write lock: a range
+//	    SELECT scope, key FROM idem_records                  -- scan of the keys just read,
+//	    WHERE (scope, key) > (?, ?) AND (scope, key) <= (?, ?)   -- re-checked at now
+//	      AND expires_at <= ? ORDER BY scope, key LIMIT ?)
+//
+// The store remembers where a call stopped and the next one goes on from
+// there, to the end of the table and then once from its start: a full sweep
+// (Janitor, `idem gc`) reads the table once, and each batch holds the write
+// lock only for the deletion of the keys it found.
 func (s *Store) DeleteExpired(ctx context.Context, now time.Time, limit int) (int, error) {
 	if limit <= 0 {
 		return 0, fmt.Errorf("sqlitestore: DeleteExpired limit is %d; pass a positive batch size", limit)
 	}
+	s.sweepMu.Lock()
+	defer s.sweepMu.Unlock()
+	n := nanos(now)
+	total := 0
+	fromStart := !s.sweep.valid
+	from := s.sweep
+	for total < limit {
+		want := limit - total
+		keys, err := s.expiredKeys(ctx, from, n, want)
+		if err != nil {
+			return total, wrap("delete expired: find expired records", err)
+		}
+		if len(keys) > 0 {
+			last := keys[len(keys)-1]
+			d, err := s.deleteRange(ctx, from, last, n, want)
+			total += d
+			if err != nil {
+				return total, wrap("delete expired", err)
+			}
+			from = sweepCursor{scope: last.scope, key: last.key, valid: true}
+		}
+		if len(keys) < want { // the end of the table
+			if fromStart {
+				s.sweep = sweepCursor{}
+				return total, nil
+			}
+			fromStart, from = true, sweepCursor{}
+		}
+	}
+	s.sweep = from
+	return total, nil
+}
+
+// sweepCursor is the last key a DeleteExpired batch looked at; the zero value
+// is the start of the table.
+type sweepCursor struct {
+	scope, key string
+	valid      bool
+}
+
+// expiredKeys reads, without the write lock, up to limit keys expired at now
+// after from, in primary key order.
+func (s *Store) expiredKeys(ctx context.Context, from sweepCursor, now int64, limit int) ([]sweepCursor, error) {
+	var rows *sql.Rows
+	var err error
+	if from.valid {
+		st, serr := s.stmt(ctx, stmtExpiredFrom, nil)
+		if serr != nil {
+			return nil, serr
+		}
+		rows, err = st.QueryContext(ctx, from.scope, from.key, now, limit)
+	} else {
+		st, serr := s.stmt(ctx, stmtExpiredAll, nil)
+		if serr != nil {
+			return nil, serr
+		}
+		rows, err = st.QueryContext(ctx, now, limit)
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	keys := make([]sweepCursor, 0, min(limit, 1024))
+	for rows.Next() {
+		var k sweepCursor
+		if err := rows.Scan(&k.scope, &k.key); err != nil {
+			return nil, err
+		}
+		keys = append(keys, k)
+	}
+	return keys, rows.Err()
+}
+
+// deleteRange deletes, under the write lock, up to limit records expired at now
+// in the key range (from, last].
+func (s *Store) deleteRange(ctx context.Context, from, last sweepCursor, now int64, limit int) (int, error) {
 	unlock, err := s.gate.lock(ctx, s.lockTimeout)
 	if err != nil {
-		return 0, wrap("delete expired", err)
+		return 0, err
 	}
 	defer unlock()
-	st, err := s.stmt(ctx, stmtDeleteExpired, nil)
-	if err != nil {
-		return 0, wrap("delete expired", err)
+	var res sql.Result
+	if from.valid {
+		st, serr := s.stmt(ctx, stmtDeleteRange, nil)
+		if serr != nil {
+			return 0, serr
+		}
+		res, err = st.ExecContext(ctx, from.scope, from.key, last.scope, last.key, now, limit)
+	} else {
+		st, serr := s.stmt(ctx, stmtDeleteUpTo, nil)
+		if serr != nil {
+			return 0, serr
+		}
+		res, err = st.ExecContext(ctx, last.scope, last.key, now, limit)
 	}
-	res, err := st.ExecContext(ctx, nanos(now), limit)
 	if err != nil {
-		return 0, wrap("delete expired", err)
+		return 0, err
 	}
-	n, err := res.RowsAffected()
-	if err != nil {
-		return 0, wrap("delete expired", err)
-	}
-	return int(n), nil
+	d, err := res.RowsAffected()
+	return int(d), err
 }
 
 // binaryHeaders prefixes the stored headers when a value is not valid UTF-8:

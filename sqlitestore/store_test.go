@@ -6,6 +6,7 @@ import (
 	"database/sql"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -213,18 +214,48 @@ func TestMigrate(t *testing.T) {
 	if n != 1 {
 		t.Errorf("version 1 recorded %d times, want once", n)
 	}
-	var idx string
-	if err := db.QueryRow(`SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'idem_records' AND sql LIKE '%expires_at%'`).Scan(&idx); err != nil {
-		t.Errorf("no index on expires_at: %v", err)
+	if err := db.QueryRow(`SELECT count(*) FROM idem_migrations WHERE table_name = 'idem_records'`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 2 {
+		t.Errorf("%d versions recorded, want 2", n)
 	}
 }
 
-// The janitor statement deletes in bounded batches, using the expires_at index.
-func TestDeleteExpiredUsesIndex(t *testing.T) {
+// The records table is clustered on (scope, key), WITHOUT ROWID, with no
+// other index: a first-time request writes one B-tree, and the janitor's
+// statements walk the primary key (no full scan under the write lock).
+func TestRecordsTableClustered(t *testing.T) {
 	t.Parallel()
 	db := openDB(t)
 	s := newStore(t, db)
-	rows, err := db.Query(`EXPLAIN QUERY PLAN SELECT rowid FROM "`+s.Table()+`" WHERE expires_at <= ? LIMIT ?`, 1, 1)
+	var ddl string
+	if err := db.QueryRow(`SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?`, s.Table()).Scan(&ddl); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(ddl, "WITHOUT ROWID") {
+		t.Errorf("records table is not WITHOUT ROWID:\n%s", ddl)
+	}
+	var n int
+	if err := db.QueryRow(`SELECT count(*) FROM sqlite_master WHERE type = 'index' AND tbl_name = ?`, s.Table()).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 0 { // a WITHOUT ROWID table's primary key is the table itself
+		t.Errorf("records table has %d indexes, want none besides the table itself", n)
+	}
+	for _, q := range []string{
+		`DELETE FROM "` + s.Table() + `" WHERE (scope, key) IN (SELECT scope, key FROM "` + s.Table() + `" WHERE (scope, key) > ('a', 'b') AND (scope, key) <= ('c', 'd') AND expires_at <= 1 ORDER BY scope, key LIMIT 5)`,
+		`SELECT scope, key FROM "` + s.Table() + `" WHERE (scope, key) > ('a', 'b') AND expires_at <= 1 ORDER BY scope, key LIMIT 5`,
+	} {
+		if p := queryPlan(t, db, q); !strings.Contains(p, "SEARCH") || strings.Contains(p, "TEMP B-TREE") {
+			t.Errorf("plan of %s\n= %q, want a range search of the primary key in its order", q, p)
+		}
+	}
+}
+
+func queryPlan(t *testing.T, db *sql.DB, q string) string {
+	t.Helper()
+	rows, err := db.Query(`EXPLAIN QUERY PLAN ` + q)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -238,7 +269,74 @@ func TestDeleteExpiredUsesIndex(t *testing.T) {
 		}
 		plan = append(plan, detail)
 	}
-	if p := strings.Join(plan, "; "); !strings.Contains(p, "expires_at_idx") {
-		t.Errorf("janitor query plan = %q, want it to use the expires_at index", p)
+	return strings.Join(plan, "; ")
+}
+
+// DeleteExpired resumes where its last call stopped and wraps around: batches
+// of a sweep delete every expired record once, and never a live one, whatever
+// the order of the keys.
+func TestDeleteExpiredSweeps(t *testing.T) {
+	t.Parallel()
+	db := openDB(t)
+	s := newStore(t, db)
+	ctx := context.Background()
+	now := time.Now()
+	live, expired := 0, 0
+	for i := range 500 {
+		exp := now.Add(time.Hour)
+		if i%3 != 0 {
+			exp = now.Add(-time.Minute)
+			expired++
+		} else {
+			live++
+		}
+		_, won, err := s.Claim(ctx, idem.ClaimRequest{
+			Scope: fmt.Sprintf("s%d", i%7), Key: fmt.Sprintf("k%03d", (i*37)%500), Fingerprint: "f", Token: "t",
+			Now: now.Add(-2 * time.Hour), LeaseUntil: exp, ExpiresAt: exp,
+		})
+		if err != nil || !won {
+			t.Fatalf("claim %d: won %v, %v", i, won, err)
+		}
+	}
+	// A first batch stops mid-table; then new expired records appear before
+	// the cursor: the next calls must find them too.
+	n, err := s.DeleteExpired(ctx, now, 50)
+	if err != nil || n != 50 {
+		t.Fatalf("first batch: %d, %v; want 50", n, err)
+	}
+	for i := range 10 {
+		_, won, err := s.Claim(ctx, idem.ClaimRequest{Scope: "a", Key: fmt.Sprintf("early%d", i), Fingerprint: "f", Token: "t",
+			Now: now.Add(-2 * time.Hour), LeaseUntil: now.Add(-time.Minute), ExpiresAt: now.Add(-time.Minute)})
+		if err != nil || !won {
+			t.Fatalf("claim early%d: won %v, %v", i, won, err)
+		}
+		expired++
+	}
+	total := n
+	for range 100 {
+		n, err := s.DeleteExpired(ctx, now, 7)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n > 7 {
+			t.Fatalf("DeleteExpired(limit 7) deleted %d", n)
+		}
+		total += n
+		if n < 7 {
+			break
+		}
+	}
+	if total != expired {
+		t.Errorf("the sweep deleted %d records, want the %d expired ones", total, expired)
+	}
+	var left int
+	if err := db.QueryRow(`SELECT count(*) FROM "` + s.Table() + `"`).Scan(&left); err != nil {
+		t.Fatal(err)
+	}
+	if left != live {
+		t.Errorf("%d records left, want the %d live ones", left, live)
+	}
+	if n, err := s.DeleteExpired(ctx, now, 7); err != nil || n != 0 {
+		t.Errorf("DeleteExpired after the sweep: %d, %v; want 0", n, err)
 	}
 }

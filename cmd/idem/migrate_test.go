@@ -2,10 +2,14 @@ package main
 
 import (
 	"context"
+	"io/fs"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/sqlitestore"
 	"github.com/idemkit/idem/sqlitestore/embedded"
 )
 
@@ -60,6 +64,57 @@ func TestMigrateSQLite(t *testing.T) {
 		if !strings.Contains(tables, "billing_keys") || strings.Contains(tables, "orders") {
 			t.Fatalf("tables after %v --table billing_keys: %s", args, tables)
 		}
+	}
+}
+
+// `idem migrate` moves a SQLite database of schema version 1 (a rowid table
+// with an expires_at index, records in it) to the clustered table: the record
+// is there afterwards, byte for byte, and Get returns it.
+func TestMigrateSQLiteFromVersion1(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	path := filepath.Join(dir, "v1.db")
+	db, err := embedded.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	v1, err := fs.ReadFile(sqlitestore.Migrations, "001_create_records.up.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	for _, q := range []string{
+		strings.NewReplacer("{{table}}", `"idem_records"`, "{{name}}", "idem_records").Replace(string(v1)),
+		`CREATE TABLE idem_migrations (table_name TEXT NOT NULL, version INTEGER NOT NULL, name TEXT NOT NULL, applied_at INTEGER NOT NULL, PRIMARY KEY (table_name, version))`,
+		`INSERT INTO idem_migrations VALUES ('idem_records', 1, '001_create_records.up.sql', 0)`,
+	} {
+		if _, err := db.Exec(q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := db.Exec(`INSERT INTO idem_records (scope, key, state, fingerprint, token, created_at, lease_until, expires_at, status, headers, body, body_omitted, ref)
+		VALUES ('', 'order-1', 2, 'v3:fp', 'tok', ?, ?, ?, 201, '{"Location":["/orders/1"]}', X'7B7D', 0, NULL)`,
+		now.UnixNano(), now.UnixNano(), now.Add(time.Hour).UnixNano()); err != nil {
+		t.Fatal(err)
+	}
+	code, out, stderr := runIdem(t, dir, nil, "migrate", "--db", "sqlite:"+path)
+	if code != 0 {
+		t.Fatalf("exit %d\n%s%s", code, out, stderr)
+	}
+	var ddl string
+	if err := db.QueryRow(`SELECT sql FROM sqlite_master WHERE name = 'idem_records'`).Scan(&ddl); err != nil || !strings.Contains(ddl, "WITHOUT ROWID") {
+		t.Fatalf("after idem migrate: %v\n%s", err, ddl)
+	}
+	s, err := sqlitestore.New(db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	rec, err := s.Get(context.Background(), "", "order-1", now)
+	if err != nil || rec.State != idem.StateComplete || rec.Response.Status != 201 || string(rec.Response.Body) != "{}" ||
+		rec.Response.Header.Get("Location") != "/orders/1" || rec.Fingerprint != "v3:fp" {
+		t.Fatalf("record after idem migrate: %+v, %v", rec, err)
 	}
 }
 

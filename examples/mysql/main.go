@@ -106,8 +106,8 @@ func newServer(ctx context.Context, db *sql.DB) (http.Handler, error) {
 			http.Error(w, `send {"cart_id":"…"}`, http.StatusBadRequest) // a 4xx is stored and replayed too
 			return
 		}
-		tx := mysqlstore.Tx(r.Context()) // the request's transaction: do not commit it
-		res, err := tx.ExecContext(r.Context(), `INSERT INTO example_orders (cart_id) VALUES (?)`, in.CartID)
+		q := mysqlstore.Conn(r.Context()) // the request's transaction: do not commit it
+		res, err := q.ExecContext(r.Context(), `INSERT INTO example_orders (cart_id) VALUES (?)`, in.CartID)
 		if err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return

@@ -3,6 +3,7 @@ package bench
 import (
 	"bytes"
 	"context"
+	"database/sql"
 	"io"
 	"net"
 	"net/http"
@@ -10,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/internal/testenv"
@@ -71,6 +73,16 @@ func postOrder(t *testing.T, client *http.Client, url, key string, body []byte) 
 func TestHandOrdersConcurrentDuplicates(t *testing.T) {
 	t.Parallel()
 	url, pool, orders := startHand(t)
+	concurrentDuplicates(t, url, func(ctx context.Context) (int, error) {
+		var n int
+		err := pool.QueryRow(ctx, "SELECT count(*) FROM "+orders).Scan(&n)
+		return n, err
+	})
+}
+
+// concurrentDuplicates is TestHandOrdersConcurrentDuplicates against the
+// reference at url, whose orders count returns.
+func concurrentDuplicates(t *testing.T, url string, count func(context.Context) (int, error)) {
 	client := newClient(32)
 	defer client.CloseIdleConnections()
 	const rounds, dup = 10, 32
@@ -118,13 +130,58 @@ func TestHandOrdersConcurrentDuplicates(t *testing.T) {
 			t.Errorf("key %s with another body: status %d; want 422", key, status)
 		}
 	}
-	var n int
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := pool.QueryRow(ctx, "SELECT count(*) FROM "+orders).Scan(&n); err != nil {
+	n, err := count(ctx)
+	if err != nil {
 		t.Fatal(err)
 	}
 	if n != rounds {
 		t.Errorf("%d orders for %d keys; want one per key", n, rounds)
 	}
+}
+
+// TestHandMySQLConcurrentDuplicates: the MariaDB reference, the same proof.
+func TestHandMySQLConcurrentDuplicates(t *testing.T) {
+	t.Parallel()
+	dsn := testenv.MySQLDSN(testenv.MySQLURL(t))
+	mc, err := mysql.ParseDSN(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mc.MultiStatements = true
+	db, err := sql.Open("mysql", mc.FormatDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	db.SetMaxOpenConns(32)
+	ctx := context.Background()
+	if err := db.PingContext(ctx); err != nil {
+		t.Fatal(err)
+	}
+	suffix := randomHex(4)
+	orders, keys := "orders_handtest_"+suffix, "hand_keys_handtest_"+suffix
+	t.Cleanup(func() {
+		_, _ = db.Exec("DROP TABLE IF EXISTS " + orders + ", " + keys)
+		_ = db.Close()
+	})
+	if _, err := db.ExecContext(ctx, "CREATE TABLE "+orders+" (id BIGINT AUTO_INCREMENT PRIMARY KEY, item VARCHAR(255) NOT NULL, qty INT NOT NULL) ENGINE=InnoDB"); err != nil {
+		t.Fatal(err)
+	}
+	h, err := newHandMySQL(ctx, db, orders, keys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: h}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() { _ = srv.Close() })
+	concurrentDuplicates(t, "http://"+ln.Addr().String()+"/hand/orders", func(ctx context.Context) (int, error) {
+		var n int
+		err := db.QueryRowContext(ctx, "SELECT count(*) FROM "+orders).Scan(&n)
+		return n, err
+	})
 }

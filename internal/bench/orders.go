@@ -151,7 +151,7 @@ func (m *mysqlBackend) insert(ctx context.Context, item string, qty int) (int64,
 	q := "INSERT INTO " + m.table + " (item, qty) VALUES (?, ?)"
 	var res sql.Result
 	var err error
-	if tx := mysqlstore.Tx(ctx); tx != nil {
+	if tx := mysqlstore.Conn(ctx); tx != nil {
 		res, err = tx.ExecContext(ctx, q, item, qty)
 	} else {
 		res, err = m.db.ExecContext(ctx, q, item, qty)

@@ -32,7 +32,7 @@ const (
 	VariantHot      = "hot key"              // all clients send one key (a new one every HotKeyEvery requests)
 	VariantSingleTx = "single-tx first"      // SQL stores, Flow = FlowSingleTx, fresh keys
 	VariantClaim    = "claim-complete first" // PostgreSQL, Flow = FlowClaimComplete, fresh keys
-	VariantHand     = "hand-written first"   // PostgreSQL, the hand-written pgx reference, fresh keys
+	VariantHand     = "hand-written first"   // PostgreSQL and MariaDB, the hand-written reference, fresh keys
 )
 
 // HotKeyEvery is how many requests of the hot-key case share one key before the
@@ -78,8 +78,11 @@ type target struct {
 	// dbCPU returns the CPU time the database has used so far, in ns (nil: not
 	// measured); dbCPUWhat says whose CPU it is.
 	dbCPU func(ctx context.Context) int64
-	// hand is the hand-written PostgreSQL reference, mounted on /hand/orders.
+	// hand is the hand-written reference (PostgreSQL, MariaDB), mounted on
+	// /hand/orders.
 	hand http.Handler
+	// handOnly: the target runs no claim-complete variant beside hand (MariaDB).
+	handOnly bool
 }
 
 // idemConfig is the middleware configuration of every idem target: the
@@ -120,7 +123,7 @@ func serveIdem(t *target, store idem.Store, singleTx bool) error {
 		mux.Handle("POST /single/orders", smw(h))
 		t.variants = append(t.variants, variant{VariantSingleTx, "/single/orders", keysFresh})
 	}
-	if t.hand != nil {
+	if t.hand != nil && !t.handOnly {
 		cfg := idemConfig()
 		cfg.Flow = idem.FlowClaimComplete
 		cmw, err := idem.New(store, cfg)
@@ -128,8 +131,11 @@ func serveIdem(t *target, store idem.Store, singleTx bool) error {
 			return err
 		}
 		mux.Handle("POST /claim/orders", cmw(h))
+		t.variants = append(t.variants, variant{VariantClaim, "/claim/orders", keysFresh})
+	}
+	if t.hand != nil {
 		mux.Handle("POST /hand/orders", t.hand)
-		t.variants = append(t.variants, variant{VariantClaim, "/claim/orders", keysFresh}, variant{VariantHand, "/hand/orders", keysFresh})
+		t.variants = append(t.variants, variant{VariantHand, "/hand/orders", keysFresh})
 	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -281,12 +287,12 @@ func setupTarget(ctx context.Context, name string, cfg *Config, suffix string) (
 			return nil, unavailable("mysql: %v", err)
 		}
 		t.version = "MySQL/MariaDB " + t.version
-		records, orders := "idem_bench_"+suffix, "orders_bench_"+suffix
+		records, orders, handKeys := "idem_bench_"+suffix, "orders_bench_"+suffix, "hand_keys_"+suffix
 		t.close = func() {
 			c, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			_ = db.Close()
-			_, _ = admin.ExecContext(c, "DROP TABLE IF EXISTS "+records+", "+records+"_migrations, "+orders)
+			_, _ = admin.ExecContext(c, "DROP TABLE IF EXISTS "+records+", "+records+"_migrations, "+orders+", "+handKeys)
 			_ = admin.Close()
 		}
 		if pid := findProcess("mariadbd", "mysqld"); pid > 0 {
@@ -303,6 +309,14 @@ func setupTarget(ctx context.Context, name string, cfg *Config, suffix string) (
 		if err != nil {
 			t.close()
 			return nil, err
+		}
+		if mc.MultiStatements {
+			hand, err := newHandMySQL(ctx, db, orders, handKeys)
+			if err != nil {
+				t.close()
+				return nil, err
+			}
+			t.hand, t.handOnly = hand, true
 		}
 		t.backend, t.store = &mysqlBackend{db: db, admin: admin, table: orders}, "mysqlstore, same database"
 		store, singleTx = st, true
