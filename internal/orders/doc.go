@@ -7,6 +7,7 @@
 //	POST /orders        {"cart_id": "c_42", "total_cents": 1900}
 //	                    → 201, Location: /orders/{id},
 //	                      {"id": "ord_…", "cart_id": "c_42", "total_cents": 1900, "created_at": "…"}
+//	                      (and "charge_id": "ch_…" with Config.Payments)
 //	GET  /orders/{id}   → 200 the order, or 404 (also for another tenant's order,
 //	                      and for anything that is not an order id)
 //	GET  /orders        → 200 {"orders": […], "next": "/orders?after=…&limit=…"} of the
@@ -56,6 +57,7 @@
 //	cart_id     TEXT NOT NULL         -- at most 255 bytes
 //	total_cents BIGINT NOT NULL       -- >= 0
 //	created_at  TIMESTAMPTZ NOT NULL  -- DATETIME(6) in MySQL, fixed-width UTC text in SQLite
+//	charge_id   TEXT                  -- the provider's charge id; NULL without Config.Payments
 //	INDEX (tenant, cart_id, created_at)
 //
 // # Limits
