@@ -23,7 +23,8 @@ type Janitor struct {
 }
 
 // Sweep deletes every record expired at the time of the call, batch by batch, and
-// returns how many it deleted. It stops early, returning what it deleted so far,
+// returns how many it deleted; when the store is a StepStore, its expired step
+// records go next, counted with them. It stops early, returning what it deleted so far,
 // when ctx ends or the store fails.
 func (j *Janitor) Sweep(ctx context.Context) (int, error) {
 	if j.Store == nil {
@@ -44,6 +45,23 @@ func (j *Janitor) Sweep(ctx context.Context) (int, error) {
 		total += n
 		if err != nil {
 			return total, fmt.Errorf("idem: janitor deleted %d records, then: %w", total, err)
+		}
+		if n < batch {
+			break
+		}
+		if err := ctx.Err(); err != nil {
+			return total, err
+		}
+	}
+	ss, ok := j.Store.(StepStore)
+	if !ok {
+		return total, nil
+	}
+	for {
+		n, err := ss.DeleteExpiredSteps(ctx, cutoff, batch)
+		total += n
+		if err != nil {
+			return total, fmt.Errorf("idem: janitor deleted %d records and step records, then: %w", total, err)
 		}
 		if n < batch {
 			return total, nil

@@ -45,6 +45,7 @@ type Store struct {
 	stop   context.CancelFunc
 	done   chan struct{}
 	hub    wakehub.Hub // waiters for outcomes (idem.OutcomeNotifier)
+	steps  stepTable   // step records (idem.StepStore, steps.go)
 }
 
 // shard holds the blobs of its records by the 64-bit hash of (scope, key). The

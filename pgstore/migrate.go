@@ -55,6 +55,8 @@ func (s *Store) Migrate(ctx context.Context) error {
 // rewrite points a migration written for idem_records at the store's table.
 func (s *Store) rewrite(sql string) string {
 	return strings.NewReplacer(
+		"idem_records_steps_expires_at_idx", s.steps.index,
+		"idem_records_steps", s.steps.table,
 		"idem_records_expires_at_idx", s.index,
 		DefaultTable, s.table,
 	).Replace(sql)

@@ -57,6 +57,8 @@ type Store struct {
 	deleteSQL, lockSQL, lookupSQL, insertSQL                        string
 	heldSQL, lockedSQL                                              string
 	insertAndCommitSQL, insertFreshSQL                              string
+
+	steps stepSQL // the step records' table and statements (steps.go)
 }
 
 var identRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
@@ -101,6 +103,7 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Store, error) {
 		s.fastArgs = true
 	}
 	s.buildSQL()
+	s.buildStepSQL(parts)
 	return s, nil
 }
 

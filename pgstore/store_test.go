@@ -103,7 +103,7 @@ func TestMigrationFiles(t *testing.T) {
 		}
 		return err
 	})
-	if strings.Join(names, " ") != "001_create.down.sql 001_create.up.sql" {
+	if strings.Join(names, " ") != "001_create.down.sql 001_create.up.sql 002_create_steps.down.sql 002_create_steps.up.sql" {
 		t.Fatalf("Migrations holds %v", names)
 	}
 	conn, err := db.pool.Acquire(ctx30(t))
@@ -126,6 +126,12 @@ func TestMigrationFiles(t *testing.T) {
 	}
 	run("001_create.up.sql")
 	run("001_create.up.sql") // idempotent
+	run("002_create_steps.up.sql")
+	run("002_create_steps.up.sql")
+	if n := db.count(t, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = 'idem_records_steps'`, db.schema); n != 1 {
+		t.Fatalf("up migration made %d idem_records_steps tables", n)
+	}
+	run("002_create_steps.down.sql")
 	if n := db.count(t, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = 'idem_records'`, db.schema); n != 1 {
 		t.Fatalf("up migration made %d idem_records tables", n)
 	}

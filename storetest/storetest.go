@@ -39,7 +39,9 @@ type SelfExpiring interface {
 	ExpiresRecordsItself() bool
 }
 
-// Run runs the conformance suite against stores made by newStore.
+// Run runs the conformance suite against stores made by newStore. For a store
+// that implements idem.StepStore it includes the step cases (subtests
+// "Steps/…", see RunSteps); for one that does not they are skipped.
 func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 	t.Helper()
 	tests := []struct {
@@ -84,6 +86,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 			tc.fn(t, s)
 		})
 	}
+	runStepsIn(t, newStore)
 }
 
 // Durations used by the suite. Leases are short so that lapses can be waited for;

@@ -104,3 +104,27 @@ func TestJanitorFollowsAClockThatWentBack(t *testing.T) {
 		t.Fatalf("the record live by the middleware's clock was swept: %v (the janitor ran on the clock's old jump)", err)
 	}
 }
+
+// The janitor deletes expired step records too, after the records, and leaves
+// live ones (issue 27).
+func TestJanitorDeletesExpiredSteps(t *testing.T) {
+	t.Parallel()
+	s := memstore.New(&memstore.Config{JanitorInterval: -1})
+	t.Cleanup(func() { _ = s.Close() })
+	ctx := context.Background()
+	now := time.Now()
+	for i, ttl := range []time.Duration{time.Second, time.Second, time.Hour} {
+		req := idem.BeginStepRequest{Scope: "s", Key: "k", Name: string(rune('a' + i)), Owner: "o", DerivedKey: "idem_x", Now: now, ExpiresAt: now.Add(ttl)}
+		if _, began, err := s.BeginStep(ctx, req); err != nil || !began {
+			t.Fatalf("BeginStep: %v %v", began, err)
+		}
+	}
+	j := &idem.Janitor{Store: s, BatchSize: 1, NowFunc: func() time.Time { return now.Add(time.Minute) }}
+	n, err := j.Sweep(ctx)
+	if err != nil || n != 2 {
+		t.Fatalf("Sweep = %d, %v; want the 2 expired step records", n, err)
+	}
+	if s.StepLen() != 1 {
+		t.Fatalf("%d step records left, want the live one", s.StepLen())
+	}
+}
