@@ -14,7 +14,7 @@ import (
 type nopObserver struct{}
 
 func (nopObserver) StoreStart(ctx context.Context, _ idemobs.Op) context.Context { return ctx }
-func (nopObserver) StoreDone(context.Context, idemobs.Op, time.Duration, error) {}
+func (nopObserver) StoreDone(context.Context, idemobs.Op, time.Duration, error)  {}
 
 // plainStore is a Store that keeps no step records.
 type plainStore struct{ idem.Store }

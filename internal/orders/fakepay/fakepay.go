@@ -84,6 +84,7 @@ type Provider struct {
 	keys    map[string]*keyed // HonoursKeys: key → first call's outcome
 	fails   []int             // statuses to answer, in turn, without charging
 	delay   time.Duration     // after the charge, before the answer
+	written map[string]int    // cart_id → 201 answers written in full
 	holds   []*Hold
 }
 
@@ -96,7 +97,7 @@ type keyed struct {
 
 // Start starts a provider in mode on a loopback port. Close it when done.
 func Start(mode Mode) *Provider {
-	p := &Provider{mode: mode, keys: map[string]*keyed{}}
+	p := &Provider{mode: mode, keys: map[string]*keyed{}, written: map[string]int{}}
 	p.srv = httptest.NewServer(http.HandlerFunc(p.serve))
 	p.URL = p.srv.URL
 	return p
@@ -334,7 +335,22 @@ func (p *Provider) serve(w http.ResponseWriter, r *http.Request) {
 	}
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(http.StatusCreated)
-	_, _ = w.Write(body)
+	if _, err := w.Write(body); err == nil {
+		if f, ok := w.(http.Flusher); ok {
+			f.Flush()
+		}
+		p.mu.Lock()
+		p.written[c.CartID]++
+		p.mu.Unlock()
+	}
+}
+
+// Answered returns how many charge answers (201) for cartID the provider has
+// written to its clients, replays excluded.
+func (p *Provider) Answered(cartID string) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.written[cartID]
 }
 
 func answer(w http.ResponseWriter, status int, v any) {
