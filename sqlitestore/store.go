@@ -41,6 +41,12 @@ type Config struct {
 	// another process's lock is bounded by the driver's busy timeout instead.
 	// Defaults to 10 seconds.
 	LockTimeout time.Duration
+
+	// StepsDB, when set, is the database step records (idem.Step) are kept
+	// in, instead of the file sqlitestore opens beside the records' file (see
+	// "Step records" in the package documentation). It must be another file:
+	// the handler's transaction holds the records file's write lock.
+	StepsDB *sql.DB
 }
 
 var tableName = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
@@ -57,7 +63,8 @@ type Store struct {
 
 	mu       sync.Mutex // guards preparing
 	prepared [numStmts]atomic.Pointer[sql.Stmt]
-	busy     *busyKeys // shared by the Stores on db
+	busy     *busyKeys  // shared by the Stores on db
+	st       stepsState // the step records' database (steps.go)
 }
 
 var (
@@ -98,6 +105,7 @@ func New(db *sql.DB, cfg *Config) (*Store, error) {
 		busy:        &sh.busy,
 		lockTimeout: c.LockTimeout,
 		q:           newQueries(quoteIdent(c.Table)),
+		st:          stepsState{cfg: c.StepsDB, q: newStepQueries(c.Table)},
 	}, nil
 }
 

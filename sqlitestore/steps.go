@@ -1,0 +1,557 @@
+package sqlitestore
+
+import (
+	"context"
+	"crypto/rand"
+	"database/sql"
+	"database/sql/driver"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"runtime"
+	"strings"
+	"sync"
+	"time"
+	"weak"
+
+	"github.com/idemkit/idem"
+)
+
+var _ idem.StepStore = (*Store)(nil)
+
+// StepsFileSuffix is appended to the path of the records' database file to
+// name the file sqlitestore keeps step records in (see "Step records" in the
+// package documentation).
+const StepsFileSuffix = "-steps"
+
+// stepsState is a Store's handle on its step records' database.
+type stepsState struct {
+	cfg *sql.DB // Config.StepsDB, or nil
+
+	mu    sync.Mutex
+	db    *sql.DB // once opened
+	gate  gate
+	ready bool // the table exists
+	q     stepQueries
+}
+
+type stepQueries struct {
+	begin, finish, abandon, settle, forget, get, deleteExpired, lock, schema string
+}
+
+// stepsHandles holds the step database sqlitestore opened for each records
+// *sql.DB (without Config.StepsDB), so that every Store on one *sql.DB uses
+// one handle and one gate; an entry goes when its *sql.DB is garbage.
+var stepsHandles sync.Map // weak.Pointer[sql.DB] -> *stepsHandle
+
+type stepsHandle struct {
+	once sync.Mutex
+	db   *sql.DB
+	path string // "" in memory
+}
+
+func stepsHandleFor(db *sql.DB) *stepsHandle {
+	k := weak.Make(db)
+	if h, ok := stepsHandles.Load(k); ok {
+		return h.(*stepsHandle)
+	}
+	h, loaded := stepsHandles.LoadOrStore(k, &stepsHandle{})
+	if !loaded {
+		runtime.AddCleanup(db, func(k weak.Pointer[sql.DB]) {
+			if h, ok := stepsHandles.LoadAndDelete(k); ok {
+				if sdb := h.(*stepsHandle).db; sdb != nil {
+					_ = sdb.Close()
+				}
+			}
+		}, k)
+	}
+	return h.(*stepsHandle)
+}
+
+func newStepQueries(table string) stepQueries {
+	t := quoteIdent(table + "_steps")
+	idx := quoteIdent(table + "_steps_expires_at_idx")
+	take := `(s.expires_at <= ?6 OR (s.state = 1 AND (s.owner = '' OR (?9 AND s.owner <> excluded.owner))))`
+	expired := `s.expires_at <= ?6`
+	live := `scope = ? AND key = ? AND name = ? AND expires_at > ?`
+	return stepQueries{
+		schema: `CREATE TABLE IF NOT EXISTS ` + t + ` (
+    scope       TEXT    NOT NULL,
+    key         TEXT    NOT NULL,
+    name        TEXT    NOT NULL,
+    state       INTEGER NOT NULL CHECK (state IN (1, 2, 3)), -- 1 started, 2 done, 3 failed
+    owner       TEXT    NOT NULL,                            -- '' once abandoned
+    derived_key TEXT    NOT NULL,
+    result      BLOB,                                        -- NULL while started
+    started_at  INTEGER NOT NULL,                            -- Unix nanoseconds
+    expires_at  INTEGER NOT NULL,
+    attempt     TEXT    NOT NULL,                            -- nonce of the BeginStep that last began it
+    PRIMARY KEY (scope, key, name)
+);
+CREATE INDEX IF NOT EXISTS ` + idx + ` ON ` + t + ` (expires_at)`,
+		// One statement decides BeginStep (the gate and SQLite's write lock
+		// serialize it); attempt = ?8, this call's nonce, says whether it began.
+		begin: `INSERT INTO ` + t + ` AS s (scope, key, name, state, owner, derived_key, result, started_at, expires_at, attempt)
+VALUES (?1, ?2, ?3, 1, ?4, ?5, NULL, ?6, ?7, ?8)
+ON CONFLICT (scope, key, name) DO UPDATE SET
+    attempt = CASE WHEN ` + take + ` THEN excluded.attempt ELSE s.attempt END,
+    owner = CASE WHEN ` + take + ` THEN excluded.owner ELSE s.owner END,
+    state = CASE WHEN ` + expired + ` THEN 1 ELSE s.state END,
+    derived_key = CASE WHEN ` + expired + ` THEN excluded.derived_key ELSE s.derived_key END,
+    result = CASE WHEN ` + expired + ` THEN NULL ELSE s.result END,
+    started_at = CASE WHEN ` + expired + ` THEN excluded.started_at ELSE s.started_at END,
+    expires_at = CASE WHEN ` + expired + ` THEN excluded.expires_at ELSE MAX(s.expires_at, excluded.expires_at) END
+RETURNING attempt = ?8, state, owner, derived_key, result, started_at, expires_at`,
+		finish:        `UPDATE ` + t + ` SET state = ?, result = ? WHERE ` + live + ` AND state = 1 AND owner = ? AND owner <> ''`,
+		abandon:       `UPDATE ` + t + ` SET owner = '' WHERE ` + live + ` AND state = 1 AND owner = ? AND owner <> ''`,
+		settle:        `UPDATE ` + t + ` SET state = ?, result = ? WHERE ` + live,
+		forget:        `DELETE FROM ` + t + ` WHERE ` + live,
+		get:           `SELECT name, state, owner, derived_key, result, started_at, expires_at FROM ` + t + ` WHERE scope = ? AND key = ? AND expires_at > ? ORDER BY started_at, name`,
+		deleteExpired: `DELETE FROM ` + t + ` WHERE rowid IN (SELECT rowid FROM ` + t + ` WHERE expires_at <= ? LIMIT ?)`,
+		lock:          `UPDATE ` + t + ` SET state = state WHERE 0`,
+	}
+}
+
+// StepsDB returns the database the store keeps step records in, opening it
+// (and creating its table) if needed: Config.StepsDB, or the file beside the
+// records' database (its path with StepsFileSuffix), or, for an in-memory
+// records database, a private in-memory database of this process.
+func (s *Store) StepsDB(ctx context.Context) (*sql.DB, error) {
+	db, _, err := s.steps(ctx, true)
+	return db, err
+}
+
+// steps returns the step records' database and its gate. Without create it
+// returns a nil *sql.DB, and no error, when sqlitestore would have to create
+// the steps file (nobody recorded a step yet): reads and the janitor then
+// find nothing, and a service that never uses steps never gets the file.
+func (s *Store) steps(ctx context.Context, create bool) (*sql.DB, gate, error) {
+	st := &s.st
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if st.ready {
+		return st.db, st.gate, nil
+	}
+	if st.db == nil {
+		db := st.cfg
+		if db == nil {
+			h := stepsHandleFor(s.db)
+			var err error
+			if db, err = h.open(ctx, s.db, create); err != nil || db == nil {
+				return nil, nil, err
+			}
+		} else if err := checkOtherFile(ctx, s.db, db); err != nil {
+			return nil, nil, err
+		}
+		st.db, st.gate = db, sharedFor(db).gate
+	}
+	unlock, err := st.gate.lock(ctx, s.lockTimeout)
+	if err != nil {
+		return nil, nil, wrap("steps: create the table", err)
+	}
+	defer unlock()
+	if _, err := st.db.ExecContext(ctx, st.q.schema); err != nil {
+		return nil, nil, wrap("steps: create the table", err)
+	}
+	st.ready = true
+	return st.db, st.gate, nil
+}
+
+// mainFile returns the file of db's main database ("" in memory).
+func mainFile(ctx context.Context, db *sql.DB) (string, error) {
+	rows, err := db.QueryContext(ctx, `PRAGMA database_list`)
+	if err != nil {
+		return "", err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var seq int
+		var name, file string
+		var fileNull sql.NullString
+		if err := rows.Scan(&seq, &name, &fileNull); err != nil {
+			return "", err
+		}
+		file = fileNull.String
+		if name == "main" {
+			return file, rows.Close()
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return "", err
+	}
+	return "", errors.New("PRAGMA database_list names no main database")
+}
+
+// checkOtherFile refuses a Config.StepsDB on the records' own file: a step
+// inside the handler's transaction would wait for the write lock that
+// transaction holds.
+func checkOtherFile(ctx context.Context, db, steps *sql.DB) error {
+	if steps == db {
+		return errors.New("sqlitestore: Config.StepsDB is the records' own *sql.DB; step records need a database file of their own (leave StepsDB nil for the file beside it)")
+	}
+	a, err := mainFile(ctx, db)
+	if err != nil {
+		return wrap("steps: find the records' database file", err)
+	}
+	b, err := mainFile(ctx, steps)
+	if err != nil {
+		return wrap("steps: find Config.StepsDB's file", err)
+	}
+	if a != "" && a == b {
+		return fmt.Errorf("sqlitestore: Config.StepsDB opens %s, the records' own file; step records need a file of their own, or a step inside the handler's transaction would wait for the write lock that transaction holds", a)
+	}
+	return nil
+}
+
+// open opens the steps database beside db's main file, once.
+func (h *stepsHandle) open(ctx context.Context, db *sql.DB, create bool) (*sql.DB, error) {
+	h.once.Lock()
+	defer h.once.Unlock()
+	if h.db != nil {
+		return h.db, nil
+	}
+	file, err := mainFile(ctx, db)
+	if err != nil {
+		return nil, wrap("steps: find the records' database file", err)
+	}
+	c := &stepsConnector{drv: db.Driver()}
+	if file == "" {
+		c.dsn = ":memory:"
+	} else {
+		h.path = file + StepsFileSuffix
+		if _, err := os.Stat(h.path); errors.Is(err, fs.ErrNotExist) && !create {
+			return nil, nil
+		}
+		// A plain path (no URI): every SQLite driver opens it as a file.
+		c.dsn = h.path
+		c.setup = []string{
+			"PRAGMA busy_timeout = " + fmt.Sprint(DefaultLockTimeout.Milliseconds()),
+			"PRAGMA journal_mode = WAL",
+			// A step's record is what keeps the other service from being
+			// called twice: its commit is flushed before the step returns.
+			"PRAGMA synchronous = FULL",
+		}
+	}
+	sdb := sql.OpenDB(c)
+	if file == "" {
+		// One connection, never closed: the in-memory database lives as long
+		// as it does.
+		sdb.SetMaxOpenConns(1)
+	} else {
+		sdb.SetMaxOpenConns(4)
+	}
+	sdb.SetMaxIdleConns(4)
+	sdb.SetConnMaxLifetime(0)
+	sdb.SetConnMaxIdleTime(0)
+	if err := sdb.PingContext(ctx); err != nil {
+		_ = sdb.Close()
+		return nil, wrap("steps: open "+c.dsn, err)
+	}
+	h.db = sdb
+	return sdb, nil
+}
+
+// stepsConnector opens connections to the steps database with the driver of
+// the records' database, and sets each up with setup's statements.
+type stepsConnector struct {
+	drv   driver.Driver
+	dsn   string
+	setup []string
+}
+
+func (c *stepsConnector) Driver() driver.Driver { return c.drv }
+
+func (c *stepsConnector) Connect(ctx context.Context) (driver.Conn, error) {
+	conn, err := c.drv.Open(c.dsn)
+	if err != nil {
+		return nil, err
+	}
+	for _, q := range c.setup {
+		// Turning a new file to WAL takes an exclusive lock SQLite does not
+		// wait for: retry while another process holds the file.
+		deadline := time.Now().Add(DefaultLockTimeout)
+		for {
+			err = execDriver(ctx, conn, q)
+			if err == nil || !isLockErr(err) || time.Now().After(deadline) {
+				break
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		if err != nil {
+			_ = conn.Close()
+			return nil, fmt.Errorf("%s: %w", q, err)
+		}
+	}
+	return conn, nil
+}
+
+func isLockErr(err error) bool {
+	m := strings.ToLower(err.Error())
+	return strings.Contains(m, "busy") || strings.Contains(m, "locked")
+}
+
+// execDriver runs q on a driver connection.
+func execDriver(ctx context.Context, conn driver.Conn, q string) error {
+	if e, ok := conn.(driver.ExecerContext); ok {
+		_, err := e.ExecContext(ctx, q, nil)
+		if !errors.Is(err, driver.ErrSkip) {
+			return err
+		}
+	}
+	st, err := conn.Prepare(q)
+	if err != nil {
+		return err
+	}
+	defer st.Close()
+	_, err = st.Exec(nil) //nolint:staticcheck // the context form is tried first
+	return err
+}
+
+// stepNonce returns a fresh nonce for the attempt column.
+func stepNonce() string {
+	var b [12]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// maxStepText bounds an owner token and a derived key.
+const maxStepText = 1024
+
+// checkStep refuses what no caller may pass: empty or overlong names, NUL
+// bytes in the text columns.
+func checkStep(name, owner string) error {
+	if name == "" {
+		return errors.New("sqlitestore: the step name is empty; name every step")
+	}
+	if err := idem.CheckFieldSize("sqlitestore", "step name", int64(len(name)), idem.MaxStepNameLength); err != nil {
+		return err
+	}
+	if err := idem.CheckFieldSize("sqlitestore", "step owner", int64(len(owner)), maxStepText); err != nil {
+		return err
+	}
+	if strings.IndexByte(name, 0) >= 0 || strings.IndexByte(owner, 0) >= 0 {
+		return errors.New("sqlitestore: a step name or owner contains a NUL byte; use visible ASCII")
+	}
+	return nil
+}
+
+func checkResult(result []byte) ([]byte, error) {
+	if err := idem.CheckFieldSize("sqlitestore", "step result", int64(len(result)), maxValue); err != nil {
+		return nil, err
+	}
+	if result == nil {
+		result = []byte{}
+	}
+	return result, nil
+}
+
+// BeginStep implements idem.StepStore with one INSERT … ON CONFLICT DO UPDATE
+// … RETURNING on the step records' database, under its gate. With
+// req.Holder, the request record is read first, from the records' database,
+// inside a transaction of the steps database that holds its write lock, so
+// that no other step operation comes between the check and the write.
+func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem.StepRecord, bool, error) {
+	if err := checkStep(req.Name, req.Owner); err != nil {
+		return nil, false, err
+	}
+	if req.DerivedKey == "" || strings.IndexByte(req.DerivedKey, 0) >= 0 {
+		return nil, false, errors.New("sqlitestore: begin step: the derived key is empty or contains a NUL byte")
+	}
+	if err := idem.CheckFieldSize("sqlitestore", "step derived key", int64(len(req.DerivedKey)), maxStepText); err != nil {
+		return nil, false, err
+	}
+	db, g, err := s.steps(ctx, true)
+	if err != nil {
+		return nil, false, err
+	}
+	unlock, err := g.lock(ctx, s.lockTimeout)
+	if err != nil {
+		return nil, false, wrap("begin step", err)
+	}
+	defer unlock()
+	type queryer interface {
+		QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+	}
+	var q queryer = db
+	var tx *sql.Tx
+	if req.Holder {
+		if tx, err = db.BeginTx(ctx, nil); err != nil {
+			return nil, false, wrap("begin step", err)
+		}
+		defer func() { _ = tx.Rollback() }()
+		if _, err := tx.ExecContext(ctx, s.st.q.lock); err != nil {
+			return nil, false, wrap("begin step: take the steps' write lock", err)
+		}
+		var held int
+		err := s.db.QueryRowContext(ctx, `SELECT 1 FROM `+quoteIdent(s.table)+` WHERE scope = ? AND key = ? AND state = 1 AND token = ? AND expires_at > ?`,
+			req.Scope, req.Key, req.Owner, nanos(req.Now)).Scan(&held)
+		if errors.Is(err, sql.ErrNoRows) {
+			return nil, false, idem.ErrLockLost
+		}
+		if err != nil {
+			return nil, false, wrap("begin step: read the request record", err)
+		}
+		q = tx
+	}
+	rec := &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name}
+	var began bool
+	var state, started, expires int64
+	var result []byte
+	err = q.QueryRowContext(ctx, s.st.q.begin, req.Scope, req.Key, req.Name, req.Owner, req.DerivedKey,
+		nanos(req.Now), nanos(req.ExpiresAt), stepNonce(), req.Rerun).
+		Scan(&began, &state, &rec.Owner, &rec.DerivedKey, &result, &started, &expires)
+	if err != nil {
+		return nil, false, wrap("begin step", err)
+	}
+	if tx != nil {
+		if err := tx.Commit(); err != nil {
+			return nil, false, wrap("begin step: commit", err)
+		}
+	}
+	rec.State, rec.Result = idem.StepState(state), result
+	rec.StartedAt, rec.ExpiresAt = fromNanos(started), fromNanos(expires)
+	if started == nanos(req.Now) {
+		rec.StartedAt = req.Now
+	}
+	if expires == nanos(req.ExpiresAt) {
+		rec.ExpiresAt = req.ExpiresAt
+	}
+	return rec, began, nil
+}
+
+// stepExec runs one write statement on the step records' database under its
+// gate and returns how many rows it changed.
+func (s *Store) stepExec(ctx context.Context, op, q string, args ...any) (int64, error) {
+	db, g, err := s.steps(ctx, true)
+	if err != nil {
+		return 0, err
+	}
+	unlock, err := g.lock(ctx, s.lockTimeout)
+	if err != nil {
+		return 0, wrap(op, err)
+	}
+	defer unlock()
+	res, err := db.ExecContext(ctx, q, args...)
+	if err != nil {
+		return 0, wrap(op, err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return 0, wrap(op, err)
+	}
+	return n, nil
+}
+
+// FinishStep implements idem.StepStore: one fenced UPDATE.
+func (s *Store) FinishStep(ctx context.Context, scope, key, name, owner string, state idem.StepState, result []byte, now time.Time) error {
+	if err := checkStep(name, owner); err != nil {
+		return err
+	}
+	if state != idem.StepDone && state != idem.StepFailed {
+		return fmt.Errorf("sqlitestore: finish step: state %v; a step finishes done or failed", state)
+	}
+	result, err := checkResult(result)
+	if err != nil {
+		return err
+	}
+	n, err := s.stepExec(ctx, "finish step", s.st.q.finish, int64(state), result, scope, key, name, nanos(now), owner)
+	if err != nil {
+		return err
+	}
+	if n == 0 {
+		return idem.ErrLockLost
+	}
+	return nil
+}
+
+// AbandonStep implements idem.StepStore: one fenced UPDATE.
+func (s *Store) AbandonStep(ctx context.Context, scope, key, name, owner string, now time.Time) error {
+	if err := checkStep(name, owner); err != nil {
+		return err
+	}
+	n, err := s.stepExec(ctx, "abandon step", s.st.q.abandon, scope, key, name, nanos(now), owner)
+	if err != nil {
+		return err
+	}
+	if n == 0 {
+		return idem.ErrLockLost
+	}
+	return nil
+}
+
+// GetSteps implements idem.StepStore. It reads without the write lock.
+func (s *Store) GetSteps(ctx context.Context, scope, key string, now time.Time) ([]idem.StepRecord, error) {
+	db, _, err := s.steps(ctx, false)
+	if err != nil || db == nil {
+		return nil, err
+	}
+	rows, err := db.QueryContext(ctx, s.st.q.get, scope, key, nanos(now))
+	if err != nil {
+		return nil, wrap("get steps", err)
+	}
+	defer rows.Close()
+	var out []idem.StepRecord
+	for rows.Next() {
+		rec := idem.StepRecord{Scope: scope, Key: key}
+		var state, started, expires int64
+		if err := rows.Scan(&rec.Name, &state, &rec.Owner, &rec.DerivedKey, &rec.Result, &started, &expires); err != nil {
+			return nil, wrap("get steps", err)
+		}
+		rec.State, rec.StartedAt, rec.ExpiresAt = idem.StepState(state), fromNanos(started), fromNanos(expires)
+		out = append(out, rec)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, wrap("get steps", err)
+	}
+	return out, nil
+}
+
+// SettleStep implements idem.StepStore: one UPDATE, or one DELETE for state 0.
+func (s *Store) SettleStep(ctx context.Context, scope, key, name string, state idem.StepState, result []byte, now time.Time) error {
+	if err := checkStep(name, ""); err != nil {
+		return err
+	}
+	q, args := s.st.q.forget, []any{scope, key, name, nanos(now)}
+	switch state {
+	case 0:
+	case idem.StepDone, idem.StepFailed:
+		var err error
+		if result, err = checkResult(result); err != nil {
+			return err
+		}
+		q, args = s.st.q.settle, append([]any{int64(state), result}, args...)
+	default:
+		return fmt.Errorf("sqlitestore: settle step: state %v; settle a step as done or failed, or 0 to forget it", state)
+	}
+	db, _, err := s.steps(ctx, false)
+	if err != nil {
+		return err
+	}
+	if db == nil {
+		return idem.ErrNotFound
+	}
+	n, err := s.stepExec(ctx, "settle step", q, args...)
+	if err != nil {
+		return err
+	}
+	if n == 0 {
+		return idem.ErrNotFound
+	}
+	return nil
+}
+
+// DeleteExpiredSteps implements idem.StepStore with one bounded DELETE on the
+// step records' database (none when no step was ever recorded).
+func (s *Store) DeleteExpiredSteps(ctx context.Context, now time.Time, limit int) (int, error) {
+	if limit <= 0 {
+		return 0, nil
+	}
+	db, _, err := s.steps(ctx, false)
+	if err != nil || db == nil {
+		return 0, err
+	}
+	n, err := s.stepExec(ctx, "delete expired steps", s.st.q.deleteExpired, nanos(now), limit)
+	return int(n), err
+}

@@ -1,0 +1,280 @@
+package sqlitestore_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/steptest"
+	"github.com/idemkit/idem/sqlitestore"
+	"github.com/idemkit/idem/sqlitestore/embedded"
+)
+
+// TestStepStore runs the step-record checks on a database file (step records
+// in the file beside it), each check on a table of its own.
+func TestStepStore(t *testing.T) {
+	t.Parallel()
+	db := openDB(t)
+	steptest.Run(t, func(t *testing.T) steptest.Store { return newStore(t, db) }, steptest.Options{Resolution: time.Nanosecond})
+	if _, err := os.Stat(filepath.Join(filepath.Dir(mainPath(t, db)), "idem.db"+sqlitestore.StepsFileSuffix)); err != nil {
+		t.Fatalf("the step records' file: %v", err)
+	}
+}
+
+// TestStepStoreInMemory: a shared-cache in-memory records database gets an
+// in-memory step database of the process, and writes no file.
+func TestStepStoreInMemory(t *testing.T) {
+	dir := t.TempDir()
+	t.Chdir(dir)
+	db, err := sql.Open(embedded.DriverName, "file:mem"+randomHex(6)+"?mode=memory&cache=shared")
+	if err != nil {
+		t.Fatal(err)
+	}
+	db.SetMaxIdleConns(4)
+	db.SetConnMaxLifetime(0)
+	db.SetConnMaxIdleTime(0)
+	t.Cleanup(func() { _ = db.Close() })
+	steptest.Run(t, func(t *testing.T) steptest.Store { return newStore(t, db) }, steptest.Options{Resolution: time.Nanosecond, Concurrency: 8})
+	if ents, _ := os.ReadDir(dir); len(ents) != 0 {
+		t.Fatalf("an in-memory store wrote files: %v", ents)
+	}
+}
+
+// TestStepStoreTwoHandles: two *sql.DB on one file, as two processes would
+// have, begin one step at once: exactly one begins it (the steps file's
+// write lock, not the in-process gate, decides across handles).
+func TestStepStoreTwoHandles(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "idem.db")
+	var stores []*sqlitestore.Store
+	table := "idem_" + randomHex(6)
+	for range 2 {
+		db, err := embedded.Open(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = db.Close() })
+		s, err := sqlitestore.New(db, &sqlitestore.Config{Table: table})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Migrate(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		stores = append(stores, s)
+	}
+	for round := range 20 {
+		now := time.Now()
+		key := fmt.Sprintf("k%d", round)
+		var wg sync.WaitGroup
+		var mu sync.Mutex
+		began := 0
+		release := make(chan struct{})
+		for i := range 8 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-release
+				_, ok, err := stores[i%2].BeginStep(context.Background(), idem.BeginStepRequest{
+					Scope: "s", Key: key, Name: "charge", Owner: fmt.Sprint("o", i), DerivedKey: "idem_" + randomHex(8),
+					Now: now, ExpiresAt: now.Add(time.Hour)})
+				mu.Lock()
+				defer mu.Unlock()
+				if err != nil {
+					t.Errorf("BeginStep: %v", err)
+				}
+				if ok {
+					began++
+				}
+			}()
+		}
+		close(release)
+		wg.Wait()
+		if began != 1 {
+			t.Fatalf("round %d: %d of 8 BeginSteps over two handles began the step, want 1", round, began)
+		}
+	}
+}
+
+func mainPath(t *testing.T, db *sql.DB) string {
+	t.Helper()
+	var seq int
+	var name, file string
+	if err := db.QueryRow("PRAGMA database_list").Scan(&seq, &name, &file); err != nil {
+		t.Fatal(err)
+	}
+	return file
+}
+
+// promptly runs fn with a 3-second context and fails the test if it does not
+// succeed within it: a step must not wait for the handler's transaction.
+func promptly(t *testing.T, what string, fn func(ctx context.Context) error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	start := time.Now()
+	if err := fn(ctx); err != nil {
+		t.Fatalf("%s while the handler's transaction holds the write lock: %v (after %v)", what, err, time.Since(start).Round(time.Millisecond))
+	}
+}
+
+// stepInTx begins and finishes a step (fenced on the request record when
+// holder) within promptly.
+func stepInTx(t *testing.T, s *sqlitestore.Store, key, owner string, holder bool, now time.Time) {
+	t.Helper()
+	promptly(t, "BeginStep", func(ctx context.Context) error {
+		_, began, err := s.BeginStep(ctx, idem.BeginStepRequest{Scope: "s", Key: key, Name: "charge", Owner: owner, Holder: holder,
+			DerivedKey: "idem_" + randomHex(8), Now: now, ExpiresAt: now.Add(time.Hour)})
+		if err == nil && !began {
+			err = errors.New("did not begin")
+		}
+		return err
+	})
+	promptly(t, "FinishStep", func(ctx context.Context) error {
+		return s.FinishStep(ctx, "s", key, "charge", owner, idem.StepDone, []byte(`{"id":"ch_1"}`), now)
+	})
+}
+
+// TestStepInsideTransaction: a step begun and finished inside a running
+// transaction that holds SQLite's write lock completes promptly, in both
+// flows: the claim-then-complete flow's handler transaction (BeginTx, with
+// the Holder fence reading the request record) and the single-transaction
+// flow's locked transaction (BeginLocked). With step records in the records'
+// own file (the naive design, or Config.StepsDB on the same file, which New's
+// check now refuses), the step waits for the lock the transaction holds: the
+// gate's LockTimeout in process, the busy timeout across handles — far more
+// than the 3 seconds allowed here. The record survives the transaction's
+// rollback.
+func TestStepInsideTransaction(t *testing.T) {
+	t.Parallel()
+	db := openDB(t)
+	s := newStore(t, db)
+	ctx := context.Background()
+	now := time.Now()
+	// Open the step records' database and create its table before any
+	// transaction: what is measured is the step's own write.
+	if _, err := s.StepsDB(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	// Claim-then-complete with the handler's transaction.
+	if _, ok, err := s.Claim(ctx, idem.ClaimRequest{Scope: "s", Key: "claim", Fingerprint: "v1:x", Token: "tok",
+		Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)}); err != nil || !ok {
+		t.Fatalf("claim: %v %v", ok, err)
+	}
+	txctx, tx, err := s.BeginTx(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sqlitestore.Tx(txctx).ExecContext(txctx, "CREATE TABLE orders (id INTEGER)"); err != nil {
+		t.Fatal(err)
+	}
+	stepInTx(t, s, "claim", "tok", true, now)
+	if err := tx.Complete(txctx, "s", "claim", "tok", &idem.Response{Status: 201}, now, now.Add(time.Hour)); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(txctx); err != nil {
+		t.Fatal(err)
+	}
+
+	// Single transaction.
+	lctx, ltx, rec, err := s.BeginLocked(ctx, "s", "single", now)
+	if err != nil || rec != nil {
+		t.Fatalf("BeginLocked: %v %v", rec, err)
+	}
+	if _, err := sqlitestore.Tx(lctx).ExecContext(lctx, "INSERT INTO orders VALUES (1)"); err != nil {
+		t.Fatal(err)
+	}
+	stepInTx(t, s, "single", "exec-1", false, now)
+	if err := ltx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, key := range []string{"claim", "single"} {
+		recs, err := s.GetSteps(ctx, "s", key, now)
+		if err != nil || len(recs) != 1 || recs[0].State != idem.StepDone {
+			t.Fatalf("steps of %s after its transaction ended: %+v, %v", key, recs, err)
+		}
+	}
+}
+
+// TestStepsDBSameFileRefused: a Config.StepsDB on the records' own file (or
+// the records' own *sql.DB) is refused with an error that says why, instead
+// of deadlocking the first step inside a transaction.
+func TestStepsDBSameFileRefused(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "idem.db")
+	db, err := embedded.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	again, err := embedded.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = again.Close() })
+	other, err := embedded.Open(filepath.Join(t.TempDir(), "steps.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = other.Close() })
+	now := time.Now()
+	req := idem.BeginStepRequest{Scope: "s", Key: "k", Name: "n", Owner: "o", DerivedKey: "idem_x", Now: now, ExpiresAt: now.Add(time.Hour)}
+	for name, sdb := range map[string]*sql.DB{"same handle": db, "same file": again} {
+		s, err := sqlitestore.New(db, &sqlitestore.Config{StepsDB: sdb})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := s.BeginStep(context.Background(), req); err == nil || !strings.Contains(err.Error(), "StepsDB") {
+			t.Fatalf("%s: BeginStep = %v, want StepsDB refused", name, err)
+		}
+	}
+	s, err := sqlitestore.New(db, &sqlitestore.Config{StepsDB: other})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, began, err := s.BeginStep(context.Background(), req); err != nil || !began {
+		t.Fatalf("BeginStep with a StepsDB of its own: %v %v", began, err)
+	}
+	var n int
+	if err := other.QueryRow(`SELECT count(*) FROM idem_records_steps`).Scan(&n); err != nil || n != 1 {
+		t.Fatalf("step records in StepsDB: %d, %v", n, err)
+	}
+	if _, err := os.Stat(path + sqlitestore.StepsFileSuffix); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("with StepsDB set, the file beside the records' is %v, want absent", err)
+	}
+}
+
+// TestStepsFileNotCreatedByReads: the janitor and reads of a store that never
+// recorded a step do not create the steps file.
+func TestStepsFileNotCreatedByReads(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "idem.db")
+	db, err := embedded.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	s := newStore(t, db)
+	ctx := context.Background()
+	if n, err := s.DeleteExpiredSteps(ctx, time.Now(), 100); n != 0 || err != nil {
+		t.Fatalf("DeleteExpiredSteps = %d, %v", n, err)
+	}
+	if recs, err := s.GetSteps(ctx, "s", "k", time.Now()); len(recs) != 0 || err != nil {
+		t.Fatalf("GetSteps = %v, %v", recs, err)
+	}
+	if err := s.SettleStep(ctx, "s", "k", "n", 0, nil, time.Now()); !errors.Is(err, idem.ErrNotFound) {
+		t.Fatalf("SettleStep = %v, want ErrNotFound", err)
+	}
+	if _, err := os.Stat(path + sqlitestore.StepsFileSuffix); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("steps file after reads only: %v, want absent", err)
+	}
+}
