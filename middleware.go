@@ -284,7 +284,7 @@ func (h *handler) observe(req *request, e Event) {
 
 // recorder returns the request's recorder, writing to w.
 func (req *request) recorder(w http.ResponseWriter) *recorder {
-	req.rw = recorder{w: w, scope: req.scope, key: req.key, head: req.r.Method == http.MethodHead}
+	req.rw = recorder{w: w, scope: req.scope, key: req.key, head: req.r.Method == http.MethodHead, req: req}
 	req.rw.snapshotHeaders()
 	return &req.rw
 }

@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"sync/atomic"
 )
 
 // recorder is the ResponseWriter the handler of a claimed request writes to. It
@@ -37,9 +38,11 @@ type recorder struct {
 	limit   int
 	size    int // bytes the handler wrote
 	mode    recorderMode
-	spill   *request // when set, its spillOutcome stores the outcome early; the recorder then streams
-	unknown bool     // MarkOutcomeUnknown was called
-	head    bool     // the request is a HEAD: a Content-Length describes a body not sent
+	spill   *request                // when set, its spillOutcome stores the outcome early; the recorder then streams
+	unknown bool                    // MarkOutcomeUnknown was called
+	head    bool                    // the request is a HEAD: a Content-Length describes a body not sent
+	req     *request                // the request the recorder belongs to (for Step)
+	steps   atomic.Pointer[stepRun] // made by the first Step (step.go)
 }
 
 type recorderMode uint8
