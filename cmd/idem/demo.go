@@ -70,6 +70,13 @@ the API wants. When that address is taken the demo runs without metrics and
 says so. idem's decisions are logged on stderr (store errors, lost leases,
 released keys, takeovers), with hashes of keys and scopes, never the raw ones.
 
+With --payment-url URL every new order is first charged at a payment provider
+(POST URL/charges, {"amount_cents": …, "cart_id": …}, the charge step's
+derived key as Idempotency-Key); the order stores the charge id and its 201
+carries it as "charge_id". A decline (4xx) is a stored 402 payment_failed; a
+provider that fails or does not answer a 502 payment_unavailable, not stored:
+the retry asks again with the same key. See docs/demo.md.
+
 Ctrl-C (SIGINT) or SIGTERM stops it: requests in flight finish, a second one
 stops it at once. It also stops when the process that started it exits (for
 example a killed "go run"), unless --exit-with-parent=false.

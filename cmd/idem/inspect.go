@@ -94,17 +94,59 @@ func runInspect(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	defer h.Close()
 	now := time.Now()
 	rec, err := h.Store.Get(ctx, idem.StoredScope(*scope), key, now) // the form the middleware stored it under
-	if errors.Is(err, idem.ErrNotFound) {
-		fmt.Fprintf(stdout, "no record for key %q in scope %q (%s): it was never used, or it expired and the next request with it runs afresh\n", key, *scope, h.KeysAt)
-		inspectOtherScopes(ctx, stdout, h, *scope, key, now)
-		return exitFailure
-	}
-	if err != nil {
+	if err != nil && !errors.Is(err, idem.ErrNotFound) {
 		storeFailure(stderr, "idem inspect", err, h)
 		return exitFailure
 	}
-	inspectPrint(stdout, rec, now, *showBody)
+	var steps []idem.StepRecord
+	if ss, ok := h.Store.(idem.StepStore); ok {
+		if steps, err = ss.GetSteps(ctx, idem.StoredScope(*scope), key, now); err != nil {
+			storeFailure(stderr, "idem inspect", err, h)
+			return exitFailure
+		}
+	}
+	if rec == nil {
+		if len(steps) == 0 {
+			fmt.Fprintf(stdout, "no record for key %q in scope %q (%s): it was never used, or it expired and the next request with it runs afresh\n", key, *scope, h.KeysAt)
+			inspectOtherScopes(ctx, stdout, h, *scope, key, now)
+			return exitFailure
+		}
+		// The single-transaction flow: the attempt that began the steps died
+		// and its record rolled back, but the steps were committed on their own.
+		fmt.Fprintf(stdout, "no record for key %q in scope %q (%s): no request with it is running or complete; the next one runs the handler, which finds these steps.\n\n", key, *scope, h.KeysAt)
+	} else {
+		inspectPrint(stdout, rec, now, *showBody)
+	}
+	inspectPrintSteps(stdout, steps, now)
 	return exitOK
+}
+
+// inspectPrintSteps writes the step records of a key's operation for a human.
+func inspectPrintSteps(w io.Writer, steps []idem.StepRecord, now time.Time) {
+	if len(steps) == 0 {
+		return
+	}
+	fmt.Fprintln(w)
+	unknown := false
+	for _, st := range steps {
+		fmt.Fprintf(w, "%-12s %q %s\n", "step:", st.Name, st.State)
+		fmt.Fprintf(w, "%-12s %s\n", "  derived key", st.DerivedKey)
+		fmt.Fprintf(w, "%-12s %s ago (%s), expires in %s\n", "  started", now.Sub(st.StartedAt).Round(time.Millisecond), st.StartedAt.UTC().Format(time.RFC3339Nano), st.ExpiresAt.Sub(now).Round(time.Second))
+		switch st.State {
+		case idem.StepStarted:
+			if st.Owner == "" {
+				fmt.Fprintf(w, "%-12s a transient failure: the next attempt runs it again with this derived key\n", "  outcome")
+			} else {
+				unknown = true
+				fmt.Fprintf(w, "%-12s never recorded: the other service may or may not have acted\n", "  outcome")
+			}
+		default:
+			fmt.Fprintf(w, "%-12s %s\n", "  result", st.Result)
+		}
+	}
+	if unknown {
+		fmt.Fprintln(w, "\nA step begun and never recorded is run again with its derived key by the next\nattempt (OnUnknown(StepRerun), the default), or refused (StepRefuse: the outcome\nis unknown). Ask the other service what it did with the derived key, then settle\nthe step: idem resolve --step NAME with --done JSON, --failed MESSAGE or --forget.")
+	}
 }
 
 // inspectPrint writes rec for a human.

@@ -1,0 +1,347 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/dbopen"
+	"github.com/idemkit/idem/internal/orders/fakepay"
+)
+
+// The proof of issue 27 on the reference service: the demo, charging every
+// new order as the step "charge", is SIGKILLed at every boundary of a
+// request, restarted, and the request retried with the same key until its
+// answer is final; then the charges at the provider and the orders in the
+// database are counted.
+
+// The boundaries a request crosses, in order.
+const (
+	killBeforeCall   = "before-call"     // the step is begun; the provider has not acted
+	killWhileAnswer  = "while-answering" // the provider charged; its answer is on its way
+	killAfterRecord  = "after-record"    // the charge is recorded; the order is not committed
+	killAfterCommit  = "after-commit"    // the order and its answer are committed
+	killRetryWithin  = 90 * time.Second  // how long the retries of one request may take
+	killReachTimeout = 60 * time.Second  // how long the demo may take to reach a boundary
+)
+
+var killBoundaries = []string{killBeforeCall, killWhileAnswer, killAfterRecord, killAfterCommit}
+
+// stepsOf returns the live step records of key (scope t1) in db's store.
+func stepsOf(t *testing.T, db payDB, key string) []idem.StepRecord {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	h, err := dbopen.Open(ctx, dbopen.Options{DB: db.db})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	ss, ok := h.Store.(idem.StepStore)
+	if !ok {
+		t.Fatalf("the %s store (%T) keeps no step records", db.name, h.Store)
+	}
+	recs, err := ss.GetSteps(ctx, idem.StoredScope("t1"), key, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return recs
+}
+
+// waitStepDone waits until key's step "charge" is recorded done.
+func waitStepDone(t *testing.T, db payDB, key string) {
+	t.Helper()
+	deadline := time.Now().Add(killReachTimeout)
+	for {
+		for _, r := range stepsOf(t, db, key) {
+			if r.Name == "charge" && r.State == idem.StepDone {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the charge of %s was not recorded as a done step within %v: %+v", key, killReachTimeout, stepsOf(t, db, key))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// killRun is one request killed at a boundary and retried on a new demo.
+type killRun struct {
+	cart, key string
+	final     httpAnswer // the retries' final answer
+	demo      *demoProc  // the restarted demo
+}
+
+// killAndRetry starts a demo on db charging at p with args, sends one order,
+// kills the demo (SIGKILL) when the request reaches boundary, starts another
+// with args and retries the order with the same key until the answer is
+// final (or is the unknown outcome of the refuse policy).
+func killAndRetry(t *testing.T, db payDB, p *fakepay.Provider, boundary string, args ...string) killRun {
+	t.Helper()
+	r := killRun{cart: "c_" + strings.ReplaceAll(boundary, "-", "_") + "_" + cliRandHex(4), key: "kill-" + cliRandHex(8)}
+	first := args
+	if boundary == killAfterRecord {
+		// The order is inserted after the step, then the transaction sleeps:
+		// the kill lands between the recorded charge and the commit.
+		first = append(append([]string{}, args...), "--handler-delay", "10m")
+	}
+	d := startPayDemo(t, db, p, first...)
+	var hold *fakepay.Hold
+	switch boundary {
+	case killBeforeCall:
+		hold = p.HoldNext(fakepay.BeforeCharge)
+	case killWhileAnswer:
+		hold = p.HoldNext(fakepay.AfterCharge)
+	}
+	answer := sendAsync(d.URL, r.key, payOrder(r.cart))
+	switch boundary {
+	case killBeforeCall, killWhileAnswer:
+		select {
+		case <-hold.Reached():
+		case a := <-answer:
+			t.Fatalf("the order was answered (%d %s) before it reached the provider's %s hold", a.Status, a.Body, boundary)
+		case <-time.After(killReachTimeout):
+			t.Fatalf("no charge reached the provider within %v", killReachTimeout)
+		}
+	case killAfterRecord:
+		waitStepDone(t, db, r.key)
+		if n := len(db.orders(t, r.cart)); n != 0 {
+			t.Fatalf("%d orders committed while the handler sleeps in its transaction", n)
+		}
+	case killAfterCommit:
+		a := <-answer
+		if a.Status != 201 {
+			t.Fatalf("the order before the kill: %d %s, want 201", a.Status, a.Body)
+		}
+	}
+	d.kill(t)
+	r.demo = startPayDemo(t, db, p, args...)
+	r.final = retryFinal(t, r.demo, r.key, payOrder(r.cart), killRetryWithin)
+	return r
+}
+
+// TestDemoPaymentKillHonoured: with a provider that honours Idempotency-Key,
+// a kill at any boundary ends, after the retries, in exactly one charge and
+// one order carrying it; after the charge is recorded, the provider sees no
+// second call.
+func TestDemoPaymentKillHonoured(t *testing.T) {
+	t.Parallel()
+	payStores(t, func(t *testing.T, db payDB) {
+		p := fakepay.Start(fakepay.HonoursKeys)
+		t.Cleanup(p.Close)
+		for _, b := range killBoundaries {
+			r := killAndRetry(t, db, p, b)
+			checkOneChargeOneOrder(t, db, p, r.cart, r.final)
+			calls := len(p.CallsFor(r.cart))
+			switch b {
+			case killAfterRecord, killAfterCommit:
+				// The recovery point, not the provider's dedupe, saves it.
+				if calls != 1 {
+					t.Fatalf("%s: the provider saw %d calls, want 1: the recorded charge must not be asked for again", b, calls)
+				}
+			default:
+				if calls != 2 {
+					t.Fatalf("%s: the provider saw %d calls, want 2 (the killed one and the retry, with one key)", b, calls)
+				}
+			}
+			t.Logf("%s: 1 charge, 1 order, %d provider call(s) with one derived key, final %d", b, calls, r.final.Status)
+		}
+	})
+}
+
+// TestDemoPaymentKillIgnored: with a provider that ignores Idempotency-Key,
+// the default policy (rerun) charges twice exactly when the kill lands while
+// the provider is answering (it acted, its answer was lost, the retry runs the
+// step again); everywhere else one charge. The refuse policy turns that window
+// (and the one before the call, which the demo cannot tell from it) into an
+// unknown outcome, which idem resolve settles: then one charge.
+func TestDemoPaymentKillIgnored(t *testing.T) {
+	t.Parallel()
+	payStores(t, func(t *testing.T, db payDB) {
+		p := fakepay.Start(fakepay.IgnoresKeys)
+		t.Cleanup(p.Close)
+		for _, b := range killBoundaries {
+			r := killAndRetry(t, db, p, b)
+			charges, ords, calls := p.ChargesFor(r.cart), db.orders(t, r.cart), len(p.CallsFor(r.cart))
+			want := 1
+			if b == killWhileAnswer {
+				want = 2 // the window the rerun policy leaves open
+			}
+			if len(charges) != want || len(ords) != 1 {
+				t.Fatalf("rerun, %s: %d charges and %d orders, want %d and 1", b, len(charges), len(ords), want)
+			}
+			if got := chargeIDOf(t, r.final); got != charges[len(charges)-1].ID {
+				t.Fatalf("rerun, %s: the order carries %q, want the last charge %q", b, got, charges[len(charges)-1].ID)
+			}
+			if (b == killAfterRecord || b == killAfterCommit) && calls != 1 {
+				t.Fatalf("rerun, %s: %d provider calls, want 1", b, calls)
+			}
+			t.Logf("rerun, %s: %d charge(s), 1 order, %d call(s)", b, len(charges), calls)
+		}
+
+		refuse := []string{"--payment-unknown", "refuse", "--lease", "1s"}
+		for _, b := range killBoundaries {
+			r := killAndRetry(t, db, p, b, refuse...)
+			switch b {
+			case killBeforeCall, killWhileAnswer:
+				if r.final.Status != 502 || r.final.code() != "payment_unknown" || r.final.replayed() {
+					t.Fatalf("refuse, %s: %d %s, want 502 payment_unknown", b, r.final.Status, r.final.Body)
+				}
+				charges := p.ChargesFor(r.cart)
+				calls := len(p.CallsFor(r.cart))
+				if n := len(db.orders(t, r.cart)); n != 0 || calls != 1 {
+					t.Fatalf("refuse, %s: %d orders and %d calls after the unknown outcome, want 0 and 1 (no second call)", b, n, calls)
+				}
+				// Later retries hear the same until an operator settles the charge.
+				if a := retryFinal(t, r.demo, r.key, payOrder(r.cart), killRetryWithin); a.code() != "payment_unknown" {
+					t.Fatalf("refuse, %s: a later retry got %d %s, want payment_unknown", b, a.Status, a.Body)
+				}
+				// The operator looks the charge up at the provider: found
+				// (while answering) → --done with it; none (before the call)
+				// → --forget, and the next retry charges afresh.
+				settle := []string{"--forget"}
+				if len(charges) == 1 {
+					settle = []string{"--done", fmt.Sprintf(`{"id":%q}`, charges[0].ID)}
+				} else if len(charges) != 0 {
+					t.Fatalf("refuse, %s: %d charges", b, len(charges))
+				}
+				// idem resolve leaves a key alone while a request holds it (the
+				// retry that met the unknown outcome does, for --lease 1s).
+				for deadline := time.Now().Add(30 * time.Second); ; {
+					code, out, errOut := runIdem(t, db.dir, nil, append([]string{"resolve", "--db", db.db, "--scope", "t1", "--step", "charge"}, append(settle, r.key)...)...)
+					if code == 0 {
+						break
+					}
+					if !strings.Contains(out, "held by a request running now") || time.Now().After(deadline) {
+						t.Fatalf("idem resolve --step charge %v: exit %d\n%s%s", settle, code, out, errOut)
+					}
+					time.Sleep(200 * time.Millisecond)
+				}
+				a := retryFinal(t, r.demo, r.key, payOrder(r.cart), killRetryWithin)
+				keys := 1
+				if settle[0] == "--forget" {
+					keys = 2 // forgotten: the step ran afresh with a new derived key
+				}
+				checkCharged(t, db, p, r.cart, a, keys)
+				t.Logf("refuse, %s: %d %s, settled with %v, then 201 with 1 charge, %d call(s)", b, r.final.Status, r.final.code(), settle, len(p.CallsFor(r.cart)))
+			default:
+				checkOneChargeOneOrder(t, db, p, r.cart, r.final)
+				if calls := len(p.CallsFor(r.cart)); calls != 1 {
+					t.Fatalf("refuse, %s: %d provider calls, want 1", b, calls)
+				}
+				t.Logf("refuse, %s: 1 charge, 1 order, 1 call", b)
+			}
+		}
+	})
+}
+
+// killPoints is how many randomised kill points TestDemoPaymentKillRandom
+// runs per store: IDEM_KILL_POINTS, 20 unless set (200 by hand).
+func killPoints(t *testing.T) int {
+	if v := os.Getenv("IDEM_KILL_POINTS"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 {
+			t.Fatalf("IDEM_KILL_POINTS=%q: give a positive whole number", v)
+		}
+		return n
+	}
+	return 20
+}
+
+// TestDemoPaymentKillRandom kills the demo at random moments of a charged
+// order (the provider answering after a random delay, the transaction
+// sleeping a random time after the insert), restarts it and retries until
+// the answer is final, IDEM_KILL_POINTS times per store, with a provider that
+// honours Idempotency-Key: no double charge, no order without its charge, no
+// charge without its order.
+func TestDemoPaymentKillRandom(t *testing.T) {
+	t.Parallel()
+	payStores(t, func(t *testing.T, db payDB) {
+		p := fakepay.Start(fakepay.HonoursKeys)
+		t.Cleanup(p.Close)
+		n := killPoints(t)
+		rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 27))
+		var handlerDelay time.Duration
+		delayArg := func() string {
+			handlerDelay = time.Duration(rng.IntN(150)) * time.Millisecond
+			return handlerDelay.String()
+		}
+		d := startPayDemo(t, db, p, "--handler-delay", delayArg())
+		windows := map[string]int{}
+		var doubles, orphanOrders, orphanCharges, secondCalls int
+		for i := range n {
+			cart, key := fmt.Sprintf("c_rand_%d_%s", i, cliRandHex(3)), "rand-"+cliRandHex(8)
+			providerDelay := time.Duration(rng.IntN(120)) * time.Millisecond
+			p.SetDelay(providerDelay)
+			answer := sendAsync(d.URL, key, payOrder(cart))
+			// Somewhere in the request: its own work takes a few ms more than
+			// the two delays.
+			time.Sleep(time.Duration(rng.Int64N(int64(providerDelay + handlerDelay + 30*time.Millisecond))))
+			calls, answered := len(p.CallsFor(cart)), p.Answered(cart)
+			d.kill(t)
+			var got httpAnswer
+			select {
+			case got = <-answer:
+			case <-time.After(10 * time.Second):
+				t.Fatalf("the killed demo's client did not return")
+			}
+			committed := len(db.orders(t, cart)) > 0
+			w := killBeforeCall
+			switch {
+			case committed || got.Status != 0:
+				w = killAfterCommit
+			case answered > 0:
+				w = killAfterRecord + " (or between the answer and its record)"
+			case calls > 0:
+				w = killWhileAnswer
+			}
+			windows[w]++
+			p.SetDelay(0)
+			d = startPayDemo(t, db, p, "--handler-delay", delayArg())
+			a := retryFinal(t, d, key, payOrder(cart), killRetryWithin)
+			charges, ords := p.ChargesFor(cart), db.orders(t, cart)
+			if a.Status != 201 {
+				t.Errorf("point %d (%s): final answer %d %s", i, w, a.Status, a.Body)
+				continue
+			}
+			if len(charges) > 1 {
+				doubles++
+				t.Errorf("point %d (%s): %d charges", i, w, len(charges))
+			}
+			made, paid := map[string]bool{}, map[string]bool{}
+			for _, c := range charges {
+				made[c.ID] = true
+			}
+			for _, c := range ords {
+				paid[c] = true
+				if !made[c] {
+					orphanOrders++
+					t.Errorf("point %d (%s): an order carries charge %q, which the provider did not make (%+v)", i, w, c, charges)
+				}
+			}
+			for _, c := range charges {
+				if !paid[c.ID] {
+					orphanCharges++
+					t.Errorf("point %d (%s): no order carries charge %s", i, w, c.ID)
+				}
+			}
+			if len(ords) != 1 {
+				t.Errorf("point %d (%s): %d orders, want 1", i, w, len(ords))
+			}
+			if got := chargeIDOf(t, a); len(charges) == 0 || got != charges[0].ID {
+				t.Errorf("point %d (%s): the final 201 carries %q", i, w, got)
+			}
+			if answered > 0 && len(p.CallsFor(cart)) > 1 {
+				secondCalls++
+			}
+		}
+		t.Logf("%s: %d kill points %v: %d double charges, %d orders without their charge, %d charges without an order; %d kills after the provider's answer were followed by a second call (answer not yet recorded; the provider replayed)",
+			db.name, n, windows, doubles, orphanOrders, orphanCharges, secondCalls)
+	})
+}
