@@ -135,24 +135,32 @@ func TestDemoPaymentKillHonoured(t *testing.T) {
 	payStores(t, func(t *testing.T, db payDB) {
 		p := fakepay.Start(fakepay.HonoursKeys)
 		t.Cleanup(p.Close)
-		for _, b := range killBoundaries {
-			r := killAndRetry(t, db, p, b)
-			checkOneChargeOneOrder(t, db, p, r.cart, r.final)
-			calls := len(p.CallsFor(r.cart))
-			switch b {
-			case killAfterRecord, killAfterCommit:
-				// The recovery point, not the provider's dedupe, saves it.
-				if calls != 1 {
-					t.Fatalf("%s: the provider saw %d calls, want 1: the recorded charge must not be asked for again", b, calls)
-				}
-			default:
-				if calls != 2 {
-					t.Fatalf("%s: the provider saw %d calls, want 2 (the killed one and the retry, with one key)", b, calls)
-				}
+		for _, flow := range [][]string{nil, {"--flow", "claim-complete", "--lease", "1s"}} {
+			for _, b := range killBoundaries {
+				killHonoured(t, db, p, b, flow...)
 			}
-			t.Logf("%s: 1 charge, 1 order, %d provider call(s) with one derived key, final %d", b, calls, r.final.Status)
 		}
 	})
+}
+
+// killHonoured is one boundary of TestDemoPaymentKillHonoured.
+func killHonoured(t *testing.T, db payDB, p *fakepay.Provider, b string, args ...string) {
+	t.Helper()
+	r := killAndRetry(t, db, p, b, args...)
+	checkOneChargeOneOrder(t, db, p, r.cart, r.final)
+	calls := len(p.CallsFor(r.cart))
+	switch b {
+	case killAfterRecord, killAfterCommit:
+		// The recovery point, not the provider's dedupe, saves it.
+		if calls != 1 {
+			t.Fatalf("%s %v: the provider saw %d calls, want 1: the recorded charge must not be asked for again", b, args, calls)
+		}
+	default:
+		if calls != 2 {
+			t.Fatalf("%s %v: the provider saw %d calls, want 2 (the killed one and the retry, with one key)", b, args, calls)
+		}
+	}
+	t.Logf("%s %v: 1 charge, 1 order, %d provider call(s) with one derived key, final %d", b, args, calls, r.final.Status)
 }
 
 // TestDemoPaymentKillIgnored: with a provider that ignores Idempotency-Key,
@@ -211,18 +219,13 @@ func TestDemoPaymentKillIgnored(t *testing.T) {
 				} else if len(charges) != 0 {
 					t.Fatalf("refuse, %s: %d charges", b, len(charges))
 				}
-				// idem resolve leaves a key alone while a request holds it (the
-				// retry that met the unknown outcome does, for --lease 1s).
-				for deadline := time.Now().Add(30 * time.Second); ; {
-					code, out, errOut := runIdem(t, db.dir, nil, append([]string{"resolve", "--db", db.db, "--scope", "t1", "--step", "charge"}, append(settle, r.key)...)...)
-					if code == 0 {
-						break
-					}
-					if !strings.Contains(out, "held by a request running now") || time.Now().After(deadline) {
-						t.Fatalf("idem resolve --step charge %v: exit %d\n%s%s", settle, code, out, errOut)
-					}
-					time.Sleep(200 * time.Millisecond)
+				// idem inspect shows the step begun and never recorded, with
+				// the key the provider was called with.
+				_, out, _ := runIdem(t, db.dir, nil, "inspect", "--db", db.db, "--scope", "t1", r.key)
+				if call := p.CallsFor(r.cart)[0]; !strings.Contains(out, `"charge" started`) || !strings.Contains(out, call.Key) {
+					t.Fatalf("refuse, %s: idem inspect does not show the begun charge with derived key %s:\n%s", b, call.Key, out)
 				}
+				settleStep(t, db, r.key, settle...)
 				a := retryFinal(t, r.demo, r.key, payOrder(r.cart), killRetryWithin)
 				keys := 1
 				if settle[0] == "--forget" {
@@ -344,4 +347,91 @@ func TestDemoPaymentKillRandom(t *testing.T) {
 		t.Logf("%s: %d kill points %v: %d double charges, %d orders without their charge, %d charges without an order; %d kills after the provider's answer were followed by a second call (answer not yet recorded; the provider replayed)",
 			db.name, n, windows, doubles, orphanOrders, orphanCharges, secondCalls)
 	})
+}
+
+// settleStep runs idem resolve --step charge settle… KEY until it is done:
+// it leaves a key alone while a request holds it (the retry that met the
+// unknown outcome does, for its --lease).
+func settleStep(t *testing.T, db payDB, key string, settle ...string) {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		code, out, errOut := runIdem(t, db.dir, nil, append([]string{"resolve", "--db", db.db, "--scope", "t1", "--step", "charge"}, append(settle, key)...)...)
+		if code == 0 {
+			return
+		}
+		if !strings.Contains(out, "held by a request running now") || time.Now().After(deadline) {
+			t.Fatalf("idem resolve --step charge %v: exit %d\n%s%s", settle, code, out, errOut)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// TestDemoPaymentRefuseUnanswered: with --payment-unknown refuse, a charge
+// that was sent and got no answer in time (the provider charged, slowly) is
+// an unknown outcome, not a transient failure: no retry charges again until
+// the operator settles the step, whose derived key idem inspect shows.
+func TestDemoPaymentRefuseUnanswered(t *testing.T) {
+	t.Parallel()
+	db := sqlitePayDB(t)
+	p := fakepay.Start(fakepay.IgnoresKeys)
+	t.Cleanup(p.Close)
+	d := startPayDemo(t, db, p, "--payment-unknown", "refuse", "--payment-timeout", "300ms", "--lease", "1s")
+	p.SetDelay(3 * time.Second)
+	key, body := "unanswered-"+cliRandHex(4), payOrder("c_unanswered")
+	a := sendHTTP(t, "POST", d.URL+"/orders", "t1", key, body)
+	p.SetDelay(0)
+	if a.Status != 502 || a.code() != "payment_unknown" {
+		t.Fatalf("a charge unanswered within --payment-timeout: %d %s, want 502 payment_unknown", a.Status, a.Body)
+	}
+	for range 3 {
+		if a = retryFinal(t, d, key, body, killRetryWithin); a.code() != "payment_unknown" {
+			t.Fatalf("retry: %d %s, want payment_unknown", a.Status, a.Body)
+		}
+	}
+	calls, charges := p.CallsFor("c_unanswered"), p.ChargesFor("c_unanswered")
+	if len(calls) != 1 || len(charges) != 1 {
+		t.Fatalf("%d calls and %d charges, want 1 and 1: a retry charged again", len(calls), len(charges))
+	}
+	_, out, _ := runIdem(t, db.dir, nil, "inspect", "--db", db.db, "--scope", "t1", key)
+	if !strings.Contains(out, `step:        "charge" started`) || !strings.Contains(out, calls[0].Key) || !strings.Contains(out, "never recorded") {
+		t.Fatalf("idem inspect does not show the unrecorded charge with derived key %s:\n%s", calls[0].Key, out)
+	}
+	settleStep(t, db, key, "--done", fmt.Sprintf(`{"id":%q}`, charges[0].ID))
+	a = retryFinal(t, d, key, body, killRetryWithin)
+	checkOneChargeOneOrder(t, db, p, "c_unanswered", a)
+	if n := len(p.CallsFor("c_unanswered")); n != 1 {
+		t.Fatalf("%d calls after the settled step, want 1", n)
+	}
+	_, out, _ = runIdem(t, db.dir, nil, "inspect", "--db", db.db, "--scope", "t1", key)
+	if !strings.Contains(out, `step:        "charge" done`) || !strings.Contains(out, charges[0].ID) {
+		t.Fatalf("idem inspect after the order:\n%s", out)
+	}
+}
+
+// TestResolveStepUsage: idem resolve --step's usage errors and its "nothing
+// to settle".
+func TestResolveStepUsage(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	dbArg := "sqlite:" + dir + "/keys.db"
+	if code, out, errOut := runIdem(t, dir, nil, "migrate", "--db", dbArg); code != 0 {
+		t.Fatalf("migrate: %d %s%s", code, out, errOut)
+	}
+	for _, c := range []struct {
+		args []string
+		code int
+		want string
+	}{
+		{[]string{"--step", "charge", "k"}, 2, "exactly one of --done"},
+		{[]string{"--done", "{}", "k"}, 2, "name it with --step"},
+		{[]string{"--step", "charge", "--done", "{", "k"}, 2, "is not JSON"},
+		{[]string{"--step", "charge", "--done", "{}", "--forget", "k"}, 2, "exactly one of --done"},
+		{[]string{"--step", "charge", "--release", "--forget", "k"}, 2, "not --status"},
+		{[]string{"--step", "charge", "--forget", "k"}, 1, `no step "charge"`},
+	} {
+		code, out, errOut := runIdem(t, dir, nil, append([]string{"resolve", "--db", dbArg, "--scope", "t1"}, c.args...)...)
+		if code != c.code || !strings.Contains(out+errOut, c.want) {
+			t.Errorf("idem resolve %v: exit %d, %q; want exit %d and %q", c.args, code, out+errOut, c.code, c.want)
+		}
+	}
 }
