@@ -305,3 +305,29 @@ func TestDemoPaymentUnreachable(t *testing.T) {
 		t.Fatalf("%d orders without a payment", n)
 	}
 }
+
+// TestDemoPaymentNoKey: with --require-key=false a POST without a key is
+// charged too, unprotected (a retry is a new order and a new charge); a keyed
+// one is still a step.
+func TestDemoPaymentNoKey(t *testing.T) {
+	t.Parallel()
+	db := sqlitePayDB(t)
+	p := fakepay.Start(fakepay.HonoursKeys)
+	t.Cleanup(p.Close)
+	d := startPayDemo(t, db, p, "--require-key=false")
+	for range 2 {
+		a := sendHTTP(t, "POST", d.URL+"/orders", "t1", "-", payOrder("c_nokey"))
+		if a.Status != 201 || chargeIDOf(t, a) == "" {
+			t.Fatalf("POST without a key: %d %s, want 201 with a charge_id", a.Status, a.Body)
+		}
+	}
+	if c, o := len(p.ChargesFor("c_nokey")), len(db.orders(t, "c_nokey")); c != 2 || o != 2 {
+		t.Fatalf("%d charges and %d orders for two unkeyed POSTs, want 2 and 2", c, o)
+	}
+	p.FailNext(402)
+	if a := sendHTTP(t, "POST", d.URL+"/orders", "t1", "-", payOrder("c_nokey_declined")); a.Status != 402 || a.code() != "payment_failed" {
+		t.Fatalf("declined without a key: %d %s", a.Status, a.Body)
+	}
+	a := sendHTTP(t, "POST", d.URL+"/orders", "t1", "keyed-"+cliRandHex(4), payOrder("c_keyed"))
+	checkOneChargeOneOrder(t, db, p, "c_keyed", a)
+}

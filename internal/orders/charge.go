@@ -35,6 +35,11 @@ type unanswered struct{ err error }
 // key; a charge recorded by an earlier attempt is returned without a call.
 func (s *Service) charge(ctx context.Context, cartID string, total int64) (id string, err error) {
 	p := s.cfg.Payments
+	if _, _, keyed := idem.KeyFrom(ctx); !keyed {
+		// A request without an Idempotency-Key (idem demo --require-key=false)
+		// is unprotected: one attempt, one charge, with a key of its own.
+		return p.Charge(ctx, "ord_"+newID()[4:], cartID, total)
+	}
 	policy := idem.StepRerun
 	if p.RefuseUnknown {
 		policy = idem.StepRefuse
@@ -79,13 +84,16 @@ func (s *Service) charge(ctx context.Context, cartID string, total int64) (id st
 func (s *Service) writeChargeError(w http.ResponseWriter, ctx context.Context, err error) {
 	var failed *idem.StepFailedError
 	var provider *ProviderError
+	var declined *DeclinedError
 	switch {
+	case !errors.As(err, &failed) && errors.As(err, &declined):
+		// An unkeyed request's charge, not a step: nothing is stored.
+		WriteProblem(w, http.StatusPaymentRequired, "payment_failed", "the payment failed and no order was created: "+declined.Error())
 	case errors.As(err, &failed):
 		// Final: written by the handler, so stored and replayed. On the
 		// attempt that was declined the error wraps the provider's answer; a
 		// later one has the recorded message.
 		msg := failed.Message
-		var declined *DeclinedError
 		if errors.As(err, &declined) {
 			msg = declined.Error()
 		}
