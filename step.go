@@ -102,6 +102,26 @@ type stepFinalError struct{ err error }
 func (e *stepFinalError) Error() string { return e.err.Error() }
 func (e *stepFinalError) Unwrap() error { return e.err }
 
+// StepAmbiguous marks err as a failure after which the other service may or
+// may not have acted (a timeout, a connection dropped after the request was
+// sent): Step records nothing and leaves the step begun, as a crash would, so
+// that the next execution runs it again with the same derived key
+// (StepRerun) or refuses it as unknown (StepRefuse). Step returns err
+// unchanged. Without the mark an error is transient and the step is run again
+// whatever the policy: use it for a service that honours no key.
+// StepAmbiguous(nil) is nil.
+func StepAmbiguous(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &stepAmbiguousError{err}
+}
+
+type stepAmbiguousError struct{ err error }
+
+func (e *stepAmbiguousError) Error() string { return e.err.Error() }
+func (e *stepAmbiguousError) Unwrap() error { return e.err }
+
 // StepFailedError is the error of a step that failed for good (StepFinal).
 // errors.Is(err, ErrStepFailed) reports it. On the execution that ran the
 // step it also wraps the error the step returned, so that errors.Is and
@@ -143,9 +163,12 @@ type stepFailure struct {
 //     later one see the same value;
 //   - an error marked with StepFinal is recorded as the step's failure, and
 //     Step returns a *StepFailedError (errors.Is(err, ErrStepFailed));
+//   - an error marked with StepAmbiguous (the service may have acted) is
+//     not recorded and leaves the step begun, as a crash would: the next
+//     execution reruns it or refuses it (OnUnknown); Step returns the error;
 //   - any other error is transient: nothing is recorded, the step is left to
-//     be run again by the next execution with the same derived key, and Step
-//     returns the error unchanged;
+//     be run again by the next execution with the same derived key, whatever
+//     its OnUnknown, and Step returns the error unchanged;
 //   - a panic in fn leaves the step begun and unrecorded (fn may have acted),
 //     and goes on.
 //
@@ -228,6 +251,10 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 			return zero, fmt.Errorf("%w: step %q failed for good (%w), and recording the failure failed (%w); the step stays begun", ErrStepNotRecorded, name, ferr, err)
 		}
 		return zero, &StepFailedError{Step: name, Message: msg, err: ferr}
+	}
+	var ambiguous *stepAmbiguousError
+	if errors.As(ferr, &ambiguous) {
+		return zero, ferr // left begun: the next execution reruns or refuses it
 	}
 	if err := run.store.AbandonStep(fctx, run.scope, run.key, name, run.owner, run.now()); err != nil && !errors.Is(err, ErrLockLost) {
 		// The step stays begun under this execution: the next one runs it

@@ -866,3 +866,31 @@ func TestStepSurvivesSingleTxRollback(t *testing.T) {
 		t.Fatalf("retry: %d %s, provider calls %d, runs %d; want 201, 1 call, 2 runs", a.status, a.body, calls, runs)
 	}
 }
+
+// StepAmbiguous: a failure after which the service may have acted leaves the
+// step begun, so that StepRefuse refuses it on the retry (a plain transient
+// error would let it run again).
+func TestStepAmbiguousFailure(t *testing.T) {
+	t.Parallel()
+	mem := stepMem(t)
+	clk := newClock()
+	calls := 0
+	errTimeout := errors.New("provider: timeout after the request was sent")
+	var got []error
+	srv := stepServer(t, mem, idem.Config{NowFunc: clk.Now, KeepFunc: func(s int) bool { return s < 500 }}, func(w http.ResponseWriter, r *http.Request) {
+		_, err := idem.Step(r.Context(), "send", func(ctx context.Context, key string) (int, error) {
+			calls++
+			return 0, idem.StepAmbiguous(errTimeout)
+		}, idem.OnUnknown(idem.StepRefuse))
+		got = append(got, err)
+		http.Error(w, err.Error(), http.StatusServiceUnavailable)
+	})
+	srv.post(t, "k")
+	if st := stepsOf(t, mem, "k", clk.Now())["send"]; st.State != idem.StepStarted || st.Owner == "" {
+		t.Fatalf("after an ambiguous failure the step is %+v, want left begun under its owner", st)
+	}
+	srv.post(t, "k")
+	if calls != 1 || len(got) != 2 || !errors.Is(got[0], errTimeout) || !errors.Is(got[1], idem.ErrStepUnknown) {
+		t.Fatalf("calls %d, errors %v; want one call, then ErrStepUnknown", calls, got)
+	}
+}

@@ -108,6 +108,14 @@ func (m *Message) ResumeClaim(token string) { m.held = token }
 // Outcome.Result for every later duplicate (for request-reply). An error
 // rolls the transaction back and frees the key; wrap it with Permanent to
 // dead-letter the message at once instead of retrying it.
+//
+// ctx carries the message's steps: idem.Step(ctx, name, fn) records a call
+// to another service so that a redelivery (after a crash, a failed handler,
+// a takeover) returns its recorded result instead of calling again, with a
+// derived key for the call's Idempotency-Key (docs/effects.md). A step's
+// final failure (idem.ErrStepFailed) and a step refused as unknown
+// (idem.ErrStepUnknown), returned by the handler, dead-letter the message at
+// once.
 type Handler func(ctx context.Context, msg *Message) (result []byte, err error)
 
 // Action is what the adapter does with the delivery.
@@ -522,6 +530,7 @@ type run struct {
 	scope, key, token string
 	attempt           int
 	tenant            string
+	expires           time.Time // the claim's expiry: the steps' (idem.Step)
 }
 
 func (p *Processor) process(ctx context.Context, msg *Message, h Handler) Outcome {
@@ -567,6 +576,7 @@ func (p *Processor) process(ctx context.Context, msg *Message, h Handler) Outcom
 	}
 	if claimed {
 		msg.held = r.token
+		r.expires = claim.ExpiresAt
 	}
 	if !claimed {
 		return p.notClaimed(ctx, msg, rec, claim)
@@ -834,7 +844,11 @@ func (p *Processor) storeFailed(delivery int, err error) Outcome {
 // nothing: it is marked as an attempt, the key is released, and the message is
 // retried or, at MaxDeliveries or when err is Permanent, dead-lettered.
 func (p *Processor) failed(ctx context.Context, r run, err error) Outcome {
-	poison := IsPermanent(err) || r.attempt >= p.cfg.MaxDeliveries
+	// A step that failed for good fails the same way on every redelivery, and
+	// one refused as unknown stays so until an operator settles it: both are
+	// dead-lettered at once.
+	poison := IsPermanent(err) || r.attempt >= p.cfg.MaxDeliveries ||
+		errors.Is(err, idem.ErrStepFailed) || errors.Is(err, idem.ErrStepUnknown)
 	var merr error
 	if poison {
 		// Until the adapter has the message in its dead-letter destination
@@ -892,6 +906,12 @@ func (p *Processor) execute(ctx context.Context, msg *Message, r run, h Handler)
 			return p.storeFailed(r.attempt, errors.Join(fmt.Errorf("begin transaction: %w", err), p.release(ctx, r)))
 		}
 	}
+	// The handler's steps (idem.Step) are this claim's: fenced on its token,
+	// expiring with its record.
+	runCtx = idem.WithSteps(runCtx, idem.StepOperation{
+		Store: p.store, Scope: r.scope, Key: r.key, Owner: r.token, Holder: true,
+		ExpiresAt: r.expires, NowFunc: p.cfg.NowFunc, CleanupTimeout: p.cfg.CleanupTimeout,
+	})
 	renew := p.renew(hctx, cancel, r)
 	settled := false
 	defer func() {

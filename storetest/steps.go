@@ -75,6 +75,7 @@ func stepCases() []stepCase {
 		{"LargeResult", testStepLargeResult},
 		{"DuringTx", testStepDuringTx},
 		{"DuringSingleTx", testStepDuringSingleTx},
+		{"Linearizable", testStepsLinearizable},
 	}
 }
 

@@ -192,3 +192,30 @@ func TestRunStepsCatchesPlantedBugs(t *testing.T) {
 		})
 	}
 }
+
+// The step linearizability check passes memstore and finds planted bugs
+// with a counterexample.
+func TestStepLinearizability(t *testing.T) {
+	t.Parallel()
+	t.Run("memstore", func(t *testing.T) {
+		t.Parallel()
+		storetest.RunStepLinearizability(t, newStepBugStore(t, ""), &storetest.LinearizabilityOptions{Ops: 4000})
+	})
+	for _, b := range []stepBug{holderIgnored, rerunIgnored, unfencedFinish, expiryNeverMoves, abandonForgetsKey} {
+		t.Run(string(b), func(t *testing.T) {
+			t.Parallel()
+			res, err := storetest.CheckStepLinearizability(context.Background(), newStepBugStore(t, b), storetest.LinearizabilityOptions{Ops: 20000})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Linearizable {
+				t.Fatalf("the planted bug was not found in %d operations (%v)", res.Ops, res.Counts)
+			}
+			if !strings.Contains(res.Problem, "NOT linearizable") || !strings.Contains(res.Problem, "can come next") {
+				t.Errorf("the problem does not read as a counterexample: %s", res.Problem)
+			}
+			t.Logf("found after %v:\n%s", res.Duration, res.Problem)
+			_ = os.RemoveAll(strings.TrimSuffix(res.Visualization, "/history.html"))
+		})
+	}
+}
