@@ -251,6 +251,52 @@
 // statement-based replication requires; the index on expires_at, which carries
 // the primary key, still serves the order without a sort.)
 //
+// # Step records
+//
+// The Store is an idem.StepStore: the records of idem.Step live in
+// Table+"_steps" (StepsTable), created by migration 002_create_steps:
+//
+//	CREATE TABLE IF NOT EXISTS `idem_records_steps` (
+//	  `scope`       VARBINARY(255)   NOT NULL,
+//	  `key`         VARBINARY(255)   NOT NULL,
+//	  `name`        VARBINARY(100)   NOT NULL,
+//	  `state`       TINYINT UNSIGNED NOT NULL,  -- 1 started, 2 done, 3 failed
+//	  `owner`       VARBINARY(255)   NOT NULL,  -- '' once abandoned
+//	  `derived_key` VARBINARY(255)   NOT NULL,
+//	  `result`      LONGBLOB         NULL,      -- NULL while started
+//	  `started_at`  BIGINT           NOT NULL,  -- Unix microseconds
+//	  `expires_at`  BIGINT           NOT NULL,
+//	  `attempt`     VARBINARY(32)    NOT NULL,  -- nonce of the BeginStep that last began it
+//	  `seq`         BIGINT UNSIGNED  NOT NULL DEFAULT 0,
+//	  PRIMARY KEY (`scope`, `key`, `name`),
+//	  KEY `expires_at_idx` (`expires_at`)
+//	) ENGINE=InnoDB
+//
+// Every step statement runs on a pool connection of its own and commits at
+// once: it never joins, or waits for, the handler's transaction (Tx) or the
+// single transaction, which lock no row it needs. A step's first BeginStep is
+// one autocommitted INSERT … SELECT: with Holder the SELECT reads the request
+// record (state 1, token = owner, live at now) LOCK IN SHARE MODE, so that no
+// takeover commits between the check and the write, and no row selected means
+// the fence failed. When the step's row exists (error 1062) one transaction
+// decides: INSERT … SELECT … ON DUPLICATE KEY UPDATE, whose assignments take
+// the row (absent or expired; started and abandoned; or another owner's with
+// Rerun) or leave it, moving only its expiry — attempt is assigned first, to
+// this call's nonce when it takes the row, and every later assignment asks
+// "attempt = nonce OR take", so the statement decides the same under MySQL's
+// left-to-right assignments and MariaDB's SIMULTANEOUS_ASSIGNMENT — then a
+// read of the row, which sees the transaction's own write under its exclusive
+// row lock, then COMMIT. seq changes with every write, so the affected-rows
+// count tells "updated" (2) from "inserted" (1) and "fence failed" (0) with or
+// without clientFoundRows. Under REPEATABLE READ, concurrent first BeginSteps
+// of one step can deadlock on the duplicate key's next-key lock; InnoDB rolls
+// one back, and it is retried (the other's row then decides). FinishStep,
+// AbandonStep and SettleStep are one UPDATE or DELETE each, fenced on (owner,
+// state 1, live); DeleteExpiredSteps deletes in bounded, deterministic batches
+// as the janitor's DeleteExpired does. Times are the caller's clock readings.
+// A handler must not lock idem's own record row (SELECT … FOR UPDATE on the
+// records table): the holder fence's shared lock would wait for it.
+//
 // # Limits
 //
 //   - scope and key: at most 255 bytes each (MaxScopeLength, MaxKeyLength); longer

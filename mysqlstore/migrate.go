@@ -18,8 +18,9 @@ var migrationFiles embed.FS
 
 // Migrations holds the versioned schema migrations Migrate applies, as files named
 // NNN_name.up.sql and NNN_name.down.sql at the root of the FS. In them, {{table}}
-// stands for the records table, quoted with backticks; replace it when applying
-// them with another tool.
+// stands for the records table, quoted with backticks, and {{steps}} for the step
+// records' table (the records table's name with "_steps"); replace them when
+// applying them with another tool.
 var Migrations fs.FS = migrations.Sub(migrationFiles, "migrations")
 
 // migrateLockWait is how long Migrate waits for a concurrent Migrate to finish.
@@ -106,7 +107,7 @@ func (s *Store) Migrate(ctx context.Context) error {
 		}
 		// DDL commits implicitly in MySQL, so a migration and its bookkeeping row
 		// cannot share a transaction: migrations are idempotent instead.
-		for _, stmt := range splitStatements(strings.ReplaceAll(m.sql, "{{table}}", quote(s.table))) {
+		for _, stmt := range splitStatements(strings.NewReplacer("{{table}}", quote(s.table), "{{steps}}", quote(s.table+stepsSuffix)).Replace(m.sql)) {
 			if _, err := conn.ExecContext(ctx, stmt); err != nil {
 				return fmt.Errorf("mysqlstore: migrate: applying %s: %w", m.name, err)
 			}

@@ -98,7 +98,7 @@ func newStore(t testing.TB, db *sql.DB) *mysqlstore.Store {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dropAtEnd(t, db, table, table+"_migrations")
+	dropAtEnd(t, db, table, table+"_migrations", table+"_steps")
 	t.Cleanup(func() { _ = s.Close() })
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

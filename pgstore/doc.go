@@ -177,6 +177,45 @@
 //	    SELECT ctid FROM idem_records WHERE expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED
 //	)) AND expires_at <= $1
 //
+// # Step records
+//
+// The Store is an idem.StepStore: the records of idem.Step live in a table of
+// their own, the records table's name with "_steps" (idem_records_steps; a
+// hashed name when that would pass 63 bytes; see StepsTable), in the same
+// schema, created by migration 002_create_steps:
+//
+//	CREATE TABLE idem_records_steps (
+//	    scope       bytea       NOT NULL,
+//	    key         bytea       NOT NULL,
+//	    name        text        NOT NULL,
+//	    state       smallint    NOT NULL,  -- 1 started, 2 done, 3 failed
+//	    owner       text        NOT NULL,  -- '' once abandoned
+//	    derived_key text        NOT NULL,
+//	    result      bytea,                 -- NULL while started
+//	    started_at  timestamptz NOT NULL,
+//	    expires_at  timestamptz NOT NULL,
+//	    attempt     text        NOT NULL,  -- nonce of the BeginStep that last began it
+//	    PRIMARY KEY (scope, key, name)
+//	);
+//
+// Each method is one statement in one round trip (pipelined with BEGIN and
+// COMMIT at READ COMMITTED, whatever the session default), on a pool
+// connection of its own: it commits at once and never waits for the handler's
+// transaction (Tx) or the single transaction's locked one, which hold no lock
+// it needs. BeginStep is an INSERT … ON CONFLICT … DO UPDATE … RETURNING whose
+// CASEs take the step (absent or expired; started and abandoned; or of another
+// owner with Rerun) or leave it, moving only its expiry; it returns the row
+// after the decision, and whether this call took it (attempt = its nonce).
+// With Holder the INSERT's rows come from a read of the request record —
+// state 1, token = owner, expires_at > now — locked FOR SHARE until the
+// statement commits, so that no takeover commits between the check and the
+// write; no row means the fence failed. A FOR SHARE lock is no update: a
+// REPEATABLE READ or SERIALIZABLE handler transaction that later completes the
+// record does not fail for it. FinishStep and AbandonStep are UPDATEs fenced on
+// (owner, state 1, live); SettleStep an UPDATE or DELETE; DeleteExpiredSteps
+// deletes in bounded batches as DeleteExpired does. Times are the caller's
+// clock readings, never now().
+//
 // # Limits
 //
 //   - Scope and key are at most 1024 bytes each (PostgreSQL indexes at most about

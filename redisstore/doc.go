@@ -153,6 +153,24 @@
 // holder would: retries hear 409 until its lease lapses, then one takes it over. Under CLIENT PAUSE, the command of a
 // client that went away is dropped, and the re-send is what runs.
 //
+// # Step records
+//
+// The Store is an idem.StepStore. A step record is a hash of its own,
+// <record key>:step:<name> (fields s state, o owner, d derived key, t started,
+// e expires, r result, and the call ids a and c), and the steps of one
+// operation are listed in a sorted set, <record key>:steps, by start time.
+// Both carry the record's hash tag, so that a script may touch them and the
+// record on one Cluster node. Every write is one Lua script: BeginStep reads
+// the request record (state "1", token = owner, expires > now) for Holder and
+// decides and writes the step in the same atomic step; FinishStep and
+// AbandonStep are fenced on (owner, started, live). Like Complete, each
+// script recognises a re-send of its own call (go-redis re-sends a command
+// whose reply was lost). A step's hash expires in Redis ExpiresAt − Now after
+// it was written (raised, never lowered, when BeginStep moves the expiry
+// later), the set with the latest of its steps; DeleteExpiredSteps has nothing
+// to do. GetSteps reads the set and the hashes under WATCH, in one MULTI, so
+// that it returns one snapshot.
+//
 // # Limits
 //
 // Keys, scopes and fingerprints are stored in full; a record's key is about 4/3

@@ -172,6 +172,49 @@
 // the claim-then-complete flow (idem.FlowClaimComplete) only for handlers with
 // effects outside this database, or longer than the busy timeout.
 //
+// # Step records
+//
+// The Store is an idem.StepStore, and keeps the records of idem.Step in a
+// database file of their own: a handler's transaction holds the records
+// file's one write lock (BEGIN IMMEDIATE) from before the handler runs until
+// its answer commits, so a step record written to that file would wait for
+// the transaction that waits for the step (up to LockTimeout in this process,
+// the busy timeout across processes). The steps file is the records file's
+// path (PRAGMA database_list) with StepsFileSuffix, "app.db-steps", opened with
+// the records database's driver, in WAL mode with synchronous=FULL (a step's
+// record is what keeps the other service from being called twice, so its
+// commit is flushed before the step returns), with a writer gate of its own.
+// It is created at the first step (reads and the janitor of a store that never
+// recorded one do not create it), and shared by every Store on one *sql.DB
+// and, through SQLite's locks, by every process on the file. For an in-memory
+// records database the step records live in an in-memory database of the
+// process, on one connection kept open. Config.StepsDB chooses another
+// database; it must be another file (the records' own is refused). The table
+// is the records table's name with "_steps":
+//
+//	CREATE TABLE idem_records_steps (
+//	    scope       TEXT    NOT NULL,
+//	    key         TEXT    NOT NULL,
+//	    name        TEXT    NOT NULL,
+//	    state       INTEGER NOT NULL CHECK (state IN (1, 2, 3)), -- started, done, failed
+//	    owner       TEXT    NOT NULL,                            -- '' once abandoned
+//	    derived_key TEXT    NOT NULL,
+//	    result      BLOB,                                        -- NULL while started
+//	    started_at  INTEGER NOT NULL,                            -- Unix nanoseconds
+//	    expires_at  INTEGER NOT NULL,
+//	    attempt     TEXT    NOT NULL,                            -- nonce of the BeginStep that last began it
+//	    PRIMARY KEY (scope, key, name)
+//	);
+//
+// BeginStep is one INSERT … ON CONFLICT DO UPDATE … RETURNING under the steps
+// gate. With Holder it runs in a transaction of the steps file that first
+// takes that file's write lock, then reads the request record from the records
+// file — a WAL read, which waits for no writer, the handler's transaction
+// included — and writes only when the record is in flight under the owner and
+// live: no other step operation, in this process or another, comes between
+// the check and the write. The others are one statement each. Backups must
+// copy both files.
+//
 // # Limits
 //
 //   - One database file on a local file system (WAL needs shared memory, so not

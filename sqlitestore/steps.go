@@ -305,8 +305,11 @@ func execDriver(ctx context.Context, conn driver.Conn, q string) error {
 		return err
 	}
 	defer st.Close()
-	_, err = st.Exec(nil) //nolint:staticcheck // the context form is tried first
-	return err
+	if sc, ok := st.(driver.StmtExecContext); ok {
+		_, err = sc.ExecContext(ctx, nil)
+		return err
+	}
+	return fmt.Errorf("the SQLite driver %T runs no statement without arguments through database/sql/driver's context interfaces", conn)
 }
 
 // stepNonce returns a fresh nonce for the attempt column.

@@ -1,0 +1,391 @@
+package mysqlstore
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/idemkit/idem"
+)
+
+var _ idem.StepStore = (*Store)(nil)
+
+// stepsSuffix makes the step records' table's name from the records table's.
+const stepsSuffix = "_steps"
+
+// Limits of the step records' columns.
+const (
+	// MaxStepOwnerLength is the longest step owner (a lock token) stored.
+	MaxStepOwnerLength = 255
+	// MaxDerivedKeyLength is the longest derived key stored.
+	MaxDerivedKeyLength = 255
+	// MaxStepResultLength is the longest recorded step result (a LONGBLOB);
+	// the server's max_allowed_packet is usually the lower bound.
+	MaxStepResultLength = 1<<32 - 1
+)
+
+// StepsTable returns the name of the step records' table: Table() + "_steps".
+func (s *Store) StepsTable() string { return s.table + stepsSuffix }
+
+// stepQueries builds the step statements. take is the condition under which
+// a BeginStep takes the existing row (expired; or started and abandoned, or
+// of another owner with Rerun). Parameters: now, rerun, owner.
+func (s *Store) stepQueries() (insert, insertHolder, upsert, upsertHolder, read string) {
+	t := quote(s.StepsTable())
+	cols := "(`scope`, `key`, `name`, `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `attempt`)"
+	vals := " SELECT ?, ?, ?, 1, ?, ?, NULL, ?, ?, ?"
+	// The Holder fence is the SELECT's condition on the request record, read
+	// with a shared lock that holds until the statement's transaction ends: no
+	// takeover of the record commits between the check and the write. With
+	// no row selected nothing is inserted nor updated.
+	holder := " FROM " + s.q.table + " WHERE `scope` = ? AND `key` = ? AND `state` = 1 AND `token` = ? AND `expires_at` > ? LOCK IN SHARE MODE"
+	// Columns of the step row, qualified: the SELECT's table (the records
+	// table) has columns of the same names.
+	c := func(col string) string { return t + ".`" + col + "`" }
+	take := "(" + c("expires_at") + " <= ? OR (" + c("state") + " = 1 AND (" + c("owner") + " = '' OR (? AND " + c("owner") + " <> ?))))"
+	// ours is true, in each assignment after attempt's, exactly when this
+	// statement takes the row, whatever the server's assignment semantics
+	// (left to right, or MariaDB's SIMULTANEOUS_ASSIGNMENT): attempt is
+	// assigned first, from take on the untouched row, and its new value is
+	// this call's nonce, never in the old row. expires_at, which take and
+	// expired read, is assigned last.
+	ours := "(" + c("attempt") + " = ? OR " + take + ")"
+	expired := c("expires_at") + " <= ?"
+	odku := " ON DUPLICATE KEY UPDATE" +
+		" `attempt` = IF(" + take + ", ?, " + c("attempt") + ")," +
+		" `owner` = IF(" + ours + ", ?, " + c("owner") + ")," +
+		" `state` = IF(" + expired + ", 1, " + c("state") + ")," +
+		" `derived_key` = IF(" + expired + ", ?, " + c("derived_key") + ")," +
+		" `result` = IF(" + expired + ", NULL, " + c("result") + ")," +
+		" `started_at` = IF(" + expired + ", ?, " + c("started_at") + ")," +
+		" `seq` = " + c("seq") + " + 1," + // always changes: the affected-rows count says updated (2)
+		" `expires_at` = IF(" + expired + ", ?, GREATEST(" + c("expires_at") + ", ?))"
+	insert = "INSERT INTO " + t + " " + cols + vals
+	insertHolder = insert + holder
+	upsert = insert + odku
+	upsertHolder = insertHolder + odku
+	read = "SELECT `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `attempt` = ? FROM " + t +
+		" WHERE `scope` = ? AND `key` = ? AND `name` = ?"
+	return
+}
+
+// checkStep refuses what the columns cannot hold or no caller may pass:
+// empty or overlong names, NUL bytes in names and owners.
+func checkStep(scope, key, name, owner string) error {
+	if err := checkLengths(scope, key, "", ""); err != nil {
+		return err
+	}
+	if name == "" {
+		return errors.New("mysqlstore: the step name is empty; name every step")
+	}
+	if err := idem.CheckFieldSize("mysqlstore", "step name", int64(len(name)), idem.MaxStepNameLength); err != nil {
+		return err
+	}
+	if err := idem.CheckFieldSize("mysqlstore", "step owner", int64(len(owner)), MaxStepOwnerLength); err != nil {
+		return err
+	}
+	if strings.IndexByte(name, 0) >= 0 || strings.IndexByte(owner, 0) >= 0 {
+		return errors.New("mysqlstore: a step name or owner contains a NUL byte; use visible ASCII")
+	}
+	return nil
+}
+
+func checkStepResult(result []byte) ([]byte, error) {
+	if err := idem.CheckFieldSize("mysqlstore", "step result", int64(len(result)), MaxStepResultLength); err != nil {
+		return nil, err
+	}
+	if result == nil {
+		result = []byte{}
+	}
+	return result, nil
+}
+
+func stepNonce() []byte {
+	var b [12]byte
+	_, _ = rand.Read(b[:])
+	return []byte(hex.EncodeToString(b[:]))
+}
+
+// BeginStep implements idem.StepStore. A first BeginStep of a step, the
+// common case, is one autocommitted INSERT … SELECT (one round trip): with
+// Holder the SELECT reads the request record under a shared lock, and no row
+// selected means the fence failed. When the step's row exists (error 1062), a
+// transaction decides: INSERT … SELECT … ON DUPLICATE KEY UPDATE, whose
+// assignments take the row or leave it (moving only its expiry) under the
+// row's exclusive lock, then a read of the row in the same transaction, then
+// COMMIT; deadlocks between concurrent BeginSteps of one new step are
+// retried.
+func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem.StepRecord, bool, error) {
+	if err := checkStep(req.Scope, req.Key, req.Name, req.Owner); err != nil {
+		return nil, false, err
+	}
+	if req.DerivedKey == "" || strings.IndexByte(req.DerivedKey, 0) >= 0 {
+		return nil, false, errors.New("mysqlstore: begin step: the derived key is empty or contains a NUL byte")
+	}
+	if err := idem.CheckFieldSize("mysqlstore", "step derived key", int64(len(req.DerivedKey)), MaxDerivedKeyLength); err != nil {
+		return nil, false, err
+	}
+	insert, insertHolder, upsert, upsertHolder, read := s.stepQueries()
+	scope, key, name, owner, dk := []byte(req.Scope), []byte(req.Key), []byte(req.Name), []byte(req.Owner), []byte(req.DerivedKey)
+	now, exp := req.Now.UnixMicro(), req.ExpiresAt.UnixMicro()
+	nonce := stepNonce()
+	args := []any{scope, key, name, owner, dk, now, exp, nonce}
+	if req.Holder {
+		insert, upsert = insertHolder, upsertHolder
+		args = append(args, scope, key, owner, now)
+	}
+	mine := &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name, State: idem.StepStarted, Owner: req.Owner,
+		DerivedKey: req.DerivedKey, StartedAt: req.Now, ExpiresAt: req.ExpiresAt}
+
+	st, err := s.stmt(ctx, insert)
+	if err != nil {
+		return nil, false, s.wrapSteps(err)
+	}
+	res, err := st.ExecContext(ctx, args...)
+	if err == nil {
+		n, err := res.RowsAffected()
+		if err != nil {
+			return nil, false, s.wrapSteps(err)
+		}
+		if n == 0 {
+			return nil, false, idem.ErrLockLost
+		}
+		return mine, true, nil
+	}
+	if code, ok := errorNumber(err); !ok || (code != 1062 && code != 1213) {
+		return nil, false, s.wrapSteps(err)
+	}
+
+	rerun := req.Rerun
+	take := []any{now, rerun, owner}
+	ours := append([]any{nonce}, take...)
+	uargs := append([]any{}, args...)
+	uargs = append(append(uargs, take...), nonce) // attempt
+	uargs = append(append(uargs, ours...), owner) // owner
+	uargs = append(uargs, now)                    // state
+	uargs = append(uargs, now, dk)                // derived_key
+	uargs = append(uargs, now)                    // result
+	uargs = append(uargs, now, now)               // started_at
+	uargs = append(uargs, now, exp, exp)          // expires_at
+	ust, err := s.stmt(ctx, upsert)
+	if err != nil {
+		return nil, false, s.wrapSteps(err)
+	}
+	rst, err := s.stmt(ctx, read)
+	if err != nil {
+		return nil, false, s.wrapSteps(err)
+	}
+	var rec *idem.StepRecord
+	var began bool
+	err = retry(ctx, func() error {
+		rec, began = nil, false
+		tx, err := s.db.BeginTx(ctx, nil)
+		if err != nil {
+			return err
+		}
+		defer func() { _ = tx.Rollback() }()
+		res, err := tx.StmtContext(ctx, ust).ExecContext(ctx, uargs...)
+		if err != nil {
+			return err
+		}
+		n, err := res.RowsAffected()
+		if err != nil {
+			return err
+		}
+		switch n {
+		case 0:
+			return idem.ErrLockLost
+		case 1: // the row went meanwhile: inserted
+			rec, began = mine, true
+			return tx.Commit()
+		}
+		r := &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name}
+		var state uint8
+		var started, expires int64
+		var owner, dk []byte
+		if err := tx.StmtContext(ctx, rst).QueryRowContext(ctx, nonce, scope, key, name).Scan(&state, &owner, &dk, &r.Result, &started, &expires, &began); err != nil {
+			return err
+		}
+		if err := tx.Commit(); err != nil {
+			return err
+		}
+		r.State, r.Owner, r.DerivedKey = idem.StepState(state), string(owner), string(dk)
+		r.StartedAt, r.ExpiresAt = time.UnixMicro(started), time.UnixMicro(expires)
+		if started == now {
+			r.StartedAt = req.Now
+		}
+		if expires == exp {
+			r.ExpiresAt = req.ExpiresAt
+		}
+		rec = r
+		return nil
+	})
+	if errors.Is(err, idem.ErrLockLost) {
+		return nil, false, err
+	}
+	if err != nil {
+		return nil, false, s.wrapSteps(err)
+	}
+	return rec, began, nil
+}
+
+// stepExec runs one autocommitted statement and returns the rows it changed.
+func (s *Store) stepExec(ctx context.Context, q string, args ...any) (int64, error) {
+	st, err := s.stmt(ctx, q)
+	if err != nil {
+		return 0, s.wrapSteps(err)
+	}
+	var n int64
+	err = retry(ctx, func() error {
+		res, err := st.ExecContext(ctx, args...)
+		if err != nil {
+			return err
+		}
+		n, err = res.RowsAffected()
+		return err
+	})
+	if err != nil {
+		return 0, s.wrapSteps(err)
+	}
+	return n, nil
+}
+
+// live is the condition of the live row of (scope, key, name) at now.
+const live = " WHERE `scope` = ? AND `key` = ? AND `name` = ? AND `expires_at` > ?"
+
+// FinishStep implements idem.StepStore: one fenced UPDATE (state changes from
+// 1, so a matched row is a changed row).
+func (s *Store) FinishStep(ctx context.Context, scope, key, name, owner string, state idem.StepState, result []byte, now time.Time) error {
+	if err := checkStep(scope, key, name, owner); err != nil {
+		return err
+	}
+	if state != idem.StepDone && state != idem.StepFailed {
+		return fmt.Errorf("mysqlstore: finish step: state %v; a step finishes done or failed", state)
+	}
+	result, err := checkStepResult(result)
+	if err != nil {
+		return err
+	}
+	n, err := s.stepExec(ctx, "UPDATE "+quote(s.StepsTable())+" SET `state` = ?, `result` = ?, `seq` = `seq` + 1"+live+
+		" AND `state` = 1 AND `owner` = ? AND `owner` <> ''",
+		uint8(state), result, []byte(scope), []byte(key), []byte(name), now.UnixMicro(), []byte(owner))
+	if err != nil {
+		return err
+	}
+	if n == 0 {
+		return idem.ErrLockLost
+	}
+	return nil
+}
+
+// AbandonStep implements idem.StepStore: one fenced UPDATE.
+func (s *Store) AbandonStep(ctx context.Context, scope, key, name, owner string, now time.Time) error {
+	if err := checkStep(scope, key, name, owner); err != nil {
+		return err
+	}
+	n, err := s.stepExec(ctx, "UPDATE "+quote(s.StepsTable())+" SET `owner` = '', `seq` = `seq` + 1"+live+
+		" AND `state` = 1 AND `owner` = ? AND `owner` <> ''",
+		[]byte(scope), []byte(key), []byte(name), now.UnixMicro(), []byte(owner))
+	if err != nil {
+		return err
+	}
+	if n == 0 {
+		return idem.ErrLockLost
+	}
+	return nil
+}
+
+// GetSteps implements idem.StepStore: one plain read.
+func (s *Store) GetSteps(ctx context.Context, scope, key string, now time.Time) ([]idem.StepRecord, error) {
+	if err := checkLengths(scope, key, "", ""); err != nil {
+		return nil, err
+	}
+	st, err := s.stmt(ctx, "SELECT `name`, `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at` FROM "+quote(s.StepsTable())+
+		" WHERE `scope` = ? AND `key` = ? AND `expires_at` > ? ORDER BY `started_at`, `name`")
+	if err != nil {
+		return nil, s.wrapSteps(err)
+	}
+	rows, err := st.QueryContext(ctx, []byte(scope), []byte(key), now.UnixMicro())
+	if err != nil {
+		return nil, s.wrapSteps(err)
+	}
+	defer rows.Close()
+	var out []idem.StepRecord
+	for rows.Next() {
+		r := idem.StepRecord{Scope: scope, Key: key}
+		var name, owner, dk []byte
+		var state uint8
+		var started, expires int64
+		if err := rows.Scan(&name, &state, &owner, &dk, &r.Result, &started, &expires); err != nil {
+			return nil, s.wrapSteps(err)
+		}
+		r.Name, r.State, r.Owner, r.DerivedKey = string(name), idem.StepState(state), string(owner), string(dk)
+		r.StartedAt, r.ExpiresAt = time.UnixMicro(started), time.UnixMicro(expires)
+		out = append(out, r)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, s.wrapSteps(err)
+	}
+	return out, nil
+}
+
+// SettleStep implements idem.StepStore: one UPDATE, or one DELETE for state 0.
+func (s *Store) SettleStep(ctx context.Context, scope, key, name string, state idem.StepState, result []byte, now time.Time) error {
+	if err := checkStep(scope, key, name, ""); err != nil {
+		return err
+	}
+	t := quote(s.StepsTable())
+	args := []any{[]byte(scope), []byte(key), []byte(name), now.UnixMicro()}
+	var q string
+	switch state {
+	case 0:
+		q = "DELETE FROM " + t + live
+	case idem.StepDone, idem.StepFailed:
+		var err error
+		if result, err = checkStepResult(result); err != nil {
+			return err
+		}
+		q = "UPDATE " + t + " SET `state` = ?, `result` = ?, `seq` = `seq` + 1" + live
+		args = append([]any{uint8(state), result}, args...)
+	default:
+		return fmt.Errorf("mysqlstore: settle step: state %v; settle a step as done or failed, or 0 to forget it", state)
+	}
+	n, err := s.stepExec(ctx, q, args...)
+	if err != nil {
+		return err
+	}
+	if n == 0 {
+		return idem.ErrNotFound
+	}
+	return nil
+}
+
+// DeleteExpiredSteps implements idem.StepStore: one bounded DELETE in the
+// order of the expires_at index (deterministic, as statement-based
+// replication requires of DELETE … LIMIT).
+func (s *Store) DeleteExpiredSteps(ctx context.Context, now time.Time, limit int) (int, error) {
+	if limit <= 0 {
+		return 0, nil
+	}
+	n, err := s.stepExec(ctx, "DELETE FROM "+quote(s.StepsTable())+
+		" WHERE `expires_at` <= ? ORDER BY `expires_at`, `scope`, `key`, `name` LIMIT ?", now.UnixMicro(), limit)
+	return int(n), err
+}
+
+// wrapSteps is wrap for the step records' table.
+func (s *Store) wrapSteps(err error) error {
+	if err == nil {
+		return nil
+	}
+	if code, ok := errorNumber(err); ok && code == 1146 {
+		return fmt.Errorf("mysqlstore: table %s does not exist; run (*mysqlstore.Store).Migrate or `idem migrate` first: %w", quote(s.StepsTable()), err)
+	}
+	if strings.HasPrefix(err.Error(), "mysqlstore: ") {
+		return err
+	}
+	return fmt.Errorf("mysqlstore: %w", err)
+}
