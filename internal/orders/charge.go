@@ -19,21 +19,15 @@ type chargeResult struct {
 	ID string `json:"id"`
 }
 
-// errChargeUnknown is the error of a charge whose outcome nobody knows: an
-// earlier attempt began it and never recorded how it ended, or this attempt
-// sent it and got no answer, and Payments.RefuseUnknown keeps it from being
-// run again.
+// errChargeUnknown is the error of a charge this attempt sent and got no
+// answer to, when Payments.RefuseUnknown keeps it from being run again.
 var errChargeUnknown = errors.New("orders: the charge's outcome is unknown")
-
-// unanswered is the panic value with which the charge step leaves itself
-// begun and unrecorded (see charge).
-type unanswered struct{ err error }
 
 // charge charges the order's total at the provider as the step "charge" of
 // the request's operation and returns the charge id. The step's derived key
 // is the call's Idempotency-Key, so every attempt of one order sends the same
 // key; a charge recorded by an earlier attempt is returned without a call.
-func (s *Service) charge(ctx context.Context, cartID string, total int64) (id string, err error) {
+func (s *Service) charge(ctx context.Context, cartID string, total int64) (string, error) {
 	p := s.cfg.Payments
 	if _, _, keyed := idem.KeyFrom(ctx); !keyed {
 		// A request without an Idempotency-Key (idem demo --require-key=false)
@@ -44,16 +38,6 @@ func (s *Service) charge(ctx context.Context, cartID string, total int64) (id st
 	if p.RefuseUnknown {
 		policy = idem.StepRefuse
 	}
-	defer func() {
-		if v := recover(); v != nil {
-			u, ok := v.(unanswered)
-			if !ok {
-				panic(v)
-			}
-			idem.MarkOutcomeUnknown(ctx)
-			id, err = "", errors.Join(errChargeUnknown, u.err)
-		}
-	}()
 	res, err := idem.Step(ctx, ChargeStep, func(ctx context.Context, key string) (chargeResult, error) {
 		id, err := p.Charge(ctx, key, cartID, total)
 		var declined *DeclinedError
@@ -61,18 +45,23 @@ func (s *Service) charge(ctx context.Context, cartID string, total int64) (id st
 		switch {
 		case errors.As(err, &declined):
 			return chargeResult{}, idem.StepFinal(err) // recorded: the retry hears the same decline
-		case p.RefuseUnknown && errors.As(err, &perr) && perr.Sent && perr.Status == 0:
+		case errors.As(err, &perr) && perr.Sent && perr.Status == 0:
 			// Sent, and no answer (a timeout, a dropped connection): the
-			// provider may have charged. Returning the error would mark the
-			// step transient, and the next attempt would charge again, which
-			// RefuseUnknown forbids; a panic leaves the step begun and
-			// unrecorded, as a crash would.
-			panic(unanswered{err})
+			// provider may have charged. The step stays begun, as after a
+			// crash: the next attempt asks again with the same key, or
+			// refuses (RefuseUnknown).
+			return chargeResult{}, idem.StepAmbiguous(err)
 		case err != nil:
 			return chargeResult{}, err // transient: the next attempt asks again, same key
 		}
 		return chargeResult{ID: id}, nil
 	}, idem.OnUnknown(policy))
+	var perr *ProviderError
+	if p.RefuseUnknown && errors.As(err, &perr) && perr.Sent && perr.Status == 0 {
+		// This attempt does not know either: the outcome is unknown now.
+		idem.MarkOutcomeUnknown(ctx)
+		return "", errors.Join(errChargeUnknown, err)
+	}
 	if err == nil && (res.ID == "" || checkText("the charge id", res.ID, MaxChargeID) != "") {
 		// A step settled by hand with a result that is no charge.
 		return "", errors.New("the recorded charge " + Quote(res.ID) + ` is not a charge id; settle the step "charge" with --done '{"id":"ch_…"}'`)
