@@ -84,12 +84,38 @@ func postgresPayDB(t *testing.T) payDB {
 	}}
 }
 
-// payStores runs f for SQLite and PostgreSQL, each in a subtest.
-func payStores(t *testing.T, f func(t *testing.T, db payDB)) {
-	for _, s := range []struct {
-		name string
-		open func(*testing.T) payDB
-	}{{"sqlite", sqlitePayDB}, {"postgres", postgresPayDB}} {
+func mysqlPayDB(t *testing.T) payDB {
+	u, db := newMySQLDatabase(t)
+	return payDB{name: "mysql", db: u, dir: t.TempDir(), orders: func(t *testing.T, cart string) map[string]string {
+		t.Helper()
+		rows, err := db.Query("SELECT id, COALESCE(charge_id, '') FROM orders WHERE cart_id = ?", cart)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer rows.Close()
+		out := map[string]string{}
+		for rows.Next() {
+			var id, charge string
+			if err := rows.Scan(&id, &charge); err != nil {
+				t.Fatal(err)
+			}
+			out[id] = charge
+		}
+		if err := rows.Err(); err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}}
+}
+
+type payOpener struct {
+	name string
+	open func(*testing.T) payDB
+}
+
+// payStores runs f for SQLite and PostgreSQL (and more), each in a subtest.
+func payStores(t *testing.T, f func(t *testing.T, db payDB), more ...payOpener) {
+	for _, s := range append([]payOpener{{"sqlite", sqlitePayDB}, {"postgres", postgresPayDB}}, more...) {
 		t.Run(s.name, func(t *testing.T) {
 			t.Parallel()
 			f(t, s.open(t))
@@ -286,7 +312,7 @@ func TestDemoPayment(t *testing.T) {
 		if !strings.Contains(string(got.Body), `"charge_id":"`+p.ChargesFor("c_ok")[0].ID+`"`) {
 			t.Fatalf("GET /orders: %s lacks the charge_id", got.Body)
 		}
-	})
+	}, payOpener{"mysql", mysqlPayDB})
 }
 
 // TestDemoPaymentUnreachable: a provider that does not answer at all is a 502,
