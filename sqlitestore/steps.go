@@ -224,8 +224,9 @@ func (h *stepsHandle) open(ctx context.Context, db *sql.DB, create bool) (*sql.D
 		if _, err := os.Stat(h.path); errors.Is(err, fs.ErrNotExist) && !create {
 			return nil, nil
 		}
-		// A plain path (no URI): every SQLite driver opens it as a file.
-		c.dsn = h.path
+		// A URI filename without parameters: SQLite drivers open it as a file,
+		// and none reads options of its own out of a '?' in the path.
+		c.dsn = "file:" + escapeURIPath(h.path)
 		c.setup = []string{
 			"PRAGMA busy_timeout = " + fmt.Sprint(DefaultLockTimeout.Milliseconds()),
 			"PRAGMA journal_mode = WAL",
@@ -251,6 +252,21 @@ func (h *stepsHandle) open(ctx context.Context, db *sql.DB, create bool) (*sql.D
 	}
 	h.db = sdb
 	return sdb, nil
+}
+
+// escapeURIPath escapes the characters that would end or change the path part
+// of a SQLite URI filename.
+func escapeURIPath(p string) string {
+	var b strings.Builder
+	for i := 0; i < len(p); i++ {
+		switch c := p[i]; c {
+		case '%', '?', '#':
+			fmt.Fprintf(&b, "%%%02X", c)
+		default:
+			b.WriteByte(c)
+		}
+	}
+	return b.String()
 }
 
 // stepsConnector opens connections to the steps database with the driver of

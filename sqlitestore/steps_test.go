@@ -48,6 +48,27 @@ func TestStepStoreInMemory(t *testing.T) {
 	}
 }
 
+// TestStepsFileOddPath: a records file whose path has the characters of a
+// URI's query and fragment gets its steps file beside it, under its own name.
+func TestStepsFileOddPath(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "a?b#c%20d.db")
+	db, err := embedded.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	s := newStore(t, db)
+	now := time.Now()
+	if _, began, err := s.BeginStep(context.Background(), idem.BeginStepRequest{Scope: "s", Key: "k", Name: "n", Owner: "o",
+		DerivedKey: "idem_x", Now: now, ExpiresAt: now.Add(time.Hour)}); err != nil || !began {
+		t.Fatalf("BeginStep: %v %v", began, err)
+	}
+	if _, err := os.Stat(path + sqlitestore.StepsFileSuffix); err != nil {
+		t.Fatalf("steps file: %v", err)
+	}
+}
+
 // TestStepStoreTwoHandles: two *sql.DB on one file, as two processes would
 // have, begin one step at once: exactly one begins it (the steps file's
 // write lock, not the in-process gate, decides across handles).

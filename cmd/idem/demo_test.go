@@ -1007,8 +1007,8 @@ func TestDemoPrefixSchema(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if strings.Join(names, " ") != "shop.p_idem_records shop.p_orders" {
-			t.Fatalf("tables %v, want shop.p_idem_records and shop.p_orders only", names)
+		if strings.Join(names, " ") != "shop.p_idem_records shop.p_idem_records_steps shop.p_orders" {
+			t.Fatalf("tables %v, want shop.p_idem_records, shop.p_idem_records_steps and shop.p_orders only", names)
 		}
 		var n int
 		if err := pg.QueryRow(context.Background(), "SELECT count(*) FROM shop.p_orders WHERE cart_id = 'c_s'").Scan(&n); err != nil || n != 1 {
@@ -1036,7 +1036,7 @@ func TestDemoPrefixSchema(t *testing.T) {
 			_ = rows.Scan(&s)
 			names = append(names, s)
 		}
-		if strings.Join(names, " ") != "m_idem_records m_idem_records_migrations m_orders" {
+		if strings.Join(names, " ") != "m_idem_records m_idem_records_migrations m_idem_records_steps m_orders" {
 			t.Fatalf("tables %v, want the m_ ones only", names)
 		}
 		code, _, stderr := runIdem(t, t.TempDir(), nil, "demo", "--db", dbURL, "--schema", "shop")

@@ -190,7 +190,7 @@ func TestMigrateAsDemo(t *testing.T) {
 		d := startDemo(t, t.TempDir(), nil, "--db", demoed, "--schema", "shop", "--prefix", "p_")
 		d.stop(t)
 		got, want := pgTables(t, migrated), pgTables(t, demoed)
-		if !slices.Equal(got, want) || !slices.Equal(got, []string{"shop.p_idem_records", "shop.p_orders"}) {
+		if !slices.Equal(got, want) || !slices.Equal(got, []string{"shop.p_idem_records", "shop.p_idem_records_steps", "shop.p_orders"}) {
 			t.Fatalf("migrate created %v, the demo %v", got, want)
 		}
 		d = startDemo(t, t.TempDir(), nil, "--db", migrated, "--schema", "shop", "--prefix", "p_")

@@ -117,6 +117,9 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	} else {
 		fmt.Fprintf(stdout, "key records: ready (%s)\n", h.KeysAt)
 	}
+	if st, ok := h.Store.(interface{ StepsTable() string }); ok {
+		fmt.Fprintf(stdout, "step records: ready (table %s)\n", st.StepsTable())
+	}
 	if *withOrders {
 		svc, err := orders.New(h.Orders, &orders.Config{Table: h.OrdersTable})
 		if err == nil {

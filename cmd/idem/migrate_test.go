@@ -76,11 +76,16 @@ func TestMigratePostgres(t *testing.T) {
 		return n
 	}
 	code, out, stderr := runIdem(t, t.TempDir(), nil, "migrate", "--db", dbURL)
-	if code != 0 || !strings.Contains(out, "key records: ready") || strings.Contains(out, "orders:") {
+	if code != 0 || !strings.Contains(out, "key records: ready") || !strings.Contains(out, `step records: ready (table "idem_records_steps")`) || strings.Contains(out, "orders:") {
 		t.Fatalf("exit %d\n%s%s", code, out, stderr)
 	}
 	if n := count(); n != 1 {
 		t.Fatalf("after idem migrate, %d of idem_records and orders exist; want idem_records alone", n)
+	}
+	var steps int
+	if err := pgConnect(t, dbURL).QueryRow(context.Background(),
+		"SELECT count(*) FROM information_schema.tables WHERE table_name = 'idem_records_steps'").Scan(&steps); err != nil || steps != 1 {
+		t.Fatalf("after idem migrate, %d step records' tables (%v), want 1", steps, err)
 	}
 	code, out, stderr = runIdem(t, t.TempDir(), nil, "migrate", "--db", dbURL, "--with-demo-orders")
 	if code != 0 || !strings.Contains(out, "orders:      ready") {

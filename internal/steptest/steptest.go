@@ -65,6 +65,7 @@ func Run(t *testing.T, newStore func(t *testing.T) Store, opts Options) {
 		{"ExpiryMovesLater", expiryMovesLater},
 		{"Settle", settle},
 		{"DeleteExpiredSteps", deleteExpired},
+		{"Janitor", janitor},
 		{"HostileInput", hostile},
 		{"ScopesAndKeysApart", apart},
 	} {
@@ -640,5 +641,36 @@ func apart(t *testing.T, s Store, o Options) {
 		if got := steps(t, s, x, f.now); len(got) != 1 || got[0].State != idem.StepStarted {
 			t.Fatalf("records of %s/%s: %+v", x.scope, x.key, got)
 		}
+	}
+}
+
+// janitor: idem.Janitor's sweep deletes the store's expired step records
+// with its expired key records, in batches, and leaves live ones.
+func janitor(t *testing.T, s Store, o Options) {
+	f := newFix(o)
+	old := f.now.Add(-2000 * time.Hour)
+	for i := range 7 {
+		req := f.begin(fmt.Sprintf("s%d", i), "A", true, old)
+		req.ExpiresAt = old.Add(time.Minute)
+		mustBegin(t, s, req, true)
+	}
+	mustBegin(t, s, f.begin("live", "A", true, f.now), true)
+	j := &idem.Janitor{Store: s, BatchSize: 3, NowFunc: func() time.Time { return old.Add(time.Hour) }}
+	n, err := j.Sweep(ctx(t))
+	if err != nil {
+		t.Fatalf("Sweep: %v", err)
+	}
+	want := 7
+	if o.NoDeleteExpired {
+		want = 0
+	}
+	if n != want {
+		t.Fatalf("Sweep deleted %d, want %d", n, want)
+	}
+	if o.NoDeleteExpired {
+		return
+	}
+	if got := steps(t, s, f, old); len(got) != 1 || got[0].Name != "live" {
+		t.Fatalf("records after the sweep (at the old clock): %+v, want live only", got)
 	}
 }
