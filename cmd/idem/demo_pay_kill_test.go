@@ -266,96 +266,141 @@ func killPoints(t *testing.T) int {
 // TestDemoPaymentKillRandom kills the demo at random moments of a charged
 // order (the provider answering after a random delay, the transaction
 // sleeping a random time after the insert), restarts it and retries until
-// the answer is final, IDEM_KILL_POINTS times per store, with a provider that
-// honours Idempotency-Key: no double charge, no order without its charge, no
-// charge without its order.
+// the answer is final, IDEM_KILL_POINTS times per store and provider:
+//   - honoured (the provider honours Idempotency-Key, default policy): no
+//     double charge, no order without its charge, no charge without its
+//     order, no second call after a recorded charge;
+//   - ignored-rerun (the provider ignores keys, default policy): double
+//     charges, if any, only after kills while the provider was answering
+//     (it acted, nothing was recorded);
+//   - ignored-refuse (--payment-unknown refuse): no double charge; unknown
+//     outcomes, if any, only after kills before the charge was recorded,
+//     settled with idem resolve --step, after which the order is made.
 func TestDemoPaymentKillRandom(t *testing.T) {
 	t.Parallel()
-	payStores(t, func(t *testing.T, db payDB) {
-		p := fakepay.Start(fakepay.HonoursKeys)
-		t.Cleanup(p.Close)
-		n := killPoints(t)
-		rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 27))
-		var handlerDelay time.Duration
-		delayArg := func() string {
-			handlerDelay = time.Duration(rng.IntN(150)) * time.Millisecond
-			return handlerDelay.String()
+	for _, c := range []struct {
+		name   string
+		mode   fakepay.Mode
+		refuse bool
+	}{{"honoured", fakepay.HonoursKeys, false}, {"ignored-rerun", fakepay.IgnoresKeys, false}, {"ignored-refuse", fakepay.IgnoresKeys, true}} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			payStores(t, func(t *testing.T, db payDB) { killRandom(t, db, c.mode, c.refuse) })
+		})
+	}
+}
+
+// killRandom is one store and provider of TestDemoPaymentKillRandom.
+func killRandom(t *testing.T, db payDB, mode fakepay.Mode, refuse bool) {
+	p := fakepay.Start(mode)
+	t.Cleanup(p.Close)
+	n := killPoints(t)
+	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 27))
+	var handlerDelay time.Duration
+	args := func() []string {
+		handlerDelay = time.Duration(rng.IntN(150)) * time.Millisecond
+		a := []string{"--handler-delay", handlerDelay.String()}
+		if refuse {
+			a = append(a, "--payment-unknown", "refuse", "--lease", "1s")
 		}
-		d := startPayDemo(t, db, p, "--handler-delay", delayArg())
-		windows := map[string]int{}
-		var doubles, orphanOrders, orphanCharges, secondCalls int
-		for i := range n {
-			cart, key := fmt.Sprintf("c_rand_%d_%s", i, cliRandHex(3)), "rand-"+cliRandHex(8)
-			providerDelay := time.Duration(rng.IntN(120)) * time.Millisecond
-			p.SetDelay(providerDelay)
-			answer := sendAsync(d.URL, key, payOrder(cart))
-			// Somewhere in the request: its own work takes a few ms more than
-			// the two delays.
-			time.Sleep(time.Duration(rng.Int64N(int64(providerDelay + handlerDelay + 30*time.Millisecond))))
-			calls, answered := len(p.CallsFor(cart)), p.Answered(cart)
-			d.kill(t)
-			var got httpAnswer
-			select {
-			case got = <-answer:
-			case <-time.After(10 * time.Second):
-				t.Fatalf("the killed demo's client did not return")
-			}
-			committed := len(db.orders(t, cart)) > 0
-			w := killBeforeCall
-			switch {
-			case committed || got.Status != 0:
-				w = killAfterCommit
-			case answered > 0 && stepDone(t, db, key):
-				w = killAfterRecord
-			case answered > 0:
-				w = "answered-not-recorded" // the provider's answer, not yet recorded
-			case calls > 0:
-				w = killWhileAnswer
-			}
-			windows[w]++
-			p.SetDelay(0)
-			d = startPayDemo(t, db, p, "--handler-delay", delayArg())
-			a := retryFinal(t, d, key, payOrder(cart), killRetryWithin)
-			charges, ords := p.ChargesFor(cart), db.orders(t, cart)
-			if a.Status != 201 {
-				t.Errorf("point %d (%s): final answer %d %s", i, w, a.Status, a.Body)
+		return a
+	}
+	d := startPayDemo(t, db, p, args()...)
+	windows, doubles, unknowns := map[string]int{}, map[string]int{}, map[string]int{}
+	var orphanOrders, orphanCharges, secondCalls int
+	for i := range n {
+		cart, key := fmt.Sprintf("c_rand_%d_%s", i, cliRandHex(3)), "rand-"+cliRandHex(8)
+		providerDelay := time.Duration(rng.IntN(120)) * time.Millisecond
+		p.SetDelay(providerDelay)
+		answer := sendAsync(d.URL, key, payOrder(cart))
+		// Somewhere in the request: its own work takes a few ms more than
+		// the two delays.
+		time.Sleep(time.Duration(rng.Int64N(int64(providerDelay + handlerDelay + 30*time.Millisecond))))
+		d.kill(t)
+		var got httpAnswer
+		select {
+		case got = <-answer:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("the killed demo's client did not return")
+		}
+		// A call the demo sent just before it died still reaches the
+		// provider: let it arrive before telling the window.
+		time.Sleep(50 * time.Millisecond)
+		w := killBeforeCall
+		switch {
+		case len(db.orders(t, cart)) > 0 || got.Status != 0:
+			w = killAfterCommit
+		case stepDone(t, db, key):
+			w = killAfterRecord
+		case len(p.CallsFor(cart)) > 0:
+			w = killWhileAnswer // the provider acted; nothing was recorded
+		}
+		windows[w]++
+		p.SetDelay(0)
+		d = startPayDemo(t, db, p, args()...)
+		a := retryFinal(t, d, key, payOrder(cart), killRetryWithin)
+		if a.code() == "payment_unknown" {
+			unknowns[w]++
+			if !refuse || w == killAfterRecord || w == killAfterCommit {
+				t.Errorf("point %d (%s): unknown outcome %s", i, w, a.Body)
 				continue
 			}
-			if len(charges) > 1 {
-				doubles++
+			// The operator asks the provider: charged → --done, not → --forget.
+			switch charges := p.ChargesFor(cart); len(charges) {
+			case 0:
+				settleStep(t, db, key, "--forget")
+			case 1:
+				settleStep(t, db, key, "--done", fmt.Sprintf(`{"id":%q}`, charges[0].ID))
+			default:
+				t.Errorf("point %d (%s): %d charges before the unknown outcome was settled", i, w, len(charges))
+			}
+			a = retryFinal(t, d, key, payOrder(cart), killRetryWithin)
+		}
+		charges, ords := p.ChargesFor(cart), db.orders(t, cart)
+		if a.Status != 201 {
+			t.Errorf("point %d (%s): final answer %d %s", i, w, a.Status, a.Body)
+			continue
+		}
+		if len(charges) > 1 {
+			doubles[w]++
+			if mode == fakepay.HonoursKeys || refuse || w != killWhileAnswer {
 				t.Errorf("point %d (%s): %d charges", i, w, len(charges))
 			}
-			made, paid := map[string]bool{}, map[string]bool{}
-			for _, c := range charges {
-				made[c.ID] = true
-			}
-			for _, c := range ords {
-				paid[c] = true
-				if !made[c] {
-					orphanOrders++
-					t.Errorf("point %d (%s): an order carries charge %q, which the provider did not make (%+v)", i, w, c, charges)
-				}
-			}
-			for _, c := range charges {
-				if !paid[c.ID] {
-					orphanCharges++
-					t.Errorf("point %d (%s): no order carries charge %s", i, w, c.ID)
-				}
-			}
-			if len(ords) != 1 {
-				t.Errorf("point %d (%s): %d orders, want 1", i, w, len(ords))
-			}
-			if got := chargeIDOf(t, a); len(charges) == 0 || got != charges[0].ID {
-				t.Errorf("point %d (%s): the final 201 carries %q", i, w, got)
-			}
-			if w == killAfterRecord && len(p.CallsFor(cart)) > 1 {
-				secondCalls++
-				t.Errorf("point %d (%s): the provider saw %d calls after the charge was recorded", i, w, len(p.CallsFor(cart)))
+		}
+		made, paid := map[string]bool{}, map[string]bool{}
+		for _, c := range charges {
+			made[c.ID] = true
+		}
+		for _, c := range ords {
+			paid[c] = true
+			if !made[c] {
+				orphanOrders++
+				t.Errorf("point %d (%s): an order carries charge %q, which the provider did not make (%+v)", i, w, c, charges)
 			}
 		}
-		t.Logf("%s: %d kill points %v: %d double charges, %d orders without their charge, %d charges without an order; %d second calls after a recorded charge",
-			db.name, n, windows, doubles, orphanOrders, orphanCharges, secondCalls)
-	})
+		for _, c := range charges {
+			if !paid[c.ID] && len(charges) == 1 {
+				orphanCharges++
+				t.Errorf("point %d (%s): no order carries charge %s", i, w, c.ID)
+			}
+		}
+		if len(ords) != 1 {
+			t.Errorf("point %d (%s): %d orders, want 1", i, w, len(ords))
+		}
+		if got := chargeIDOf(t, a); len(charges) == 0 || got != charges[len(charges)-1].ID {
+			t.Errorf("point %d (%s): the final 201 carries %q, the provider made %+v", i, w, got, charges)
+		}
+		if (w == killAfterRecord || w == killAfterCommit) && len(p.CallsFor(cart)) > 1 {
+			secondCalls++
+			t.Errorf("point %d (%s): the provider saw %d calls after the charge was recorded", i, w, len(p.CallsFor(cart)))
+		}
+	}
+	policy := "rerun"
+	if refuse {
+		policy = "refuse"
+	}
+	t.Logf("%s, provider %s keys, %s: %d kill points by window %v: double charges by window %v, unknown outcomes (settled with idem resolve) by window %v, %d orders without their charge, %d charges without an order (a double charge's first one aside), %d second calls after a recorded charge",
+		db.name, map[fakepay.Mode]string{fakepay.HonoursKeys: "honouring", fakepay.IgnoresKeys: "ignoring"}[mode], policy, n, windows, doubles, unknowns, orphanOrders, orphanCharges, secondCalls)
 }
 
 // settleStep runs idem resolve --step charge settle… KEY until it is done:
