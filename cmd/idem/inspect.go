@@ -30,7 +30,12 @@ const inspectUsage = `Usage: idem inspect --db URL --scope TENANT KEY [flags]
 Shows the record idem keeps for (scope, key): its state, age, lease, expiry,
 request fingerprint, and the stored status, headers, body size and resource
 reference, with what the next request with this key will get. Use it when a
-client asks why a request was replayed (or answered 409 or 422).
+client asks why a request was replayed (or answered 409 or 422). Then come the
+key's step records (idem.Step: calls to other services), each with its state
+(started, done, failed), derived key and recorded result: a step started and
+never recorded is one whose outcome is unknown, which idem resolve --step
+settles. A key without a record may still have steps (an attempt that died in
+the single-transaction flow leaves its steps and no record).
 
 With --summary (and no KEY) it counts the records by state instead — complete,
 in flight, expired — and shows the oldest in-flight record and the in-flight
@@ -51,8 +56,8 @@ Example:
 --prefix and --schema name the table as idem demo, migrate and gc do. A key
 not found in --scope but kept under other scopes is named with them.
 
-Exit codes: 0 a record exists, 1 no record (never used, or expired) or the
-database failed, 2 bad usage.
+Exit codes: 0 a record or step records exist, 1 neither (never used, or
+expired) or the database failed, 2 bad usage.
 
 Flags:
 `
