@@ -86,6 +86,7 @@ func TestProblemTypesResolve(t *testing.T) {
 		// the reference service's own codes (internal/orders) share the scheme
 		"invalid_order", "unauthorized", "order_not_found", "invalid_query", "rate_limited",
 		"order_not_saved", "database_error", "request_cancelled", "database_unavailable",
+		"payment_failed", "payment_unavailable", "payment_unknown",
 	}
 	for _, code := range codes {
 		a := `<a id="` + code + `"></a>`

@@ -10,8 +10,9 @@ import (
 
 // Store returns s with every operation reported to o. The result implements
 // exactly the optional interfaces s implements — idem.TxStore,
-// idem.SingleTxStore, idem.FlowPreferrer — so the middleware keeps
-// transactional completion and the single-transaction flow; it implements
+// idem.SingleTxStore, idem.FlowPreferrer, idem.StepStore — so the middleware
+// keeps transactional completion, the single-transaction flow and steps
+// (idem.Step); the step operations are forwarded, not reported; it implements
 // idem.ResponseCopier always, answering as s does (false when s does not
 // implement it), so the middleware reuses response memory as it would with s.
 // The transactions it opens are decorated too (Tx.Complete, Tx.Commit,
@@ -30,21 +31,39 @@ func Store(s idem.Store, o StoreObserver) idem.Store {
 	single, isSingle := s.(idem.SingleTxStore)
 	pref, isPref := s.(idem.FlowPreferrer)
 	t, l, p := txPart{b, tx}, singlePart{b, single}, prefPart{pref}
+	steps, isSteps := s.(idem.StepStore)
+	st := stepsPart{steps}
 	switch {
+	case isTx && isSingle && isPref && isSteps:
+		return &storeTLPS{b, t, l, p, st}
 	case isTx && isSingle && isPref:
 		return &storeTLP{b, t, l, p}
+	case isTx && isSingle && isSteps:
+		return &storeTLS{b, t, l, st}
 	case isTx && isSingle:
 		return &storeTL{b, t, l}
+	case isTx && isPref && isSteps:
+		return &storeTPS{b, t, p, st}
 	case isTx && isPref:
 		return &storeTP{b, t, p}
+	case isSingle && isPref && isSteps:
+		return &storeLPS{b, l, p, st}
 	case isSingle && isPref:
 		return &storeLP{b, l, p}
+	case isTx && isSteps:
+		return &storeTS{b, t, st}
 	case isTx:
 		return &storeT{b, t}
+	case isSingle && isSteps:
+		return &storeLS{b, l, st}
 	case isSingle:
 		return &storeL{b, l}
+	case isPref && isSteps:
+		return &storePS{b, p, st}
 	case isPref:
 		return &storeP{b, p}
+	case isSteps:
+		return &storeS{b, st}
 	}
 	return b
 }
@@ -90,6 +109,83 @@ type (
 		prefPart
 	}
 )
+
+// The decorators of stores that keep step records (idem.StepStore).
+type (
+	storeTLPS struct {
+		*base
+		txPart
+		singlePart
+		prefPart
+		stepsPart
+	}
+	storeTLS struct {
+		*base
+		txPart
+		singlePart
+		stepsPart
+	}
+	storeTPS struct {
+		*base
+		txPart
+		prefPart
+		stepsPart
+	}
+	storeLPS struct {
+		*base
+		singlePart
+		prefPart
+		stepsPart
+	}
+	storeTS struct {
+		*base
+		txPart
+		stepsPart
+	}
+	storeLS struct {
+		*base
+		singlePart
+		stepsPart
+	}
+	storePS struct {
+		*base
+		prefPart
+		stepsPart
+	}
+	storeS struct {
+		*base
+		stepsPart
+	}
+)
+
+// stepsPart forwards idem.StepStore. The step operations are not reported to
+// the StoreObserver (Op has no names for them yet): they reach the decorated
+// store unchanged, so that idem.Step works through a decorated store.
+type stepsPart struct{ s idem.StepStore }
+
+func (p stepsPart) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem.StepRecord, bool, error) {
+	return p.s.BeginStep(ctx, req)
+}
+
+func (p stepsPart) FinishStep(ctx context.Context, scope, key, name, owner string, state idem.StepState, result []byte, now time.Time) error {
+	return p.s.FinishStep(ctx, scope, key, name, owner, state, result, now)
+}
+
+func (p stepsPart) AbandonStep(ctx context.Context, scope, key, name, owner string, now time.Time) error {
+	return p.s.AbandonStep(ctx, scope, key, name, owner, now)
+}
+
+func (p stepsPart) GetSteps(ctx context.Context, scope, key string, now time.Time) ([]idem.StepRecord, error) {
+	return p.s.GetSteps(ctx, scope, key, now)
+}
+
+func (p stepsPart) SettleStep(ctx context.Context, scope, key, name string, state idem.StepState, result []byte, now time.Time) error {
+	return p.s.SettleStep(ctx, scope, key, name, state, result, now)
+}
+
+func (p stepsPart) DeleteExpiredSteps(ctx context.Context, now time.Time, limit int) (int, error) {
+	return p.s.DeleteExpiredSteps(ctx, now, limit)
+}
 
 // base decorates the methods of idem.Store.
 type base struct {

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"os/signal"
 	"regexp"
@@ -69,6 +70,13 @@ the API wants. When that address is taken the demo runs without metrics and
 says so. idem's decisions are logged on stderr (store errors, lost leases,
 released keys, takeovers), with hashes of keys and scopes, never the raw ones.
 
+With --payment-url URL every new order is first charged at a payment provider
+(POST URL/charges, {"amount_cents": …, "cart_id": …}, the charge step's
+derived key as Idempotency-Key); the order stores the charge id and its 201
+carries it as "charge_id". A decline (4xx) is a stored 402 payment_failed; a
+provider that fails or does not answer a 502 payment_unavailable, not stored:
+the retry asks again with the same key. See docs/demo.md.
+
 Ctrl-C (SIGINT) or SIGTERM stops it: requests in flight finish, a second one
 stops it at once. It also stops when the process that started it exits (for
 example a killed "go run"), unless --exit-with-parent=false.
@@ -93,6 +101,8 @@ var demoEnv = []storeEnvVar{
 	{"read-timeout", "IDEM_READ_TIMEOUT"}, {"exit-with-parent", "IDEM_EXIT_WITH_PARENT"},
 	{"metrics-addr", "IDEM_METRICS_ADDR"}, {"flow", "IDEM_FLOW"},
 	{"in-flight-wait", "IDEM_IN_FLIGHT_WAIT"},
+	{"payment-url", "IDEM_PAYMENT_URL"}, {"payment-timeout", "IDEM_PAYMENT_TIMEOUT"},
+	{"payment-unknown", "IDEM_PAYMENT_UNKNOWN"},
 }
 
 // demoShutdownTimeout bounds how long in-flight requests may take to finish after
@@ -138,6 +148,9 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	metricsAddr := fs.String("metrics-addr", "127.0.0.1:9464", "`host:port` serving GET /metrics (Prometheus text format, no token); empty for none")
 	flowName := fs.String("flow", "auto", "auto (the store's preferred flow: single-tx on SQL databases), claim-complete (an in-flight record with a lease while the handler runs, as in the articles) or single-tx")
 	inFlightWait := fs.Duration("in-flight-wait", 0, "how long a retry that finds its key still running waits for the outcome, answered with the replay instead of 409; 0 answers 409 at once")
+	paymentURL := fs.String("payment-url", "", "charge every new order's total at this payment provider (POST URL/charges, the charge step's derived key as Idempotency-Key) before inserting it; empty charges nothing")
+	paymentTimeout := fs.Duration("payment-timeout", orders.DefaultPaymentTimeout, "how long one call to the payment provider may take; a slower one is a 502 and the retry asks again with the same key")
+	paymentUnknown := fs.String("payment-unknown", "rerun", "a charge begun by an attempt that died before recording it: rerun (charge again with the same key: safe when the provider honours Idempotency-Key) or refuse (the order's outcome is unknown until idem resolve settles the charge: for a provider that ignores keys)")
 	withParent := fs.Bool("exit-with-parent", true, "stop when the process that started the demo exits (for example a killed go run); false for nohup and the like")
 	fs.Usage = storeUsage(fs, demoUsage, demoEnv)
 	pos, code, ok := storeParse(fs, args, demoEnv, stdout, stderr)
@@ -169,6 +182,19 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		if msg := listenAddrProblem("--metrics-addr", *metricsAddr); msg != "" {
 			return storeUsageError(stderr, fs, msg+", or empty for no metrics")
 		}
+	}
+	var payments *orders.Payments
+	if *paymentURL != "" {
+		if u, err := url.Parse(*paymentURL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			return storeUsageError(stderr, fs, fmt.Sprintf("--payment-url %q is not an http:// or https:// URL; give the provider's base URL, such as http://127.0.0.1:9000", *paymentURL))
+		}
+		if *paymentTimeout <= 0 {
+			return storeUsageError(stderr, fs, fmt.Sprintf("--payment-timeout %v is not positive; use a duration such as 10s", *paymentTimeout))
+		}
+		if *paymentUnknown != "rerun" && *paymentUnknown != "refuse" {
+			return storeUsageError(stderr, fs, fmt.Sprintf("invalid value %q for --payment-unknown; use rerun or refuse", *paymentUnknown))
+		}
+		payments = &orders.Payments{URL: *paymentURL, Timeout: *paymentTimeout, RefuseUnknown: *paymentUnknown == "refuse"}
 	}
 	logger := demoLogger(stderr)
 	reg := prometheus.NewRegistry()
@@ -282,6 +308,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	code = demoServe(ctx, srv, serveErr, &app, demoSetup{
 		base: base, opts: opts, ordersTable: ordersTable, schema: *schema, delay: *delay, lease: *lease, ttl: *ttl,
 		requireKey: *requireKey, rate: *rate, mwCfg: mwCfg, logger: logger, metrics: metrics, metricsURL: metricsURL,
+		payments: payments,
 	}, stdout, stderr)
 	fmt.Fprintln(stderr, "idem demo: stopped")
 	return code
@@ -300,6 +327,7 @@ type demoSetup struct {
 	logger            *slog.Logger
 	metrics           *idemprom.Metrics // fed by the middleware, the store and the janitor
 	metricsURL        string            // where GET /metrics answers; empty when not served
+	payments          *orders.Payments  // nil: orders are not charged
 }
 
 // demoServe opens the database while srv already answers 503, then serves the
@@ -341,7 +369,7 @@ func demoServe(ctx context.Context, srv *http.Server, serveErr chan error, app *
 	if err := h.Migrate(ctx); err != nil {
 		return fail(err)
 	}
-	svc, err := orders.New(h.Orders, &orders.Config{Table: c.ordersTable, HandlerDelay: c.delay})
+	svc, err := orders.New(h.Orders, &orders.Config{Table: c.ordersTable, HandlerDelay: c.delay, Payments: c.payments})
 	if err != nil {
 		return fail(err)
 	}
@@ -371,7 +399,7 @@ func demoServe(ctx context.Context, srv *http.Server, serveErr chan error, app *
 	root.Handle("/", orders.Authenticate(routes))
 	var ready http.Handler = root
 	app.Store(&ready)
-	demoBanner(stdout, c.base, h, svc, c.lease, c.ttl, c.delay, c.requireKey, c.rate, c.metricsURL)
+	demoBanner(stdout, c.base, h, svc, c.lease, c.ttl, c.delay, c.requireKey, c.rate, c.metricsURL, c.payments)
 
 	jctx, jcancel := context.WithCancel(context.WithoutCancel(ctx))
 	var wg sync.WaitGroup
@@ -427,7 +455,7 @@ func demoBaseURL(addr net.Addr) string {
 
 // demoBanner prints, after the "listening on" line, where the data lives and a
 // curl command to paste.
-func demoBanner(w io.Writer, base string, h *dbopen.Handle, svc *orders.Service, lease, ttl, delay time.Duration, requireKey bool, rate int, metricsURL string) {
+func demoBanner(w io.Writer, base string, h *dbopen.Handle, svc *orders.Service, lease, ttl, delay time.Duration, requireKey bool, rate int, metricsURL string, payments *orders.Payments) {
 	fmt.Fprintf(w, "  orders: %s (table %s)\n", h.Target.Display, svc.Table())
 	if h.Transactional() {
 		fmt.Fprintf(w, "  keys:   %s; an order and its stored answer commit in one transaction\n", h.KeysAt)
@@ -445,6 +473,13 @@ func demoBanner(w io.Writer, base string, h *dbopen.Handle, svc *orders.Service,
 	fmt.Fprintf(w, "  lease %v, ttl %v, %s, %s, handler delay %v\n", lease, ttl, req, rl, delay)
 	if metricsURL != "" {
 		fmt.Fprintf(w, "  metrics: %s (Prometheus text format, no token)\n", metricsURL)
+	}
+	if payments != nil {
+		unknown := "rerun with the same key"
+		if payments.RefuseUnknown {
+			unknown = "refuse (outcome unknown until idem resolve)"
+		}
+		fmt.Fprintf(w, "  payments: every new order is charged at %s/charges (timeout %v; a charge begun and not recorded: %s)\n", strings.TrimRight(payments.URL, "/"), payments.Timeout, unknown)
 	}
 	fmt.Fprintf(w, `
 Create an order; run the curl twice: the second answer is the stored one, with

@@ -30,7 +30,12 @@ const inspectUsage = `Usage: idem inspect --db URL --scope TENANT KEY [flags]
 Shows the record idem keeps for (scope, key): its state, age, lease, expiry,
 request fingerprint, and the stored status, headers, body size and resource
 reference, with what the next request with this key will get. Use it when a
-client asks why a request was replayed (or answered 409 or 422).
+client asks why a request was replayed (or answered 409 or 422). Then come the
+key's step records (idem.Step: calls to other services), each with its state
+(started, done, failed), derived key and recorded result: a step started and
+never recorded is one whose outcome is unknown, which idem resolve --step
+settles. A key without a record may still have steps (an attempt that died in
+the single-transaction flow leaves its steps and no record).
 
 With --summary (and no KEY) it counts the records by state instead — complete,
 in flight, expired — and shows the oldest in-flight record and the in-flight
@@ -51,8 +56,8 @@ Example:
 --prefix and --schema name the table as idem demo, migrate and gc do. A key
 not found in --scope but kept under other scopes is named with them.
 
-Exit codes: 0 a record exists, 1 no record (never used, or expired) or the
-database failed, 2 bad usage.
+Exit codes: 0 a record or step records exist, 1 neither (never used, or
+expired) or the database failed, 2 bad usage.
 
 Flags:
 `
@@ -94,17 +99,59 @@ func runInspect(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	defer h.Close()
 	now := time.Now()
 	rec, err := h.Store.Get(ctx, idem.StoredScope(*scope), key, now) // the form the middleware stored it under
-	if errors.Is(err, idem.ErrNotFound) {
-		fmt.Fprintf(stdout, "no record for key %q in scope %q (%s): it was never used, or it expired and the next request with it runs afresh\n", key, *scope, h.KeysAt)
-		inspectOtherScopes(ctx, stdout, h, *scope, key, now)
-		return exitFailure
-	}
-	if err != nil {
+	if err != nil && !errors.Is(err, idem.ErrNotFound) {
 		storeFailure(stderr, "idem inspect", err, h)
 		return exitFailure
 	}
-	inspectPrint(stdout, rec, now, *showBody)
+	var steps []idem.StepRecord
+	if ss, ok := h.Store.(idem.StepStore); ok {
+		if steps, err = ss.GetSteps(ctx, idem.StoredScope(*scope), key, now); err != nil {
+			storeFailure(stderr, "idem inspect", err, h)
+			return exitFailure
+		}
+	}
+	if rec == nil {
+		if len(steps) == 0 {
+			fmt.Fprintf(stdout, "no record for key %q in scope %q (%s): it was never used, or it expired and the next request with it runs afresh\n", key, *scope, h.KeysAt)
+			inspectOtherScopes(ctx, stdout, h, *scope, key, now)
+			return exitFailure
+		}
+		// The single-transaction flow: the attempt that began the steps died
+		// and its record rolled back, but the steps were committed on their own.
+		fmt.Fprintf(stdout, "no record for key %q in scope %q (%s): no request with it is running or complete; the next one runs the handler, which finds these steps.\n\n", key, *scope, h.KeysAt)
+	} else {
+		inspectPrint(stdout, rec, now, *showBody)
+	}
+	inspectPrintSteps(stdout, steps, now)
 	return exitOK
+}
+
+// inspectPrintSteps writes the step records of a key's operation for a human.
+func inspectPrintSteps(w io.Writer, steps []idem.StepRecord, now time.Time) {
+	if len(steps) == 0 {
+		return
+	}
+	fmt.Fprintln(w)
+	unknown := false
+	for _, st := range steps {
+		fmt.Fprintf(w, "%-12s %q %s\n", "step:", st.Name, st.State)
+		fmt.Fprintf(w, "%-12s %s\n", "  derived key", st.DerivedKey)
+		fmt.Fprintf(w, "%-12s %s ago (%s), expires in %s\n", "  started", now.Sub(st.StartedAt).Round(time.Millisecond), st.StartedAt.UTC().Format(time.RFC3339Nano), st.ExpiresAt.Sub(now).Round(time.Second))
+		switch st.State {
+		case idem.StepStarted:
+			if st.Owner == "" {
+				fmt.Fprintf(w, "%-12s a transient failure: the next attempt runs it again with this derived key\n", "  outcome")
+			} else {
+				unknown = true
+				fmt.Fprintf(w, "%-12s never recorded: the other service may or may not have acted\n", "  outcome")
+			}
+		default:
+			fmt.Fprintf(w, "%-12s %s\n", "  result", st.Result)
+		}
+	}
+	if unknown {
+		fmt.Fprintln(w, "\nA step begun and never recorded is run again with its derived key by the next\nattempt (OnUnknown(StepRerun), the default), or refused (StepRefuse: the outcome\nis unknown). Ask the other service what it did with the derived key, then settle\nthe step: idem resolve --step NAME with --done JSON, --failed MESSAGE or --forget.")
+	}
 }
 
 // inspectPrint writes rec for a human.

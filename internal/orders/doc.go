@@ -7,6 +7,7 @@
 //	POST /orders        {"cart_id": "c_42", "total_cents": 1900}
 //	                    → 201, Location: /orders/{id},
 //	                      {"id": "ord_…", "cart_id": "c_42", "total_cents": 1900, "created_at": "…"}
+//	                      (and "charge_id": "ch_…" with Config.Payments)
 //	GET  /orders/{id}   → 200 the order, or 404 (also for another tenant's order,
 //	                      and for anything that is not an order id)
 //	GET  /orders        → 200 {"orders": […], "next": "/orders?after=…&limit=…"} of the
@@ -47,6 +48,22 @@
 // Config.HandlerDelay sleeps inside the transaction after the insert, to widen the
 // race window in demonstrations.
 //
+// # Payments
+//
+// With Config.Payments every new order is first charged at a payment provider
+// (see Payments) as the step "charge" of the request's operation (idem.Step):
+// the call's Idempotency-Key is the step's derived key, the same for every
+// attempt of one order, and the charge's id is recorded before the order is
+// inserted, so a retry after a crash takes the recorded charge without a
+// second call. A decline (a 4xx other than 408, 409, 425, 429) is a final,
+// recorded failure: 402 "payment_failed", stored and replayed. A provider
+// that fails, does not answer or answers too late is a transient failure:
+// 502 "payment_unavailable", not stored (with idem demo's 5xx policy), and the
+// retry asks again with the same key. With Payments.RefuseUnknown a charge
+// begun and never recorded, or sent and unanswered, is not run again: 502
+// "payment_unknown", the request's outcome unknown until an operator settles
+// the step (idem resolve --step charge).
+//
 // # Schema
 //
 // One table (default name "orders") next to the key records, created by Migrate:
@@ -56,6 +73,7 @@
 //	cart_id     TEXT NOT NULL         -- at most 255 bytes
 //	total_cents BIGINT NOT NULL       -- >= 0
 //	created_at  TIMESTAMPTZ NOT NULL  -- DATETIME(6) in MySQL, fixed-width UTC text in SQLite
+//	charge_id   TEXT                  -- the provider's charge id; NULL without Config.Payments
 //	INDEX (tenant, cart_id, created_at)
 //
 // # Limits

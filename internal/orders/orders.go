@@ -46,6 +46,10 @@ type Order struct {
 	CartID     string    `json:"cart_id"`
 	TotalCents int64     `json:"total_cents"`
 	CreatedAt  time.Time `json:"created_at"`
+	// ChargeID is the payment provider's id of the order's charge; empty (and
+	// left out of the JSON) when the service charges nothing (Config.Payments
+	// nil).
+	ChargeID string `json:"charge_id,omitempty"`
 }
 
 // Config configures a Service. A nil *Config means all defaults.
@@ -61,6 +65,9 @@ type Config struct {
 	TenantFunc func(r *http.Request) string
 	// NowFunc is the clock for created_at. Defaults to time.Now.
 	NowFunc func() time.Time
+	// Payments, when set, charges every new order's total before the order is
+	// inserted (see Payments). Nil charges nothing.
+	Payments *Payments
 }
 
 // Service is the reference checkout service: it creates and lists orders.
@@ -103,8 +110,11 @@ func New(b Backend, cfg *Config) (*Service, error) {
 		s.cfg.NowFunc = time.Now
 	}
 	t := s.cfg.Table
-	s.insert = "INSERT INTO " + t + " (id, tenant, cart_id, total_cents, created_at) VALUES (?, ?, ?, ?, ?)"
-	s.cols = "SELECT id, cart_id, total_cents, created_at FROM " + t
+	if p := s.cfg.Payments; p != nil && p.URL == "" {
+		return nil, errors.New("orders: Payments.URL is empty; give the payment provider's base URL, or leave Payments nil")
+	}
+	s.insert = "INSERT INTO " + t + " (id, tenant, cart_id, total_cents, created_at, charge_id) VALUES (?, ?, ?, ?, ?, ?)"
+	s.cols = "SELECT id, cart_id, total_cents, created_at, COALESCE(charge_id, '') FROM " + t
 	s.getOne = s.cols + " WHERE tenant = ? AND id = ?"
 	return s, nil
 }
@@ -182,8 +192,18 @@ func (s *Service) create(w http.ResponseWriter, r *http.Request) {
 		CreatedAt:  s.cfg.NowFunc().UTC().Truncate(time.Microsecond),
 	}
 	ctx := r.Context()
+	var charge any // NULL without payments
+	if s.cfg.Payments != nil {
+		// The charge comes first: the order is inserted only once it is paid.
+		id, err := s.charge(ctx, o.CartID, o.TotalCents)
+		if err != nil {
+			s.writeChargeError(w, ctx, err)
+			return
+		}
+		o.ChargeID, charge = id, id
+	}
 	err := s.b.inTx(ctx, func(q querier) error {
-		if err := q.exec(ctx, s.insert, o.ID, tenant, o.CartID, o.TotalCents, s.timeArg(o.CreatedAt)); err != nil {
+		if err := q.exec(ctx, s.insert, o.ID, tenant, o.CartID, o.TotalCents, s.timeArg(o.CreatedAt), charge); err != nil {
 			return fmt.Errorf("insert order: %w", err)
 		}
 		if d := s.cfg.HandlerDelay; d > 0 {
@@ -405,7 +425,7 @@ func (s *Service) query(ctx context.Context, q string, args ...any) ([]Order, er
 	err := s.b.db().query(ctx, q, args, func(scan func(...any) error) error {
 		var o Order
 		var created any
-		if err := scan(&o.ID, &o.CartID, &o.TotalCents, &created); err != nil {
+		if err := scan(&o.ID, &o.CartID, &o.TotalCents, &created, &o.ChargeID); err != nil {
 			return err
 		}
 		t, err := parseTime(created)
