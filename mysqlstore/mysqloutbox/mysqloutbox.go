@@ -129,6 +129,9 @@ ORDER BY o.seq LIMIT ?`
 	return o, nil
 }
 
+// Table returns the outbox table's name, quoted.
+func (o *Outbox) Table() string { return o.table }
+
 // Migrate creates the outbox, dead-letter and lock tables if they do not
 // exist.
 func (o *Outbox) Migrate(ctx context.Context) error {
