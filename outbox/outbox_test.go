@@ -66,7 +66,7 @@ func TestPrepareHostile(t *testing.T) {
 		{"ID with NUL", func(m *outbox.Message) { m.ID = "a\x00b" }, outbox.ErrInvalid, "ID"},
 		{"ID with space", func(m *outbox.Message) { m.ID = "a b" }, outbox.ErrInvalid, "ID"},
 		{"ID too long", func(m *outbox.Message) { m.ID = strings.Repeat("i", 256) }, outbox.ErrInvalid, "ID"},
-		{"payload too large", func(m *outbox.Message) { m.Payload = make([]byte, outbox.DefaultMaxPayload+1) }, outbox.ErrTooLarge, "at most 1048576"},
+		{"payload too large", func(m *outbox.Message) { m.Payload = make([]byte, outbox.DefaultMaxPayload+1) }, outbox.ErrTooLarge, "at most 1028096"},
 		{"header name with colon", func(m *outbox.Message) { m.Headers = map[string]string{"X:Y": "v"} }, outbox.ErrInvalid, "header name"},
 		{"header name with space", func(m *outbox.Message) { m.Headers = map[string]string{"X Y": "v"} }, outbox.ErrInvalid, "header name"},
 		{"empty header name", func(m *outbox.Message) { m.Headers = map[string]string{"": "v"} }, outbox.ErrInvalid, "header name"},
@@ -93,6 +93,15 @@ func TestPrepareHostile(t *testing.T) {
 	m.Headers = many
 	if _, err := outbox.Prepare(ctx, m, 0); !errors.Is(err, outbox.ErrInvalid) {
 		t.Errorf("%d headers: %v", len(many), err)
+	}
+	big := map[string]string{}
+	for i := range 5 {
+		big[strings.Repeat("h", i+1)] = strings.Repeat("v", outbox.MaxHeaderValue)
+	}
+	m = ok
+	m.Headers = big
+	if _, err := outbox.Prepare(ctx, m, 0); !errors.Is(err, outbox.ErrInvalid) || !strings.Contains(err.Error(), "names and values together") {
+		t.Errorf("headers over MaxHeaderBytes: %v", err)
 	}
 	m = ok
 	m.Payload = make([]byte, 101)
