@@ -292,3 +292,59 @@ func TestRelayPublishTimeout(t *testing.T) {
 		t.Fatalf("pending %d after %d calls", st.Pending, calls.Load())
 	}
 }
+
+// TestRelayCancelledMidBatch: a relay whose context ends while publications
+// hang returns promptly and releases what it had not published, so another
+// relay publishes it at once (not a lease later), with the same ID.
+func TestRelayCancelledMidBatch(t *testing.T) {
+	t.Parallel()
+	src := &memSource{}
+	for i := range 10 {
+		src.add(outbox.Message{ID: string(rune('a' + i)), Subject: "s", PartitionKey: string(rune('a' + i))})
+	}
+	var published atomic.Int32
+	hang := outbox.PublisherFunc(func(ctx context.Context, m *outbox.Stored) error {
+		if m.ID < "f" {
+			published.Add(1)
+			return nil
+		}
+		<-ctx.Done()
+		return ctx.Err()
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	a := &outbox.Relay{Source: src, Publisher: hang, LeaseDuration: time.Minute, MinBackoff: time.Millisecond, MaxBackoff: time.Millisecond, StatsInterval: -1, Retention: -1}
+	done := make(chan error, 1)
+	go func() { done <- a.Run(ctx) }()
+	for published.Load() < 5 {
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(20 * time.Millisecond)
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Run did not return after its context ended")
+	}
+	if st, _ := src.Stats(context.Background()); st.Pending != 5 {
+		t.Fatalf("%d pending after the cancel, want 5", st.Pending)
+	}
+	var ids []string
+	var mu sync.Mutex
+	b := &outbox.Relay{Source: src, LeaseDuration: time.Minute, Publisher: outbox.PublisherFunc(func(_ context.Context, m *outbox.Stored) error {
+		mu.Lock()
+		ids = append(ids, m.ID)
+		mu.Unlock()
+		return nil
+	})}
+	time.Sleep(5 * time.Millisecond)
+	start := time.Now()
+	if n, err := b.PublishBatch(context.Background()); err != nil || n != 5 {
+		t.Fatalf("the second relay leased %d (%v), want the 5 the first released", n, err)
+	}
+	if time.Since(start) > time.Second || len(ids) != 5 {
+		t.Fatalf("published %v", ids)
+	}
+}
