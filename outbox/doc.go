@@ -1,0 +1,56 @@
+// Package outbox is the transactional outbox: a handler writes the events of
+// a request into an outbox table in the same database transaction as its
+// business writes and idem's stored answer, and a Relay publishes them after
+// the commit, with a stable ID that the consumer side deduplicates.
+//
+// The package holds what does not depend on a database or a broker: Message,
+// MessageID, the Source a store's outbox table offers the relay, the
+// Publisher a broker adapter implements, the Relay, and the Observer that
+// sees what the relay does. The tables live in the store modules
+// (pgstore/pgoutbox, sqlitestore/sqliteoutbox, mysqlstore/mysqloutbox); the
+// publishers are modules of their own (outbox/natsjs, outbox/amqp,
+// outbox/watermill).
+//
+// # Guarantees
+//
+//   - Enqueue writes in the caller's transaction: the message commits with
+//     it or not at all. In a handler running in idem's transaction
+//     (pgstore.Tx, sqlitestore.Tx, mysqlstore.Tx) that is the transaction
+//     that stores the answer, so a replayed retry, which never runs the
+//     handler, enqueues nothing, and a takeover after a crash enqueues only
+//     what the committed attempt enqueued.
+//   - The relay marks a message published only after the broker confirmed
+//     it. A relay that crashes between the confirmation and the mark leaves
+//     the message leased; once the lease lapses another relay (or the same
+//     one, restarted) publishes it again, with the same ID: delivery is at
+//     least once, and exactly once in effect for a consumer that
+//     deduplicates by ID (idem's consumer package does).
+//   - Order per partition: a relay leases only the oldest unpublished
+//     message of each partition (the head-of-partition rule) and the next
+//     one only after the previous one was marked published or
+//     dead-lettered, so several relays never publish two messages of one
+//     partition out of order. The partition defaults to the idempotency
+//     key's; Message.PartitionKey names another (a customer, an account).
+//   - One message is never published by two relays at once while the
+//     leases hold: a relay publishes a message only under a lease it took
+//     and stops (its Publish context ends) before the lease lapses. The
+//     remaining window is a relay stopped by the operating system (paused,
+//     swapped) longer than the lease between the check and the broker's
+//     receipt: then another relay may publish the same message, with the
+//     same ID, at the same time.
+//   - A broker outage loses nothing: a failed publication is retried with a
+//     bounded exponential backoff (Relay.MaxBackoff) for as long as it takes,
+//     without an operator. Only a failure the publisher marks Permanent
+//     (too large for the broker, no stream for the subject, unroutable)
+//     moves the message to the dead-letter table, with the reason.
+//
+// # Dead letters and order
+//
+// A dead-lettered message leaves its partition: the next message of that
+// partition is published after it. A permanent failure is deterministic (the
+// same message would be refused forever), so holding the partition would
+// stop every later event of that key until an operator stepped in, which is
+// what the outbox exists to avoid; the dead-letter row keeps the partition,
+// the sequence number and the reason, so the gap is visible and the message
+// can be repaired and enqueued again.
+package outbox

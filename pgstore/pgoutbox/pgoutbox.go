@@ -1,0 +1,356 @@
+// Package pgoutbox is the transactional outbox on PostgreSQL: Enqueue writes a
+// message into the outbox table in the caller's transaction (the handler's,
+// pgstore.Tx), and the Outbox is the outbox.Source an outbox.Relay
+// publishes from. Several relays may share one table: a batch is leased with
+// FOR UPDATE SKIP LOCKED, and only the oldest unpublished message of each
+// partition is ever leased, so the order per partition holds.
+package pgoutbox
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/json"
+
+	"fmt"
+	"regexp"
+	"strings"
+	"time"
+
+	"github.com/idemkit/idem/outbox"
+	"github.com/idemkit/idem/pgstore"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// DefaultTable is the outbox table when Config.Table is empty; the dead
+// letters go to the table of the same name with "_dead" appended.
+const DefaultTable = "idem_outbox"
+
+// Config configures an Outbox. A nil *Config means all defaults.
+type Config struct {
+	// Table is the outbox table, a plain or schema-qualified name
+	// ("billing.idem_outbox") of letters, digits and underscores, quoted as
+	// written. Defaults to DefaultTable.
+	Table string
+	// DeadLetterTable holds the dead-lettered messages with their reason.
+	// Defaults to Table with "_dead" appended.
+	DeadLetterTable string
+	// MaxPayload is the largest payload Enqueue accepts
+	// (outbox.DefaultMaxPayload, 1 MiB, by default). Keep it at most what the
+	// broker accepts, or larger messages are dead-lettered by the relay.
+	MaxPayload int
+}
+
+// Outbox is an outbox table on PostgreSQL: Enqueue writes to it, and it is
+// the outbox.Source a Relay reads. Safe for concurrent use.
+type Outbox struct {
+	pool       *pgxpool.Pool
+	table      string // quoted
+	dead       string // quoted
+	lockNS     string
+	maxPayload int
+
+	insertSQL, leaseSQL, markSQL, retrySQL, deadSQL, deleteSQL, statsSQL string
+}
+
+var identRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
+
+func quote(name string) (string, error) {
+	parts := strings.Split(name, ".")
+	if len(parts) > 2 {
+		return "", fmt.Errorf("pgoutbox: table %q: use name or schema.name", name)
+	}
+	for _, p := range parts {
+		if !identRE.MatchString(p) || len(p) > 63 {
+			return "", fmt.Errorf("pgoutbox: table %q: each part must be letters, digits and underscores, at most 63 bytes", name)
+		}
+	}
+	return pgx.Identifier(parts).Sanitize(), nil
+}
+
+// New returns the Outbox on cfg.Table of pool's database. It does not touch
+// the database: call Migrate first.
+func New(pool *pgxpool.Pool, cfg *Config) (*Outbox, error) {
+	var c Config
+	if cfg != nil {
+		c = *cfg
+	}
+	if c.Table == "" {
+		c.Table = DefaultTable
+	}
+	if c.DeadLetterTable == "" {
+		c.DeadLetterTable = c.Table + "_dead"
+	}
+	if c.MaxPayload <= 0 {
+		c.MaxPayload = outbox.DefaultMaxPayload
+	}
+	t, err := quote(c.Table)
+	if err != nil {
+		return nil, err
+	}
+	d, err := quote(c.DeadLetterTable)
+	if err != nil {
+		return nil, err
+	}
+	o := &Outbox{pool: pool, table: t, dead: d, lockNS: c.Table, maxPayload: c.MaxPayload}
+	cols := "seq, id, subject, payload, headers, partition_key, enqueued_at"
+	o.insertSQL = "INSERT INTO " + t + " (id, subject, payload, headers, partition_key) VALUES ($1, $2, $3, $4, $5)"
+	o.leaseSQL = `WITH ready AS (
+  SELECT o.seq FROM ` + t + ` o
+  WHERE o.published_at IS NULL AND o.next_attempt_at <= now()
+    AND (o.lease_until IS NULL OR o.lease_until <= now())
+    AND NOT EXISTS (SELECT 1 FROM ` + t + ` p WHERE p.partition_key = o.partition_key AND p.published_at IS NULL AND p.seq < o.seq)
+  ORDER BY o.seq LIMIT $3
+  FOR UPDATE OF o SKIP LOCKED)
+UPDATE ` + t + ` t SET lease_owner = $1, lease_until = now() + $2 * interval '1 millisecond', attempts = t.attempts + 1
+FROM ready WHERE t.seq = ready.seq
+RETURNING t.seq, t.id, t.subject, t.payload, t.headers, t.partition_key, t.enqueued_at, t.attempts - 1`
+	o.markSQL = "UPDATE " + t + " SET published_at = now(), lease_owner = NULL, lease_until = NULL WHERE seq = ANY($2) AND lease_owner = $1 AND published_at IS NULL"
+	o.retrySQL = "UPDATE " + t + " SET lease_owner = NULL, lease_until = NULL, next_attempt_at = now() + $3 * interval '1 millisecond', last_error = $4 WHERE seq = $2 AND lease_owner = $1 AND published_at IS NULL"
+	o.deadSQL = "WITH moved AS (DELETE FROM " + t + " WHERE seq = $2 AND lease_owner = $1 AND published_at IS NULL RETURNING " + cols + ", attempts)\n" +
+		"INSERT INTO " + d + " (" + cols + ", attempts, reason) SELECT " + cols + ", attempts, $3 FROM moved"
+	o.deleteSQL = "DELETE FROM " + t + " WHERE seq IN (SELECT seq FROM " + t + " WHERE published_at < now() - $1 * interval '1 millisecond' ORDER BY published_at LIMIT $2)"
+	o.statsSQL = "SELECT (SELECT count(*) FROM " + t + " WHERE published_at IS NULL), " +
+		"(SELECT coalesce(extract(epoch FROM now() - min(enqueued_at))::float8, 0) FROM " + t + " WHERE published_at IS NULL), " +
+		"(SELECT count(*) FROM " + d + ")"
+	return o, nil
+}
+
+// Migrate creates the outbox and dead-letter tables and their indexes if
+// they do not exist. It is idempotent and safe to run from many processes.
+func (o *Outbox) Migrate(ctx context.Context) error {
+	idx := func(suffix string) string {
+		name := strings.Trim(o.lockNS[strings.LastIndex(o.lockNS, ".")+1:], `"`) + suffix
+		if len(name) > 63 {
+			sum := sha256.Sum256([]byte(name))
+			name = fmt.Sprintf("idem_outbox_%x%s", sum[:6], suffix)
+		}
+		return pgx.Identifier{name}.Sanitize()
+	}
+	ddl := []string{
+		`CREATE TABLE IF NOT EXISTS ` + o.table + ` (
+  seq bigint GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
+  id text NOT NULL,
+  subject text NOT NULL,
+  payload bytea NOT NULL,
+  headers text,
+  partition_key text NOT NULL,
+  enqueued_at timestamptz NOT NULL DEFAULT now(),
+  attempts integer NOT NULL DEFAULT 0,
+  next_attempt_at timestamptz NOT NULL DEFAULT '-infinity',
+  lease_owner text,
+  lease_until timestamptz,
+  last_error text,
+  published_at timestamptz)`,
+		`CREATE INDEX IF NOT EXISTS ` + idx("_pending_idx") + ` ON ` + o.table + ` (partition_key, seq) WHERE published_at IS NULL`,
+		`CREATE INDEX IF NOT EXISTS ` + idx("_ready_idx") + ` ON ` + o.table + ` (seq) WHERE published_at IS NULL`,
+		`CREATE INDEX IF NOT EXISTS ` + idx("_published_idx") + ` ON ` + o.table + ` (published_at) WHERE published_at IS NOT NULL`,
+		`CREATE TABLE IF NOT EXISTS ` + o.dead + ` (
+  seq bigint PRIMARY KEY,
+  id text NOT NULL,
+  subject text NOT NULL,
+  payload bytea NOT NULL,
+  headers text,
+  partition_key text NOT NULL,
+  enqueued_at timestamptz NOT NULL,
+  attempts integer NOT NULL,
+  reason text NOT NULL,
+  dead_at timestamptz NOT NULL DEFAULT now())`,
+	}
+	tx, err := o.pool.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("pgoutbox: migrate: %w", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", int64(0x6964656d_6f75746d)); err != nil {
+		return fmt.Errorf("pgoutbox: migrate: %w", err)
+	}
+	for _, s := range ddl {
+		if _, err := tx.Exec(ctx, s); err != nil {
+			return fmt.Errorf("pgoutbox: migrate %s: %w (does the schema exist, and may this role create tables in it?)", o.table, err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("pgoutbox: migrate: commit: %w", err)
+	}
+	return nil
+}
+
+// Enqueue writes m into the outbox in tx, which commits it or rolls it back
+// with the caller's other writes. A nil tx means the transaction of the
+// request idem is executing under ctx (pgstore.Tx(ctx)). It fills in m's
+// defaults and checks it (outbox.Prepare): without an ID outside a request
+// idem executes it fails with outbox.ErrNoID, with a payload over MaxPayload
+// with outbox.ErrTooLarge.
+//
+// Enqueue locks m's partition until tx ends (a transaction-scoped advisory
+// lock), so that the messages of one partition are numbered in the order
+// their transactions commit: two transactions that enqueue to one partition
+// run their Enqueue-to-commit parts one after the other. The default
+// partition, the request's key, is already one request's at a time.
+func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, m outbox.Message) error {
+	if tx == nil {
+		tx = pgstore.Tx(ctx)
+		if tx == nil {
+			return outbox.ErrNoTx
+		}
+	}
+	m, err := outbox.Prepare(ctx, m, o.maxPayload)
+	if err != nil {
+		return err
+	}
+	var headers *string
+	if len(m.Headers) > 0 {
+		b, err := json.Marshal(m.Headers)
+		if err != nil {
+			return fmt.Errorf("pgoutbox: encode headers: %w", err)
+		}
+		s := string(b)
+		headers = &s
+	}
+	b := &pgx.Batch{}
+	b.Queue("SELECT pg_advisory_xact_lock($1)", o.partitionLock(m.PartitionKey))
+	b.Queue(o.insertSQL, m.ID, m.Subject, m.Payload, headers, m.PartitionKey)
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("pgoutbox: enqueue into %s: %w", o.table, err)
+	}
+	return nil
+}
+
+func (o *Outbox) partitionLock(partition string) int64 {
+	h := sha256.New()
+	h.Write([]byte("idem/pgoutbox/partition\x00"))
+	h.Write([]byte(o.lockNS))
+	h.Write([]byte{0})
+	h.Write([]byte(partition))
+	return int64(binary.BigEndian.Uint64(h.Sum(nil)))
+}
+
+func ms(d time.Duration) int64 { return d.Milliseconds() }
+
+// Lease implements outbox.Source.
+func (o *Outbox) Lease(ctx context.Context, owner string, n int, d time.Duration) ([]outbox.Stored, error) {
+	rows, err := o.pool.Query(ctx, o.leaseSQL, owner, ms(d), n)
+	if err != nil {
+		return nil, fmt.Errorf("pgoutbox: lease: %w", err)
+	}
+	defer rows.Close()
+	var out []outbox.Stored
+	for rows.Next() {
+		var s outbox.Stored
+		var headers *string
+		if err := rows.Scan(&s.Seq, &s.ID, &s.Subject, &s.Payload, &headers, &s.PartitionKey, &s.EnqueuedAt, &s.Attempts); err != nil {
+			return nil, fmt.Errorf("pgoutbox: lease: %w", err)
+		}
+		if headers != nil {
+			if err := json.Unmarshal([]byte(*headers), &s.Headers); err != nil {
+				return nil, fmt.Errorf("pgoutbox: lease: headers of message %d: %w", s.Seq, err)
+			}
+		}
+		out = append(out, s)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("pgoutbox: lease: %w", err)
+	}
+	sortSeq(out)
+	return out, nil
+}
+
+func sortSeq(s []outbox.Stored) {
+	for i := 1; i < len(s); i++ {
+		for j := i; j > 0 && s[j].Seq < s[j-1].Seq; j-- {
+			s[j], s[j-1] = s[j-1], s[j]
+		}
+	}
+}
+
+// MarkPublished implements outbox.Source.
+func (o *Outbox) MarkPublished(ctx context.Context, owner string, seqs ...int64) (int, error) {
+	if len(seqs) == 0 {
+		return 0, nil
+	}
+	tag, err := o.pool.Exec(ctx, o.markSQL, owner, seqs)
+	if err != nil {
+		return 0, fmt.Errorf("pgoutbox: mark published: %w", err)
+	}
+	return int(tag.RowsAffected()), nil
+}
+
+// Retry implements outbox.Source.
+func (o *Outbox) Retry(ctx context.Context, owner string, seq int64, retryIn time.Duration, reason string) error {
+	if _, err := o.pool.Exec(ctx, o.retrySQL, owner, seq, ms(retryIn), clean(reason)); err != nil {
+		return fmt.Errorf("pgoutbox: retry: %w", err)
+	}
+	return nil
+}
+
+// DeadLetter implements outbox.Source.
+func (o *Outbox) DeadLetter(ctx context.Context, owner string, seq int64, reason string) error {
+	if _, err := o.pool.Exec(ctx, o.deadSQL, owner, seq, clean(reason)); err != nil {
+		return fmt.Errorf("pgoutbox: dead-letter: %w", err)
+	}
+	return nil
+}
+
+// DeletePublished implements outbox.Source.
+func (o *Outbox) DeletePublished(ctx context.Context, olderThan time.Duration, limit int) (int, error) {
+	tag, err := o.pool.Exec(ctx, o.deleteSQL, ms(olderThan), limit)
+	if err != nil {
+		return 0, fmt.Errorf("pgoutbox: delete published: %w", err)
+	}
+	return int(tag.RowsAffected()), nil
+}
+
+// Stats implements outbox.Source.
+func (o *Outbox) Stats(ctx context.Context) (outbox.Stats, error) {
+	var s outbox.Stats
+	var age float64
+	if err := o.pool.QueryRow(ctx, o.statsSQL).Scan(&s.Pending, &age, &s.DeadLetters); err != nil {
+		return s, fmt.Errorf("pgoutbox: stats: %w", err)
+	}
+	s.OldestPending = time.Duration(age * float64(time.Second))
+	return s, nil
+}
+
+// DeadLetter is a dead-lettered message as DeadLetters reads it.
+type DeadLetter struct {
+	outbox.Stored
+	Reason string
+	DeadAt time.Time
+}
+
+// DeadLetters returns up to limit dead-lettered messages, oldest first.
+func (o *Outbox) DeadLetters(ctx context.Context, limit int) ([]DeadLetter, error) {
+	rows, err := o.pool.Query(ctx, "SELECT seq, id, subject, payload, headers, partition_key, enqueued_at, attempts, reason, dead_at FROM "+o.dead+" ORDER BY seq LIMIT $1", limit)
+	if err != nil {
+		return nil, fmt.Errorf("pgoutbox: dead letters: %w", err)
+	}
+	defer rows.Close()
+	var out []DeadLetter
+	for rows.Next() {
+		var d DeadLetter
+		var headers *string
+		if err := rows.Scan(&d.Seq, &d.ID, &d.Subject, &d.Payload, &headers, &d.PartitionKey, &d.EnqueuedAt, &d.Attempts, &d.Reason, &d.DeadAt); err != nil {
+			return nil, fmt.Errorf("pgoutbox: dead letters: %w", err)
+		}
+		if headers != nil {
+			_ = json.Unmarshal([]byte(*headers), &d.Headers)
+		}
+		out = append(out, d)
+	}
+	return out, rows.Err()
+}
+
+// clean makes reason storable as text: valid UTF-8 without NUL, at most 4 KiB.
+func clean(reason string) string {
+	reason = strings.ToValidUTF8(strings.ReplaceAll(reason, "\x00", ""), "?")
+	if len(reason) > 4096 {
+		reason = strings.ToValidUTF8(reason[:4096], "")
+	}
+	return reason
+}
+
+var _ outbox.Source = (*Outbox)(nil)
+
+var _ outbox.Source = (*Outbox)(nil)
