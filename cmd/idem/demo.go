@@ -27,6 +27,7 @@ import (
 	"github.com/idemkit/idem/idemslog"
 	"github.com/idemkit/idem/internal/dbopen"
 	"github.com/idemkit/idem/internal/orders"
+	"github.com/idemkit/idem/outbox"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -93,6 +94,7 @@ var demoEnv = []storeEnvVar{
 	{"read-timeout", "IDEM_READ_TIMEOUT"}, {"exit-with-parent", "IDEM_EXIT_WITH_PARENT"},
 	{"metrics-addr", "IDEM_METRICS_ADDR"}, {"flow", "IDEM_FLOW"},
 	{"in-flight-wait", "IDEM_IN_FLIGHT_WAIT"},
+	{"events", "IDEM_EVENTS"}, {"events-subject", "IDEM_EVENTS_SUBJECT"}, {"events-lease", "IDEM_EVENTS_LEASE"},
 }
 
 // demoShutdownTimeout bounds how long in-flight requests may take to finish after
@@ -138,6 +140,9 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	metricsAddr := fs.String("metrics-addr", "127.0.0.1:9464", "`host:port` serving GET /metrics (Prometheus text format, no token); empty for none")
 	flowName := fs.String("flow", "auto", "auto (the store's preferred flow: single-tx on SQL databases), claim-complete (an in-flight record with a lease while the handler runs, as in the articles) or single-tx")
 	inFlightWait := fs.Duration("in-flight-wait", 0, "how long a retry that finds its key still running waits for the outcome, answered with the replay instead of 409; 0 answers 409 at once")
+	events := fs.String("events", "", "`nats://HOST:PORT`: publish an event for every order created, through a transactional outbox and a relay running in the demo, to JetStream; empty for none")
+	eventsSubject := fs.String("events-subject", defaultEventsSubject, "with --events: the `subject` of the orders' events (a stream is created for it if none captures it)")
+	eventsLease := fs.Duration("events-lease", outbox.DefaultLeaseDuration, "with --events: how long the relay holds a message it publishes; after a crash another relay publishes it again (same ID) once this lapses")
 	withParent := fs.Bool("exit-with-parent", true, "stop when the process that started the demo exits (for example a killed go run); false for nohup and the like")
 	fs.Usage = storeUsage(fs, demoUsage, demoEnv)
 	pos, code, ok := storeParse(fs, args, demoEnv, stdout, stderr)
@@ -168,6 +173,17 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if *metricsAddr != "" {
 		if msg := listenAddrProblem("--metrics-addr", *metricsAddr); msg != "" {
 			return storeUsageError(stderr, fs, msg+", or empty for no metrics")
+		}
+	}
+	if *events != "" {
+		if msg := checkNATSURL("--events", *events); msg != "" {
+			return storeUsageError(stderr, fs, msg)
+		}
+		if *eventsSubject == "" || strings.ContainsAny(*eventsSubject, " \t*>") {
+			return storeUsageError(stderr, fs, fmt.Sprintf("--events-subject %q is not a subject to publish on; use a NATS subject without spaces or wildcards, such as orders.created", *eventsSubject))
+		}
+		if *eventsLease < time.Second {
+			return storeUsageError(stderr, fs, fmt.Sprintf("--events-lease %v is too short; use 1s or more (a publication may take up to half of it)", *eventsLease))
 		}
 	}
 	logger := demoLogger(stderr)
@@ -282,6 +298,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	code = demoServe(ctx, srv, serveErr, &app, demoSetup{
 		base: base, opts: opts, ordersTable: ordersTable, schema: *schema, delay: *delay, lease: *lease, ttl: *ttl,
 		requireKey: *requireKey, rate: *rate, mwCfg: mwCfg, logger: logger, metrics: metrics, metricsURL: metricsURL,
+		events: *events, eventsSubject: *eventsSubject, eventsLease: *eventsLease, outboxTable: qualify(outboxTableName),
 	}, stdout, stderr)
 	fmt.Fprintln(stderr, "idem demo: stopped")
 	return code
@@ -300,6 +317,10 @@ type demoSetup struct {
 	logger            *slog.Logger
 	metrics           *idemprom.Metrics // fed by the middleware, the store and the janitor
 	metricsURL        string            // where GET /metrics answers; empty when not served
+	events            string            // --events: the NATS URL; empty for no events
+	eventsSubject     string
+	eventsLease       time.Duration
+	outboxTable       string // the outbox table, with --prefix and --schema
 }
 
 // demoServe opens the database while srv already answers 503, then serves the
@@ -341,7 +362,16 @@ func demoServe(ctx context.Context, srv *http.Server, serveErr chan error, app *
 	if err := h.Migrate(ctx); err != nil {
 		return fail(err)
 	}
-	svc, err := orders.New(h.Orders, &orders.Config{Table: c.ordersTable, HandlerDelay: c.delay})
+	ocfg := &orders.Config{Table: c.ordersTable, HandlerDelay: c.delay}
+	var ev *demoEventsRun
+	if c.events != "" {
+		ev, err = demoEventsOpen(ctx, h, c, ocfg)
+		if err != nil {
+			return fail(err)
+		}
+		defer ev.close()
+	}
+	svc, err := orders.New(h.Orders, ocfg)
 	if err != nil {
 		return fail(err)
 	}
@@ -355,7 +385,11 @@ func demoServe(ctx context.Context, srv *http.Server, serveErr chan error, app *
 	}
 
 	// auth → rate limit → routing → idem (POST /orders only) → orders.
-	var routes http.Handler = svc.Handler(mw)
+	keyed := mw
+	if ev != nil {
+		keyed = func(next http.Handler) http.Handler { return ev.wakeAfter(mw(next)) }
+	}
+	var routes http.Handler = svc.Handler(keyed)
 	if c.rate > 0 {
 		rate := c.rate
 		routes = httprate.LimitBy(rate, time.Second,
@@ -371,10 +405,17 @@ func demoServe(ctx context.Context, srv *http.Server, serveErr chan error, app *
 	root.Handle("/", orders.Authenticate(routes))
 	var ready http.Handler = root
 	app.Store(&ready)
-	demoBanner(stdout, c.base, h, svc, c.lease, c.ttl, c.delay, c.requireKey, c.rate, c.metricsURL)
+	demoBanner(stdout, c.base, h, svc, c.lease, c.ttl, c.delay, c.requireKey, c.rate, c.metricsURL, ev)
 
 	jctx, jcancel := context.WithCancel(context.WithoutCancel(ctx))
 	var wg sync.WaitGroup
+	if ev != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ev.run(jctx)
+		}()
+	}
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -427,7 +468,7 @@ func demoBaseURL(addr net.Addr) string {
 
 // demoBanner prints, after the "listening on" line, where the data lives and a
 // curl command to paste.
-func demoBanner(w io.Writer, base string, h *dbopen.Handle, svc *orders.Service, lease, ttl, delay time.Duration, requireKey bool, rate int, metricsURL string) {
+func demoBanner(w io.Writer, base string, h *dbopen.Handle, svc *orders.Service, lease, ttl, delay time.Duration, requireKey bool, rate int, metricsURL string, ev *demoEventsRun) {
 	fmt.Fprintf(w, "  orders: %s (table %s)\n", h.Target.Display, svc.Table())
 	if h.Transactional() {
 		fmt.Fprintf(w, "  keys:   %s; an order and its stored answer commit in one transaction\n", h.KeysAt)
@@ -445,6 +486,9 @@ func demoBanner(w io.Writer, base string, h *dbopen.Handle, svc *orders.Service,
 	fmt.Fprintf(w, "  lease %v, ttl %v, %s, %s, handler delay %v\n", lease, ttl, req, rl, delay)
 	if metricsURL != "" {
 		fmt.Fprintf(w, "  metrics: %s (Prometheus text format, no token)\n", metricsURL)
+	}
+	if ev != nil {
+		fmt.Fprintf(w, "  events: every order's event is written to %s in the order's transaction; the relay publishes it to %s on %s\n", ev.ob.table, ev.subject, natsDisplay(ev.url))
 	}
 	fmt.Fprintf(w, `
 Create an order; run the curl twice: the second answer is the stored one, with

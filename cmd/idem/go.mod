@@ -12,6 +12,7 @@ require (
 	github.com/idemkit/idem/internal/dbopen v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/internal/orders v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/mysqlstore v0.0.0-00010101000000-000000000000
+	github.com/idemkit/idem/outbox/natsjs v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/pgstore v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/proxy v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/redisstore v0.0.0-00010101000000-000000000000
@@ -96,3 +97,5 @@ replace github.com/idemkit/idem/internal/orders => ../../internal/orders
 replace github.com/idemkit/idem/internal/checker => ../../internal/checker
 
 replace github.com/idemkit/idem/idemgrpc => ../../idemgrpc
+
+replace github.com/idemkit/idem/outbox/natsjs => ../../outbox/natsjs
