@@ -95,6 +95,7 @@ var demoEnv = []storeEnvVar{
 	{"metrics-addr", "IDEM_METRICS_ADDR"}, {"flow", "IDEM_FLOW"},
 	{"in-flight-wait", "IDEM_IN_FLIGHT_WAIT"},
 	{"events", "IDEM_EVENTS"}, {"events-subject", "IDEM_EVENTS_SUBJECT"}, {"events-lease", "IDEM_EVENTS_LEASE"},
+	{"events-relay", "IDEM_EVENTS_RELAY"},
 }
 
 // demoShutdownTimeout bounds how long in-flight requests may take to finish after
@@ -143,6 +144,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	events := fs.String("events", "", "`nats://HOST:PORT`: publish an event for every order created, through a transactional outbox and a relay running in the demo, to JetStream; empty for none")
 	eventsSubject := fs.String("events-subject", defaultEventsSubject, "with --events: the `subject` of the orders' events (a stream is created for it if none captures it)")
 	eventsLease := fs.Duration("events-lease", outbox.DefaultLeaseDuration, "with --events: how long the relay holds a message it publishes; after a crash another relay publishes it again (same ID) once this lapses")
+	eventsRelay := fs.Bool("events-relay", true, "with --events: run the relay in the demo; false only writes the events into the outbox, for `idem relay` to publish")
 	withParent := fs.Bool("exit-with-parent", true, "stop when the process that started the demo exits (for example a killed go run); false for nohup and the like")
 	fs.Usage = storeUsage(fs, demoUsage, demoEnv)
 	pos, code, ok := storeParse(fs, args, demoEnv, stdout, stderr)
@@ -298,7 +300,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	code = demoServe(ctx, srv, serveErr, &app, demoSetup{
 		base: base, opts: opts, ordersTable: ordersTable, schema: *schema, delay: *delay, lease: *lease, ttl: *ttl,
 		requireKey: *requireKey, rate: *rate, mwCfg: mwCfg, logger: logger, metrics: metrics, metricsURL: metricsURL,
-		events: *events, eventsSubject: *eventsSubject, eventsLease: *eventsLease, outboxTable: qualify(outboxTableName),
+		events: *events, eventsSubject: *eventsSubject, eventsLease: *eventsLease, eventsRelay: *eventsRelay, outboxTable: qualify(outboxTableName),
 	}, stdout, stderr)
 	fmt.Fprintln(stderr, "idem demo: stopped")
 	return code
@@ -320,6 +322,7 @@ type demoSetup struct {
 	events            string            // --events: the NATS URL; empty for no events
 	eventsSubject     string
 	eventsLease       time.Duration
+	eventsRelay       bool   // run the relay in the demo
 	outboxTable       string // the outbox table, with --prefix and --schema
 }
 
@@ -409,7 +412,7 @@ func demoServe(ctx context.Context, srv *http.Server, serveErr chan error, app *
 
 	jctx, jcancel := context.WithCancel(context.WithoutCancel(ctx))
 	var wg sync.WaitGroup
-	if ev != nil {
+	if ev != nil && ev.nc != nil {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -487,8 +490,11 @@ func demoBanner(w io.Writer, base string, h *dbopen.Handle, svc *orders.Service,
 	if metricsURL != "" {
 		fmt.Fprintf(w, "  metrics: %s (Prometheus text format, no token)\n", metricsURL)
 	}
-	if ev != nil {
+	switch {
+	case ev != nil && ev.nc != nil:
 		fmt.Fprintf(w, "  events: every order's event is written to %s in the order's transaction; the relay publishes it to %s on %s\n", ev.ob.table, ev.subject, natsDisplay(ev.url))
+	case ev != nil:
+		fmt.Fprintf(w, "  events: every order's event is written to %s in the order's transaction; no relay runs here (--events-relay=false): run idem relay\n", ev.ob.table)
 	}
 	fmt.Fprintf(w, `
 Create an order; run the curl twice: the second answer is the stored one, with

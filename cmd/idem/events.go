@@ -283,11 +283,13 @@ func demoEventsOpen(ctx context.Context, h *dbopen.Handle, c demoSetup, ocfg *or
 	if err := ob.migrate(ctx); err != nil {
 		return nil, fmt.Errorf("--events: create the outbox table %s: %w", ob.table, err)
 	}
-	nc, js, err := connectNATS(c.events, "idem demo", c.logger)
-	if err != nil {
-		return nil, fmt.Errorf("--events: %w", err)
+	ev := &demoEventsRun{url: c.events, subject: c.eventsSubject, lease: c.eventsLease, ob: ob, logger: c.logger, wake: make(chan struct{}, 1)}
+	if c.eventsRelay {
+		ev.nc, ev.js, err = connectNATS(c.events, "idem demo", c.logger)
+		if err != nil {
+			return nil, fmt.Errorf("--events: %w", err)
+		}
 	}
-	ev := &demoEventsRun{url: c.events, subject: c.eventsSubject, lease: c.eventsLease, ob: ob, nc: nc, js: js, logger: c.logger, wake: make(chan struct{}, 1)}
 	keyedTx := h.Transactional()
 	ocfg.OnCreate = func(ctx context.Context, tx orders.Tx, tenant string, o orders.Order) error {
 		m, err := orderEventMessage(ctx, ev.subject, tenant, o, keyedTx)
@@ -334,4 +336,8 @@ func (ev *demoEventsRun) run(ctx context.Context) {
 }
 
 // close closes the NATS connection.
-func (ev *demoEventsRun) close() { ev.nc.Close() }
+func (ev *demoEventsRun) close() {
+	if ev.nc != nil {
+		ev.nc.Close()
+	}
+}

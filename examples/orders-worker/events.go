@@ -135,7 +135,7 @@ func (w *Worker) RunEvents(ctx context.Context, js jetstream.JetStream, subject 
 	cons, err := js.CreateOrUpdateConsumer(ctx, stream, jetstream.ConsumerConfig{
 		Durable: w.Durable + "-events", AckPolicy: jetstream.AckExplicitPolicy,
 		FilterSubject: subject,
-		AckWait:       30 * time.Second, MaxDeliver: -1, // the Processor dead-letters
+		AckWait:       orDefault(w.AckWait, 30*time.Second), MaxDeliver: -1, // the Processor dead-letters
 	})
 	if err != nil {
 		return err
@@ -149,7 +149,7 @@ func (w *Worker) consumeEvents(ctx context.Context, cons jetstream.Consumer) err
 	if applyWithoutDedupe {
 		return w.consumeEventsNoDedupe(ctx, cons)
 	}
-	p, err := consumer.New(w.store, consumer.Config{Name: w.Durable + "-events",
+	p, err := consumer.New(w.store, consumer.Config{Name: w.Durable + "-events", Lease: orDefault(w.Lease, 30*time.Second),
 		Scope: tenantOf, FingerprintHeaders: []string{TenantHeader},
 		OnOutcome: func(m *consumer.Message, out consumer.Outcome) {
 			if out.Reason != consumer.Executed && w.Verbose {
@@ -202,4 +202,11 @@ func (w *Worker) consumeEventsNoDedupe(ctx context.Context, cons jetstream.Consu
 	defer cc.Stop()
 	<-ctx.Done()
 	return ctx.Err()
+}
+
+func orDefault(d, def time.Duration) time.Duration {
+	if d > 0 {
+		return d
+	}
+	return def
 }

@@ -109,6 +109,8 @@ func main() {
 	events := flag.Bool("events", false, "consume the orders.created events of `idem demo --events` and fulfil each order once, instead of orders.create")
 	subject := flag.String("subject", EventsSubject, "with -events: the subject the events are published on (the demo's --events-subject)")
 	verbose := flag.Bool("v", false, "with -events: log every event")
+	ackWait := flag.Duration("ack-wait", 30*time.Second, "with -events: how long JetStream waits for an ack before it redelivers (after a crash)")
+	lease := flag.Duration("lease", 30*time.Second, "with -events: how long a message being processed stays claimed before another delivery may take it over (after a crash)")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
@@ -133,7 +135,7 @@ func main() {
 		log.Fatal(err)
 	}
 	defer w.Close()
-	w.Verbose = *verbose
+	w.Verbose, w.AckWait, w.Lease = *verbose, *ackWait, *lease
 	if *events {
 		if *count {
 			applied, err := w.Applied(ctx)
@@ -204,6 +206,10 @@ type Worker struct {
 	Effects string // the fulfilments table (-events), "fulfilments"
 	Durable string // the JetStream consumer's name and the dedupe scope
 	Verbose bool   // log every event (-events)
+	// AckWait and Lease (-events) bound how long a crash delays an event:
+	// JetStream redelivers after AckWait, the dedupe takes over a claim after
+	// Lease. Zero means 30 s.
+	AckWait, Lease time.Duration
 }
 
 // Open opens the database (a SQLite file or a postgres:// URL), migrates
