@@ -78,3 +78,13 @@ func (g gate) acquire(ctx context.Context, timeout time.Duration) error {
 }
 
 func (g gate) unlock() { <-g }
+
+// LockWrites queues a write on db behind the writes this process's Stores on
+// db make (every request's transaction among them), for code that writes to
+// the same file outside a Store, such as sqliteoutbox's relay statements:
+// it waits until the gate is free, ctx ends or timeout passes, and returns
+// the function that frees it again. Run one statement or one short
+// transaction under it, never a request's work.
+func LockWrites(ctx context.Context, db *sql.DB, timeout time.Duration) (unlock func(), err error) {
+	return sharedFor(db).gate.lock(ctx, timeout)
+}

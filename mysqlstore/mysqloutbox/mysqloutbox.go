@@ -1,0 +1,411 @@
+// Package mysqloutbox is the transactional outbox on MySQL 8 and MariaDB
+// 10.6+: Enqueue writes a message into the outbox table in the caller's
+// transaction (the handler's, mysqlstore.Tx), and the Outbox is the
+// outbox.Source an outbox.Relay publishes from. Several relays may share one
+// table: the heads of the partitions are locked with FOR UPDATE SKIP LOCKED at
+// READ COMMITTED, so the order per partition holds.
+//
+// Times are the database's (NOW(6)); the columns are TIMESTAMP(6), so the
+// session time zone does not matter. The DSN needs no parseTime.
+package mysqloutbox
+
+import (
+	"context"
+	"crypto/sha256"
+	"database/sql"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"regexp"
+	"strings"
+	"time"
+
+	"github.com/idemkit/idem/mysqlstore"
+	"github.com/idemkit/idem/outbox"
+)
+
+// DefaultTable is the outbox table when Config.Table is empty; dead letters go
+// to Table + "_dead", and the partition locks of Enqueue to Table + "_locks".
+const DefaultTable = "idem_outbox"
+
+// lockBuckets is how many rows the partition locks hash onto.
+const lockBuckets = 4096
+
+// Config configures an Outbox. A nil *Config means all defaults.
+type Config struct {
+	// Table is the outbox table: letters, digits and underscores, at most 58
+	// bytes, optionally qualified by a database ("shop.idem_outbox").
+	// Defaults to DefaultTable.
+	Table string
+	// DeadLetterTable holds the dead-lettered messages with their reason.
+	// Defaults to Table with "_dead" appended.
+	DeadLetterTable string
+	// MaxPayload is the largest payload Enqueue accepts
+	// (outbox.DefaultMaxPayload by default); keep it under the server's
+	// max_allowed_packet.
+	MaxPayload int
+}
+
+// Outbox is an outbox table on MySQL or MariaDB. Safe for concurrent use.
+type Outbox struct {
+	db                *sql.DB
+	table, dead, lock string
+	maxPayload        int
+
+	insertSQL, lockSQL, candSQL, lockHeadsSQL, leaseSQL, readSQL, markSQL, retrySQL, deadInsertSQL, deadDeleteSQL, deleteSQL, statsSQL string
+}
+
+var identRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,57}$`)
+
+func quote(name string) (string, error) {
+	parts := strings.Split(name, ".")
+	if len(parts) > 2 {
+		return "", fmt.Errorf("mysqloutbox: table %q: use name or database.name", name)
+	}
+	for i, p := range parts {
+		if !identRE.MatchString(p) {
+			return "", fmt.Errorf("mysqloutbox: table %q: each part must be letters, digits and underscores, at most 58 bytes", name)
+		}
+		parts[i] = "`" + p + "`"
+	}
+	return strings.Join(parts, "."), nil
+}
+
+// New returns the Outbox on cfg.Table of db. It does not touch the database:
+// call Migrate first.
+func New(db *sql.DB, cfg *Config) (*Outbox, error) {
+	if db == nil {
+		return nil, errors.New("mysqloutbox: db is nil; pass the *sql.DB of the Store")
+	}
+	var c Config
+	if cfg != nil {
+		c = *cfg
+	}
+	if c.Table == "" {
+		c.Table = DefaultTable
+	}
+	if c.DeadLetterTable == "" {
+		c.DeadLetterTable = c.Table + "_dead"
+	}
+	if c.MaxPayload <= 0 {
+		c.MaxPayload = outbox.DefaultMaxPayload
+	}
+	t, err := quote(c.Table)
+	if err != nil {
+		return nil, err
+	}
+	d, err := quote(c.DeadLetterTable)
+	if err != nil {
+		return nil, err
+	}
+	l, err := quote(c.Table + "_locks")
+	if err != nil {
+		return nil, err
+	}
+	o := &Outbox{db: db, table: t, dead: d, lock: l, maxPayload: c.MaxPayload}
+	cols := "seq, id, subject, payload, headers, partition_key, enqueued_at, attempts"
+	o.insertSQL = "INSERT INTO " + t + " (id, subject, payload, headers, partition_key) VALUES (?, ?, ?, ?, ?)"
+	o.lockSQL = "INSERT INTO " + l + " (bucket) VALUES (?) ON DUPLICATE KEY UPDATE bucket = bucket"
+	// The heads, by a plain read; then the ones still free, locked. A
+	// subquery inside the locking read would skip a predecessor another
+	// relay has locked and take the next message for a head.
+	o.candSQL = `SELECT o.seq FROM ` + t + ` o
+WHERE o.published_at IS NULL AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= NOW(6))
+  AND (o.lease_until IS NULL OR o.lease_until <= NOW(6))
+  AND NOT EXISTS (SELECT 1 FROM ` + t + ` p WHERE p.partition_key = o.partition_key AND p.published_at IS NULL AND p.seq < o.seq)
+ORDER BY o.seq LIMIT ?`
+	o.lockHeadsSQL = "SELECT seq FROM " + t + " WHERE seq IN (%s) AND published_at IS NULL AND (next_attempt_at IS NULL OR next_attempt_at <= NOW(6)) AND (lease_until IS NULL OR lease_until <= NOW(6)) FOR UPDATE SKIP LOCKED"
+	o.leaseSQL = "UPDATE " + t + " SET lease_owner = ?, lease_until = NOW(6) + INTERVAL ? MICROSECOND, attempts = attempts + 1 WHERE seq IN (%s)"
+	o.readSQL = "SELECT seq, id, subject, payload, headers, partition_key, CAST(ROUND(UNIX_TIMESTAMP(enqueued_at) * 1000000) AS SIGNED), attempts - 1 FROM " + t + " WHERE seq IN (%s) ORDER BY seq"
+	o.markSQL = "UPDATE " + t + " SET published_at = NOW(6), lease_owner = NULL, lease_until = NULL WHERE seq IN (%s) AND lease_owner = ? AND published_at IS NULL"
+	o.retrySQL = "UPDATE " + t + " SET lease_owner = NULL, lease_until = NULL, next_attempt_at = NOW(6) + INTERVAL ? MICROSECOND, last_error = ? WHERE seq = ? AND lease_owner = ? AND published_at IS NULL"
+	o.deadInsertSQL = "INSERT INTO " + d + " (" + cols + ", reason) SELECT " + cols + ", ? FROM " + t + " WHERE seq = ? AND lease_owner = ? AND published_at IS NULL"
+	o.deadDeleteSQL = "DELETE FROM " + t + " WHERE seq = ? AND lease_owner = ? AND published_at IS NULL"
+	o.deleteSQL = "DELETE FROM " + t + " WHERE published_at IS NOT NULL AND published_at < NOW(6) - INTERVAL ? MICROSECOND ORDER BY published_at LIMIT ?"
+	o.statsSQL = "SELECT (SELECT COUNT(*) FROM " + t + " WHERE published_at IS NULL), " +
+		"(SELECT COALESCE(TIMESTAMPDIFF(MICROSECOND, MIN(enqueued_at), NOW(6)), 0) FROM " + t + " WHERE published_at IS NULL), " +
+		"(SELECT COUNT(*) FROM " + d + ")"
+	return o, nil
+}
+
+// Migrate creates the outbox, dead-letter and lock tables if they do not
+// exist.
+func (o *Outbox) Migrate(ctx context.Context) error {
+	ddl := []string{
+		`CREATE TABLE IF NOT EXISTS ` + o.table + ` (
+  seq BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+  id VARBINARY(255) NOT NULL,
+  subject VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+  payload LONGBLOB NOT NULL,
+  headers MEDIUMTEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,
+  partition_key VARBINARY(255) NOT NULL,
+  enqueued_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+  attempts INT NOT NULL DEFAULT 0,
+  next_attempt_at TIMESTAMP(6) NULL DEFAULT NULL,
+  lease_owner VARBINARY(255) NULL DEFAULT NULL,
+  lease_until TIMESTAMP(6) NULL DEFAULT NULL,
+  last_error TEXT CHARACTER SET utf8mb4 NULL,
+  published_at TIMESTAMP(6) NULL DEFAULT NULL,
+  KEY pending_idx (published_at, seq),
+  KEY partition_idx (partition_key, published_at, seq)
+) ENGINE=InnoDB`,
+		`CREATE TABLE IF NOT EXISTS ` + o.dead + ` (
+  seq BIGINT NOT NULL PRIMARY KEY,
+  id VARBINARY(255) NOT NULL,
+  subject VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+  payload LONGBLOB NOT NULL,
+  headers MEDIUMTEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,
+  partition_key VARBINARY(255) NOT NULL,
+  enqueued_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+  attempts INT NOT NULL,
+  reason TEXT CHARACTER SET utf8mb4 NOT NULL,
+  dead_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)
+) ENGINE=InnoDB`,
+		`CREATE TABLE IF NOT EXISTS ` + o.lock + ` (bucket INT NOT NULL PRIMARY KEY) ENGINE=InnoDB`,
+	}
+	for _, s := range ddl {
+		if _, err := o.db.ExecContext(ctx, s); err != nil {
+			return fmt.Errorf("mysqloutbox: migrate %s: %w", o.table, err)
+		}
+	}
+	return nil
+}
+
+// Enqueue writes m into the outbox in tx; a nil tx means the transaction of
+// the request idem is executing under ctx (mysqlstore.Tx(ctx)). It fills in
+// m's defaults and checks it (outbox.Prepare).
+//
+// A message with an explicit PartitionKey locks its partition (one of 4096
+// lock rows it hashes to) until tx ends, so that the messages of a partition
+// are numbered in commit order; the default partition, the request's key, is
+// one request's at a time already and takes no lock.
+func (o *Outbox) Enqueue(ctx context.Context, tx *sql.Tx, m outbox.Message) error {
+	if tx == nil {
+		tx = mysqlstore.Tx(ctx)
+		if tx == nil {
+			return outbox.ErrNoTx
+		}
+	}
+	explicit := m.PartitionKey != ""
+	m, err := outbox.Prepare(ctx, m, o.maxPayload)
+	if err != nil {
+		return err
+	}
+	var headers sql.NullString
+	if len(m.Headers) > 0 {
+		b, err := json.Marshal(m.Headers)
+		if err != nil {
+			return fmt.Errorf("mysqloutbox: encode headers: %w", err)
+		}
+		headers = sql.NullString{String: string(b), Valid: true}
+	}
+	if explicit {
+		sum := sha256.Sum256([]byte(m.PartitionKey))
+		if _, err := tx.ExecContext(ctx, o.lockSQL, binary.BigEndian.Uint32(sum[:])%lockBuckets); err != nil {
+			return fmt.Errorf("mysqloutbox: enqueue: lock partition: %w", err)
+		}
+	}
+	if _, err := tx.ExecContext(ctx, o.insertSQL, m.ID, m.Subject, m.Payload, headers, m.PartitionKey); err != nil {
+		return fmt.Errorf("mysqloutbox: enqueue into %s: %w", o.table, err)
+	}
+	return nil
+}
+
+func placeholders(n int) string {
+	return strings.TrimSuffix(strings.Repeat("?,", n), ",")
+}
+
+func seqArgs(seqs []int64) []any {
+	a := make([]any, len(seqs))
+	for i, s := range seqs {
+		a[i] = s
+	}
+	return a
+}
+
+// Lease implements outbox.Source.
+func (o *Outbox) Lease(ctx context.Context, owner string, n int, d time.Duration) ([]outbox.Stored, error) {
+	out, err := o.lease(ctx, owner, n, d)
+	if err != nil {
+		return nil, fmt.Errorf("mysqloutbox: lease: %w", err)
+	}
+	return out, nil
+}
+
+func (o *Outbox) lease(ctx context.Context, owner string, n int, d time.Duration) ([]outbox.Stored, error) {
+	cand, err := querySeqs(ctx, o.db, o.candSQL, n)
+	if err != nil || len(cand) == 0 {
+		return nil, err
+	}
+	tx, err := o.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = tx.Rollback() }()
+	heads, err := querySeqs(ctx, tx, fmt.Sprintf(o.lockHeadsSQL, placeholders(len(cand))), seqArgs(cand)...)
+	if err != nil || len(heads) == 0 {
+		return nil, err
+	}
+	args := append([]any{owner, d.Microseconds()}, seqArgs(heads)...)
+	if _, err := tx.ExecContext(ctx, fmt.Sprintf(o.leaseSQL, placeholders(len(heads))), args...); err != nil {
+		return nil, err
+	}
+	rows, err := tx.QueryContext(ctx, fmt.Sprintf(o.readSQL, placeholders(len(heads))), seqArgs(heads)...)
+	if err != nil {
+		return nil, err
+	}
+	var out []outbox.Stored
+	for rows.Next() {
+		var s outbox.Stored
+		var id, part []byte
+		var headers sql.NullString
+		var enq int64
+		if err := rows.Scan(&s.Seq, &id, &s.Subject, &s.Payload, &headers, &part, &enq, &s.Attempts); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		s.ID, s.PartitionKey, s.EnqueuedAt = string(id), string(part), time.UnixMicro(enq)
+		if headers.Valid {
+			if err := json.Unmarshal([]byte(headers.String), &s.Headers); err != nil {
+				rows.Close()
+				return nil, fmt.Errorf("headers of message %d: %w", s.Seq, err)
+			}
+		}
+		out = append(out, s)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	if err := tx.Commit(); err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+type querier interface {
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+}
+
+func querySeqs(ctx context.Context, q querier, query string, args ...any) ([]int64, error) {
+	rows, err := q.QueryContext(ctx, query, args...)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []int64
+	for rows.Next() {
+		var s int64
+		if err := rows.Scan(&s); err != nil {
+			return nil, err
+		}
+		out = append(out, s)
+	}
+	return out, rows.Err()
+}
+
+// MarkPublished implements outbox.Source.
+func (o *Outbox) MarkPublished(ctx context.Context, owner string, seqs ...int64) (int, error) {
+	if len(seqs) == 0 {
+		return 0, nil
+	}
+	args := append(seqArgs(seqs), owner)
+	res, err := o.db.ExecContext(ctx, fmt.Sprintf(o.markSQL, placeholders(len(seqs))), args...)
+	if err != nil {
+		return 0, fmt.Errorf("mysqloutbox: mark published: %w", err)
+	}
+	n, _ := res.RowsAffected()
+	return int(n), nil
+}
+
+// Retry implements outbox.Source.
+func (o *Outbox) Retry(ctx context.Context, owner string, seq int64, retryIn time.Duration, reason string) error {
+	if _, err := o.db.ExecContext(ctx, o.retrySQL, retryIn.Microseconds(), clean(reason), seq, owner); err != nil {
+		return fmt.Errorf("mysqloutbox: retry: %w", err)
+	}
+	return nil
+}
+
+// DeadLetter implements outbox.Source.
+func (o *Outbox) DeadLetter(ctx context.Context, owner string, seq int64, reason string) error {
+	tx, err := o.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return fmt.Errorf("mysqloutbox: dead-letter: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	if _, err := tx.ExecContext(ctx, o.deadInsertSQL, clean(reason), seq, owner); err != nil {
+		return fmt.Errorf("mysqloutbox: dead-letter: %w", err)
+	}
+	if _, err := tx.ExecContext(ctx, o.deadDeleteSQL, seq, owner); err != nil {
+		return fmt.Errorf("mysqloutbox: dead-letter: %w", err)
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("mysqloutbox: dead-letter: %w", err)
+	}
+	return nil
+}
+
+// DeletePublished implements outbox.Source.
+func (o *Outbox) DeletePublished(ctx context.Context, olderThan time.Duration, limit int) (int, error) {
+	res, err := o.db.ExecContext(ctx, o.deleteSQL, olderThan.Microseconds(), limit)
+	if err != nil {
+		return 0, fmt.Errorf("mysqloutbox: delete published: %w", err)
+	}
+	n, _ := res.RowsAffected()
+	return int(n), nil
+}
+
+// Stats implements outbox.Source.
+func (o *Outbox) Stats(ctx context.Context) (outbox.Stats, error) {
+	var s outbox.Stats
+	var us int64
+	if err := o.db.QueryRowContext(ctx, o.statsSQL).Scan(&s.Pending, &us, &s.DeadLetters); err != nil {
+		return s, fmt.Errorf("mysqloutbox: stats: %w", err)
+	}
+	s.OldestPending = time.Duration(us) * time.Microsecond
+	return s, nil
+}
+
+// DeadLetter is a dead-lettered message as DeadLetters reads it.
+type DeadLetter struct {
+	outbox.Stored
+	Reason string
+	DeadAt time.Time
+}
+
+// DeadLetters returns up to limit dead-lettered messages, oldest first.
+func (o *Outbox) DeadLetters(ctx context.Context, limit int) ([]DeadLetter, error) {
+	rows, err := o.db.QueryContext(ctx, "SELECT seq, id, subject, payload, headers, partition_key, CAST(ROUND(UNIX_TIMESTAMP(enqueued_at) * 1000000) AS SIGNED), attempts, reason, CAST(ROUND(UNIX_TIMESTAMP(dead_at) * 1000000) AS SIGNED) FROM "+o.dead+" ORDER BY seq LIMIT ?", limit)
+	if err != nil {
+		return nil, fmt.Errorf("mysqloutbox: dead letters: %w", err)
+	}
+	defer rows.Close()
+	var out []DeadLetter
+	for rows.Next() {
+		var d DeadLetter
+		var id, part []byte
+		var headers sql.NullString
+		var enq, dead int64
+		if err := rows.Scan(&d.Seq, &id, &d.Subject, &d.Payload, &headers, &part, &enq, &d.Attempts, &d.Reason, &dead); err != nil {
+			return nil, fmt.Errorf("mysqloutbox: dead letters: %w", err)
+		}
+		d.ID, d.PartitionKey = string(id), string(part)
+		d.EnqueuedAt, d.DeadAt = time.UnixMicro(enq), time.UnixMicro(dead)
+		if headers.Valid {
+			_ = json.Unmarshal([]byte(headers.String), &d.Headers)
+		}
+		out = append(out, d)
+	}
+	return out, rows.Err()
+}
+
+func clean(reason string) string {
+	reason = strings.ToValidUTF8(strings.ReplaceAll(reason, "\x00", ""), "?")
+	if len(reason) > 4096 {
+		reason = strings.ToValidUTF8(reason[:4096], "")
+	}
+	return reason
+}
+
+var _ outbox.Source = (*Outbox)(nil)

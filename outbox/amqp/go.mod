@@ -1,0 +1,24 @@
+module github.com/idemkit/idem/outbox/amqp
+
+go 1.26.0
+
+require (
+	github.com/idemkit/idem v0.0.0-00010101000000-000000000000
+	github.com/idemkit/idem/pgstore v0.0.0-00010101000000-000000000000
+	github.com/jackc/pgx/v5 v5.12.0
+	github.com/rabbitmq/amqp091-go v1.16.0
+)
+
+require (
+	github.com/jackc/pgpassfile v1.0.0 // indirect
+	github.com/jackc/pgservicefile v0.0.0-20240606120523-5a60cdf6a761 // indirect
+	github.com/jackc/puddle/v2 v2.2.3 // indirect
+	golang.org/x/sync v0.22.0 // indirect
+	golang.org/x/text v0.41.0 // indirect
+)
+
+replace github.com/idemkit/idem => ../..
+
+replace github.com/idemkit/idem/storetest => ../../storetest
+
+replace github.com/idemkit/idem/pgstore => ../../pgstore

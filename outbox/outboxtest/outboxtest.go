@@ -1,0 +1,413 @@
+// Package outboxtest is the conformance suite of outbox.Source: a store's
+// outbox package runs Run against a real database to prove the lease, the
+// head-of-partition rule, the fencing of the marks, retries, dead letters,
+// retention, the stats and several relays at once.
+package outboxtest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem/outbox"
+)
+
+// Harness is what a store gives the suite.
+type Harness struct {
+	// New returns a Source on a fresh, empty table.
+	New func(t *testing.T) outbox.Source
+	// Enqueue commits msgs in one transaction of src's database.
+	Enqueue func(ctx context.Context, src outbox.Source, msgs ...outbox.Message) error
+	// Relays is how many relays the concurrency test runs at once (4 if 0).
+	Relays int
+	// Messages is how many messages it enqueues (400 if 0).
+	Messages int
+}
+
+func msg(id, partition string) outbox.Message {
+	return outbox.Message{ID: id, Subject: "outboxtest.x", Payload: []byte("payload of " + id), PartitionKey: partition, Headers: map[string]string{"X-Id": id}}
+}
+
+func ctx30(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// Run runs every test of the suite as a subtest of t.
+func Run(t *testing.T, h Harness) {
+	t.Run("LeaseHeadsOnly", func(t *testing.T) { testLeaseHeads(t, h) })
+	t.Run("RetryBlocksItsPartitionOnly", func(t *testing.T) { testRetry(t, h) })
+	t.Run("LapsedLeaseTakenOver", func(t *testing.T) { testLapse(t, h) })
+	t.Run("DeadLetter", func(t *testing.T) { testDeadLetter(t, h) })
+	t.Run("Retention", func(t *testing.T) { testRetention(t, h) })
+	t.Run("Stats", func(t *testing.T) { testStats(t, h) })
+	t.Run("ConcurrentRelays", func(t *testing.T) { testConcurrent(t, h, false) })
+	t.Run("ConcurrentRelaysWithCrashes", func(t *testing.T) { testConcurrent(t, h, true) })
+}
+
+func must(t *testing.T, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+func ids(s []outbox.Stored) []string {
+	var out []string
+	for _, m := range s {
+		out = append(out, m.ID)
+	}
+	return out
+}
+
+func testLeaseHeads(t *testing.T, h Harness) {
+	ctx := ctx30(t)
+	src := h.New(t)
+	must(t, h.Enqueue(ctx, src, msg("a1", "A"), msg("b1", "B"), msg("a2", "A")))
+	must(t, h.Enqueue(ctx, src, msg("a3", "A"), msg("c1", "C")))
+	got, err := src.Lease(ctx, "r1", 10, time.Minute)
+	must(t, err)
+	if fmt.Sprint(ids(got)) != "[a1 b1 c1]" {
+		t.Fatalf("first lease: %v, want the head of each partition [a1 b1 c1]", ids(got))
+	}
+	m := got[0]
+	if string(m.Payload) != "payload of a1" || m.Subject != "outboxtest.x" || m.Headers["X-Id"] != "a1" || m.PartitionKey != "A" || m.Attempts != 0 || m.EnqueuedAt.IsZero() || m.Seq <= 0 {
+		t.Fatalf("leased message read back as %+v", m)
+	}
+	if !(got[0].Seq < got[1].Seq && got[1].Seq < got[2].Seq) {
+		t.Fatalf("lease not in seq order: %d %d %d", got[0].Seq, got[1].Seq, got[2].Seq)
+	}
+	again, err := src.Lease(ctx, "r2", 10, time.Minute)
+	must(t, err)
+	if len(again) != 0 {
+		t.Fatalf("a second relay leased %v while r1's leases hold", ids(again))
+	}
+	n, err := src.MarkPublished(ctx, "r2", got[0].Seq)
+	must(t, err)
+	if n != 0 {
+		t.Fatal("r2 marked a message r1 leases")
+	}
+	n, err = src.MarkPublished(ctx, "r1", got[0].Seq, got[1].Seq)
+	must(t, err)
+	if n != 2 {
+		t.Fatalf("r1 marked %d of its 2", n)
+	}
+	next, err := src.Lease(ctx, "r2", 10, time.Minute)
+	must(t, err)
+	if fmt.Sprint(ids(next)) != "[a2]" {
+		t.Fatalf("after a1 was published: %v, want [a2]", ids(next))
+	}
+	n, err = src.MarkPublished(ctx, "r1", got[0].Seq)
+	must(t, err)
+	if n != 0 {
+		t.Fatal("a message was marked published twice")
+	}
+}
+
+func testRetry(t *testing.T, h Harness) {
+	ctx := ctx30(t)
+	src := h.New(t)
+	must(t, h.Enqueue(ctx, src, msg("a1", "A"), msg("a2", "A"), msg("b1", "B")))
+	got, err := src.Lease(ctx, "r1", 10, time.Minute)
+	must(t, err)
+	if len(got) != 2 {
+		t.Fatalf("lease: %v", ids(got))
+	}
+	must(t, src.Retry(ctx, "r1", got[0].Seq, 700*time.Millisecond, "broker down: connection refused"))
+	_, err = src.MarkPublished(ctx, "r1", got[1].Seq)
+	must(t, err)
+	now, err := src.Lease(ctx, "r1", 10, time.Minute)
+	must(t, err)
+	if len(now) != 0 {
+		t.Fatalf("leased %v before a1's retry time (a2 must wait behind a1)", ids(now))
+	}
+	time.Sleep(800 * time.Millisecond)
+	later, err := src.Lease(ctx, "r2", 10, time.Minute)
+	must(t, err)
+	if fmt.Sprint(ids(later)) != "[a1]" || later[0].Attempts != 1 {
+		t.Fatalf("after the retry time: %v (attempts %v), want [a1] with 1 attempt before", ids(later), later)
+	}
+}
+
+func testLapse(t *testing.T, h Harness) {
+	ctx := ctx30(t)
+	src := h.New(t)
+	must(t, h.Enqueue(ctx, src, msg("a1", "A")))
+	got, err := src.Lease(ctx, "r1", 10, 300*time.Millisecond)
+	must(t, err)
+	if len(got) != 1 {
+		t.Fatal(ids(got))
+	}
+	none, err := src.Lease(ctx, "r2", 10, time.Minute)
+	must(t, err)
+	if len(none) != 0 {
+		t.Fatal("leased twice")
+	}
+	time.Sleep(400 * time.Millisecond)
+	again, err := src.Lease(ctx, "r2", 10, time.Minute)
+	must(t, err)
+	if len(again) != 1 || again[0].ID != "a1" || again[0].Seq != got[0].Seq || again[0].Attempts != 1 {
+		t.Fatalf("after the lease lapsed: %+v", again)
+	}
+	n, err := src.MarkPublished(ctx, "r1", got[0].Seq)
+	must(t, err)
+	if n != 0 {
+		t.Fatal("the relay whose lease lapsed and was taken over still marked the message")
+	}
+	n, err = src.MarkPublished(ctx, "r2", got[0].Seq)
+	must(t, err)
+	if n != 1 {
+		t.Fatal("the new holder could not mark")
+	}
+}
+
+func testDeadLetter(t *testing.T, h Harness) {
+	ctx := ctx30(t)
+	src := h.New(t)
+	must(t, h.Enqueue(ctx, src, msg("a1", "A"), msg("a2", "A")))
+	got, err := src.Lease(ctx, "r1", 10, time.Minute)
+	must(t, err)
+	must(t, src.DeadLetter(ctx, "r2", got[0].Seq, "not mine"))
+	st, err := src.Stats(ctx)
+	must(t, err)
+	if st.DeadLetters != 0 || st.Pending != 2 {
+		t.Fatalf("a relay dead-lettered a message it does not lease: %+v", st)
+	}
+	must(t, src.DeadLetter(ctx, "r1", got[0].Seq, "too large: \x00 1048577 bytes \xff"))
+	next, err := src.Lease(ctx, "r1", 10, time.Minute)
+	must(t, err)
+	if fmt.Sprint(ids(next)) != "[a2]" {
+		t.Fatalf("after a1 was dead-lettered: %v, want [a2]", ids(next))
+	}
+	st, err = src.Stats(ctx)
+	must(t, err)
+	if st.DeadLetters != 1 || st.Pending != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+func testRetention(t *testing.T, h Harness) {
+	ctx := ctx30(t)
+	src := h.New(t)
+	var all []outbox.Message
+	for i := range 5 {
+		all = append(all, msg(fmt.Sprint("p", i), fmt.Sprint("P", i)))
+	}
+	all = append(all, msg("pending", "Q"), msg("dead", "R"))
+	must(t, h.Enqueue(ctx, src, all...))
+	got, err := src.Lease(ctx, "r1", 10, time.Minute)
+	must(t, err)
+	var pub []int64
+	for _, m := range got {
+		switch m.ID {
+		case "dead":
+			must(t, src.DeadLetter(ctx, "r1", m.Seq, "refused"))
+		case "pending":
+			must(t, src.Retry(ctx, "r1", m.Seq, time.Hour, "down"))
+		default:
+			pub = append(pub, m.Seq)
+		}
+	}
+	if n, err := src.MarkPublished(ctx, "r1", pub...); err != nil || n != 5 {
+		t.Fatal(n, err)
+	}
+	n, err := src.DeletePublished(ctx, time.Hour, 100)
+	must(t, err)
+	if n != 0 {
+		t.Fatalf("deleted %d messages published less than the retention ago", n)
+	}
+	time.Sleep(300 * time.Millisecond)
+	n, err = src.DeletePublished(ctx, 100*time.Millisecond, 2)
+	must(t, err)
+	if n != 2 {
+		t.Fatalf("first batch deleted %d, want the limit 2", n)
+	}
+	total := n
+	for {
+		n, err = src.DeletePublished(ctx, 100*time.Millisecond, 2)
+		must(t, err)
+		if n == 0 {
+			break
+		}
+		if n > 2 {
+			t.Fatalf("batch of %d over the limit 2", n)
+		}
+		total += n
+	}
+	if total != 5 {
+		t.Fatalf("deleted %d published messages, want 5", total)
+	}
+	st, err := src.Stats(ctx)
+	must(t, err)
+	if st.Pending != 1 || st.DeadLetters != 1 {
+		t.Fatalf("retention touched unpublished or dead-lettered messages: %+v", st)
+	}
+}
+
+func testStats(t *testing.T, h Harness) {
+	ctx := ctx30(t)
+	src := h.New(t)
+	st, err := src.Stats(ctx)
+	must(t, err)
+	if st != (outbox.Stats{}) {
+		t.Fatalf("empty table: %+v", st)
+	}
+	must(t, h.Enqueue(ctx, src, msg("a1", "A"), msg("a2", "A"), msg("b1", "B")))
+	time.Sleep(250 * time.Millisecond)
+	must(t, h.Enqueue(ctx, src, msg("c1", "C")))
+	st, err = src.Stats(ctx)
+	must(t, err)
+	if st.Pending != 4 || st.OldestPending < 200*time.Millisecond || st.OldestPending > time.Minute {
+		t.Fatalf("stats %+v, want 4 pending, the oldest about 250ms old", st)
+	}
+}
+
+// checker is a Publisher that proves the relays' guarantees: no message in
+// flight twice at once, and per partition, messages confirmed in seq order.
+type checker struct {
+	mu        sync.Mutex
+	inFlight  map[string]bool
+	lastSeq   map[string]int64 // partition -> last confirmed seq
+	confirmed map[string]int   // ID -> confirmations
+	fails     atomic.Int64
+	failRate  float64
+	errs      []string
+}
+
+func (c *checker) Publish(ctx context.Context, m *outbox.Stored) error {
+	c.mu.Lock()
+	if c.inFlight[m.ID] {
+		c.errs = append(c.errs, "message "+m.ID+" published by two relays at once")
+	}
+	c.inFlight[m.ID] = true
+	c.mu.Unlock()
+	time.Sleep(time.Duration(rand.IntN(3)) * time.Millisecond)
+	fail := rand.Float64() < c.failRate
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.inFlight, m.ID)
+	if fail {
+		c.fails.Add(1)
+		return errors.New("outboxtest: broker unavailable")
+	}
+	if last := c.lastSeq[m.PartitionKey]; m.Seq < last {
+		c.errs = append(c.errs, fmt.Sprintf("partition %s: seq %d confirmed after %d", m.PartitionKey, m.Seq, last))
+	}
+	c.lastSeq[m.PartitionKey] = m.Seq
+	c.confirmed[m.ID]++
+	return nil
+}
+
+// dropMarks is a Source whose MarkPublished is lost (the relay crashed
+// between the broker's confirmation and the mark) for the marks of one relay
+// with probability rate.
+type dropMarks struct {
+	outbox.Source
+	rate    float64
+	dropped atomic.Int64
+}
+
+func (d *dropMarks) MarkPublished(ctx context.Context, owner string, seqs ...int64) (int, error) {
+	if rand.Float64() < d.rate {
+		d.dropped.Add(int64(len(seqs)))
+		return 0, errors.New("outboxtest: relay crashed before the mark")
+	}
+	return d.Source.MarkPublished(ctx, owner, seqs...)
+}
+
+func testConcurrent(t *testing.T, h Harness, crashes bool) {
+	ctx := ctx30(t)
+	src := h.New(t)
+	nMsg, nRelay := h.Messages, h.Relays
+	if nMsg == 0 {
+		nMsg = 400
+	}
+	if nRelay == 0 {
+		nRelay = 4
+	}
+	const partitions = 25
+	var batch []outbox.Message
+	for i := range nMsg {
+		batch = append(batch, msg(fmt.Sprintf("m%05d", i), fmt.Sprintf("P%02d", i%partitions)))
+		if len(batch) == 50 {
+			must(t, h.Enqueue(ctx, src, batch...))
+			batch = nil
+		}
+	}
+	if len(batch) > 0 {
+		must(t, h.Enqueue(ctx, src, batch...))
+	}
+	c := &checker{inFlight: map[string]bool{}, lastSeq: map[string]int64{}, confirmed: map[string]int{}, failRate: 0.1}
+	rctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	var drops []*dropMarks
+	// Without crashes the lease never lapses (so a second publication would
+	// be a bug); with them it lapses soon, so the lost marks are made good.
+	lease := 5 * time.Second
+	if crashes {
+		lease = 500 * time.Millisecond
+	}
+	for i := range nRelay {
+		s := src
+		if crashes {
+			d := &dropMarks{Source: src, rate: 0.2}
+			drops = append(drops, d)
+			s = d
+		}
+		r := &outbox.Relay{Source: s, Publisher: c, Owner: fmt.Sprint("relay-", i), BatchSize: 7, PollInterval: 5 * time.Millisecond,
+			MinBackoff: time.Millisecond, MaxBackoff: 20 * time.Millisecond, LeaseDuration: lease, StatsInterval: -1, Retention: -1}
+		wg.Add(1)
+		go func() { defer wg.Done(); <-start; _ = r.Run(rctx) }()
+	}
+	close(start)
+	deadline := time.Now().Add(45 * time.Second)
+	for {
+		st, err := src.Stats(ctx)
+		must(t, err)
+		if st.Pending == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d messages still unpublished", st.Pending, nMsg)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	wg.Wait()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, e := range c.errs {
+		t.Error(e)
+	}
+	if len(c.confirmed) != nMsg {
+		t.Fatalf("%d distinct messages confirmed, want %d", len(c.confirmed), nMsg)
+	}
+	dups := 0
+	for id, n := range c.confirmed {
+		if n > 1 {
+			dups += n - 1
+			if !crashes {
+				t.Errorf("message %s confirmed %d times with no crash", id, n)
+			}
+		}
+	}
+	var dropped int64
+	for _, d := range drops {
+		dropped += d.dropped.Load()
+	}
+	if crashes && (dropped == 0 || dups == 0) {
+		t.Fatalf("the crash run lost no marks (%d dropped, %d republished): it proved nothing", dropped, dups)
+	}
+	if c.fails.Load() == 0 {
+		t.Fatal("no publication failed: the retries were not exercised")
+	}
+	t.Logf("%d messages, %d relays: %d transient failures retried, %d marks lost, %d republished with the same ID", nMsg, nRelay, c.fails.Load(), dropped, dups)
+}

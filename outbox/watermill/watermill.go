@@ -1,0 +1,71 @@
+// Package watermill publishes an outbox's messages through any Watermill
+// message.Publisher (Kafka, SQL, Google Cloud Pub/Sub, …): the message's
+// UUID is the outbox message's ID, its metadata the headers, its topic the
+// subject. The outbox's guarantee holds when the Watermill publisher's
+// Publish returns only once the broker has the message (the Kafka, AMQP and
+// NATS publishers do, in their synchronous modes).
+//
+// Watermill's errors say nothing portable about permanence: Config.Permanent
+// decides which are, none by default.
+package watermill
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/idemkit/idem/outbox"
+)
+
+// Config configures a Publisher.
+type Config struct {
+	// Permanent reports whether err, returned by the Watermill publisher for
+	// m, will never succeed (the relay then dead-letters m with the reason).
+	// nil: every failure is retried.
+	Permanent func(m *outbox.Stored, err error) bool
+}
+
+// Publisher is an outbox.Publisher on a Watermill message.Publisher.
+type Publisher struct {
+	pub message.Publisher
+	cfg Config
+}
+
+// NewPublisher returns a Publisher on pub; cfg may be nil.
+func NewPublisher(pub message.Publisher, cfg *Config) *Publisher {
+	p := &Publisher{pub: pub}
+	if cfg != nil {
+		p.cfg = *cfg
+	}
+	return p
+}
+
+// Publish publishes m to topic m.Subject with UUID m.ID. Watermill's Publish
+// takes no context: when ctx ends first, Publish returns ctx's error and the
+// publication, which may still complete, is tried again later with the same
+// UUID.
+func (p *Publisher) Publish(ctx context.Context, m *outbox.Stored) error {
+	msg := message.NewMessage(m.ID, m.Payload)
+	for k, v := range m.Headers {
+		msg.Metadata.Set(k, v)
+	}
+	msg.SetContext(ctx)
+	done := make(chan error, 1)
+	go func() { done <- p.pub.Publish(m.Subject, msg) }()
+	select {
+	case err := <-done:
+		if err == nil {
+			return nil
+		}
+		err = fmt.Errorf("outbox/watermill: publish %s to %q: %w", m.ID, m.Subject, err)
+		if p.cfg.Permanent != nil && p.cfg.Permanent(m, err) {
+			return outbox.Permanent(err)
+		}
+		return err
+	case <-ctx.Done():
+		return fmt.Errorf("outbox/watermill: publish %s to %q: %w", m.ID, m.Subject, context.Cause(ctx))
+	}
+}
+
+var _ outbox.Publisher = (*Publisher)(nil)

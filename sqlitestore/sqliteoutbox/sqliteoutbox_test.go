@@ -1,0 +1,49 @@
+package sqliteoutbox_test
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"testing"
+
+	"github.com/idemkit/idem/outbox"
+	"github.com/idemkit/idem/outbox/outboxtest"
+	"github.com/idemkit/idem/sqlitestore/embedded"
+	"github.com/idemkit/idem/sqlitestore/sqliteoutbox"
+)
+
+func TestSource(t *testing.T) {
+	db, err := embedded.Open(filepath.Join(t.TempDir(), "outbox.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	n := 0
+	outboxtest.Run(t, outboxtest.Harness{
+		Relays: 2, Messages: 200, // one writer: more relays only queue
+		New: func(t *testing.T) outbox.Source {
+			n++
+			o, err := sqliteoutbox.New(db, &sqliteoutbox.Config{Table: fmt.Sprint("outbox_", n)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := o.Migrate(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			return o
+		},
+		Enqueue: func(ctx context.Context, src outbox.Source, msgs ...outbox.Message) error {
+			tx, err := db.BeginTx(ctx, nil)
+			if err != nil {
+				return err
+			}
+			defer func() { _ = tx.Rollback() }()
+			for _, m := range msgs {
+				if err := src.(*sqliteoutbox.Outbox).Enqueue(ctx, tx, m); err != nil {
+					return err
+				}
+			}
+			return tx.Commit()
+		},
+	})
+}
