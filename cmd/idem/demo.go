@@ -196,6 +196,13 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "idem demo: %v\n", err)
 		return exitFailure
 	}
+	var outboxMetrics outbox.Observer
+	if *events != "" {
+		if outboxMetrics, err = idemprom.NewOutbox(reg, nil); err != nil {
+			fmt.Fprintf(stderr, "idem demo: %v\n", err)
+			return exitFailure
+		}
+	}
 	flow, ok := map[string]idem.Flow{"auto": idem.FlowAuto, "claim-complete": idem.FlowClaimComplete, "single-tx": idem.FlowSingleTx}[*flowName]
 	if !ok {
 		return storeUsageError(stderr, fs, fmt.Sprintf("invalid value %q for --flow; use auto, claim-complete or single-tx", *flowName))
@@ -300,7 +307,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	code = demoServe(ctx, srv, serveErr, &app, demoSetup{
 		base: base, opts: opts, ordersTable: ordersTable, schema: *schema, delay: *delay, lease: *lease, ttl: *ttl,
 		requireKey: *requireKey, rate: *rate, mwCfg: mwCfg, logger: logger, metrics: metrics, metricsURL: metricsURL,
-		events: *events, eventsSubject: *eventsSubject, eventsLease: *eventsLease, eventsRelay: *eventsRelay, outboxTable: qualify(outboxTableName),
+		events: *events, eventsSubject: *eventsSubject, eventsLease: *eventsLease, eventsRelay: *eventsRelay, outboxTable: qualify(outboxTableName), outboxMetrics: outboxMetrics,
 	}, stdout, stderr)
 	fmt.Fprintln(stderr, "idem demo: stopped")
 	return code
@@ -322,8 +329,9 @@ type demoSetup struct {
 	events            string            // --events: the NATS URL; empty for no events
 	eventsSubject     string
 	eventsLease       time.Duration
-	eventsRelay       bool   // run the relay in the demo
-	outboxTable       string // the outbox table, with --prefix and --schema
+	eventsRelay       bool            // run the relay in the demo
+	outboxMetrics     outbox.Observer // the relay's metrics (idemprom.Outbox)
+	outboxTable       string          // the outbox table, with --prefix and --schema
 }
 
 // demoServe opens the database while srv already answers 503, then serves the

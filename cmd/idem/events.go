@@ -17,7 +17,9 @@ import (
 	"github.com/idemkit/idem/internal/orders"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/natsjs"
+	"github.com/idemkit/idem/mysqlstore/mysqloutbox"
 	"github.com/idemkit/idem/pgstore/pgoutbox"
+	"github.com/idemkit/idem/sqlitestore/sqliteoutbox"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -78,8 +80,46 @@ func openOutbox(h *dbopen.Handle, table string) (*eventsOutbox, error) {
 				return out, err
 			},
 		}, nil
+	case orders.SQLite:
+		ob, err := sqliteoutbox.New(h.SQL, &sqliteoutbox.Config{Table: table})
+		if err != nil {
+			return nil, err
+		}
+		return &eventsOutbox{
+			table: table, source: ob, migrate: ob.Migrate,
+			enqueue: func(ctx context.Context, tx orders.Tx, m outbox.Message) error {
+				return ob.Enqueue(ctx, tx.SQL, m)
+			},
+			dead: func(ctx context.Context, limit int) ([]deadLetter, error) {
+				list, err := ob.DeadLetters(ctx, limit)
+				out := make([]deadLetter, 0, len(list))
+				for _, d := range list {
+					out = append(out, deadLetter{d.Seq, d.ID, d.Subject, d.Attempts, d.EnqueuedAt, d.DeadAt, d.Reason, string(d.Payload)})
+				}
+				return out, err
+			},
+		}, nil
+	case orders.MySQL:
+		ob, err := mysqloutbox.New(h.SQL, &mysqloutbox.Config{Table: table})
+		if err != nil {
+			return nil, err
+		}
+		return &eventsOutbox{
+			table: table, source: ob, migrate: ob.Migrate,
+			enqueue: func(ctx context.Context, tx orders.Tx, m outbox.Message) error {
+				return ob.Enqueue(ctx, tx.SQL, m)
+			},
+			dead: func(ctx context.Context, limit int) ([]deadLetter, error) {
+				list, err := ob.DeadLetters(ctx, limit)
+				out := make([]deadLetter, 0, len(list))
+				for _, d := range list {
+					out = append(out, deadLetter{d.Seq, d.ID, d.Subject, d.Attempts, d.EnqueuedAt, d.DeadAt, d.Reason, string(d.Payload)})
+				}
+				return out, err
+			},
+		}, nil
 	}
-	return nil, fmt.Errorf("the outbox is not available on %s yet; use PostgreSQL (--db postgres://…)", h.Target.Display)
+	return nil, fmt.Errorf("no outbox for %s", h.Target.Display)
 }
 
 // orderEvent is the payload of an order's event.
@@ -270,6 +310,7 @@ type demoEventsRun struct {
 	js           jetstream.JetStream
 	logger       *slog.Logger
 	wake         chan struct{}
+	metrics      outbox.Observer
 }
 
 // demoEventsOpen creates the outbox table, connects to NATS (without waiting
@@ -283,7 +324,7 @@ func demoEventsOpen(ctx context.Context, h *dbopen.Handle, c demoSetup, ocfg *or
 	if err := ob.migrate(ctx); err != nil {
 		return nil, fmt.Errorf("--events: create the outbox table %s: %w", ob.table, err)
 	}
-	ev := &demoEventsRun{url: c.events, subject: c.eventsSubject, lease: c.eventsLease, ob: ob, logger: c.logger, wake: make(chan struct{}, 1)}
+	ev := &demoEventsRun{url: c.events, subject: c.eventsSubject, lease: c.eventsLease, ob: ob, logger: c.logger, wake: make(chan struct{}, 1), metrics: c.outboxMetrics}
 	if c.eventsRelay {
 		ev.nc, ev.js, err = connectNATS(c.events, "idem demo", c.logger)
 		if err != nil {
@@ -326,13 +367,21 @@ func (ev *demoEventsRun) run(ctx context.Context) {
 	r := &outbox.Relay{
 		Source:        ev.ob.source,
 		Publisher:     natsjs.NewPublisher(ev.js),
-		Observer:      &relayLogger{logger: ev.logger},
+		Observer:      ev.observer(),
 		LeaseDuration: ev.lease,
 		Wake:          ev.wake,
 	}
 	if err := r.Run(ctx); err != nil {
 		ev.logger.Error("events: the relay stopped", "err", err)
 	}
+}
+
+// observer is what the demo's relay reports to: its log, and the metrics.
+func (ev *demoEventsRun) observer() outbox.Observer {
+	if ev.metrics == nil {
+		return &relayLogger{logger: ev.logger}
+	}
+	return outboxMulti(&relayLogger{logger: ev.logger}, ev.metrics)
 }
 
 // close closes the NATS connection.

@@ -12,6 +12,7 @@ require (
 	github.com/idemkit/idem/internal/dbopen v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/internal/orders v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/mysqlstore v0.0.0-00010101000000-000000000000
+	github.com/idemkit/idem/outbox/amqp v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/outbox/natsjs v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/pgstore v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/proxy v0.0.0-00010101000000-000000000000
@@ -50,6 +51,7 @@ require (
 	github.com/philhofer/fwd v1.1.3-0.20240916144458-20a13a1f6b7c // indirect
 	github.com/prometheus/client_model v0.6.3 // indirect
 	github.com/prometheus/procfs v0.22.0 // indirect
+	github.com/rabbitmq/amqp091-go v1.16.0 // indirect
 	github.com/remyoudompheng/bigfft v0.0.0-20230129092748-24d4a6f8daec // indirect
 	github.com/rivo/uniseg v0.2.0 // indirect
 	github.com/tinylib/msgp v1.2.5 // indirect
@@ -99,3 +101,5 @@ replace github.com/idemkit/idem/internal/checker => ../../internal/checker
 replace github.com/idemkit/idem/idemgrpc => ../../idemgrpc
 
 replace github.com/idemkit/idem/outbox/natsjs => ../../outbox/natsjs
+
+replace github.com/idemkit/idem/outbox/amqp => ../../outbox/amqp

@@ -465,8 +465,9 @@ type pipelineRun struct {
 // committed order has its event on the stream (possibly more than once,
 // always under one ID), no event exists for an order that did not commit,
 // and the worker applied each order's effect exactly once (its fulfilments
-// table). Two set-ups: the demo on PostgreSQL with the worker on SQLite, and
-// the standalone relay on PostgreSQL with the worker on PostgreSQL.
+// table). Three set-ups: the demo on PostgreSQL with the worker on SQLite,
+// the demo on SQLite with the worker on PostgreSQL, and the standalone relay
+// on PostgreSQL with the worker on PostgreSQL.
 func TestOutboxPipeline(t *testing.T) {
 	natsURL := testenv.NATSURL(t)
 	runs := []func(t *testing.T) pipelineRun{
@@ -476,6 +477,13 @@ func TestOutboxPipeline(t *testing.T) {
 			return pipelineRun{name: "demo-postgres-worker-sqlite", demoDB: db, workerDB: wdb,
 				committed: func(t *testing.T) []committedOrder { return pgCommitted(t, db) },
 				applied:   func(t *testing.T) map[string]int { return sqliteApplied(t, wdb) }}
+		},
+		func(t *testing.T) pipelineRun {
+			path := filepath.Join(t.TempDir(), "demo.db")
+			wdb := newPostgresDatabase(t)
+			return pipelineRun{name: "demo-sqlite-worker-postgres", demoDB: "sqlite:" + path, workerDB: wdb,
+				committed: func(t *testing.T) []committedOrder { return sqliteCommitted(t, path) },
+				applied:   func(t *testing.T) map[string]int { return pgApplied(t, wdb) }}
 		},
 		func(t *testing.T) pipelineRun {
 			db := newPostgresDatabase(t)
@@ -794,6 +802,32 @@ func sqlApplied(t *testing.T, db *sql.DB) map[string]int {
 			t.Fatal(err)
 		}
 		out[id] = n
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func sqliteCommitted(t *testing.T, path string) []committedOrder {
+	t.Helper()
+	db, err := embedded.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	rows, err := db.Query("SELECT id, tenant, cart_id FROM orders")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var out []committedOrder
+	for rows.Next() {
+		var o committedOrder
+		if err := rows.Scan(&o.id, &o.tenant, &o.cart); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, o)
 	}
 	if err := rows.Err(); err != nil {
 		t.Fatal(err)

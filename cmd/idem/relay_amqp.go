@@ -1,12 +1,12 @@
 package main
 
 import (
-	"errors"
 	"fmt"
 	"log/slog"
 	"net/url"
 
 	"github.com/idemkit/idem/outbox"
+	"github.com/idemkit/idem/outbox/amqp"
 )
 
 // checkAMQPURL says what is wrong with an --amqp value.
@@ -21,7 +21,12 @@ func checkAMQPURL(raw string) string {
 // amqpDisplay is an AMQP URL without its password, for messages.
 func amqpDisplay(raw string) string { return natsDisplay(raw) }
 
-// amqpPublisher connects to RabbitMQ.
-func amqpPublisher(raw, exchange string, logger *slog.Logger) (outbox.Publisher, func(), error) {
-	return nil, nil, errors.New("--amqp: the RabbitMQ publisher is not built in yet; use --nats")
+// amqpPublisher returns the RabbitMQ publisher (it dials on its first
+// publication, and again after a lost connection) and its Close.
+func amqpPublisher(raw, exchange string, _ *slog.Logger) (outbox.Publisher, func(), error) {
+	p, err := amqp.NewPublisher(amqp.Config{URL: raw, Exchange: exchange})
+	if err != nil {
+		return nil, nil, err
+	}
+	return p, func() { _ = p.Close() }, nil
 }
