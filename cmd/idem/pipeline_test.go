@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -26,6 +27,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	amqp091 "github.com/rabbitmq/amqp091-go"
 )
 
 // The pipeline proof of the transactional outbox (issue 28): HTTP key →
@@ -454,6 +456,10 @@ type pipelineRun struct {
 	// standaloneRelay: the demo only enqueues (--events-relay=false) and an
 	// `idem relay` process, SIGKILLed at random too, publishes.
 	standaloneRelay bool
+	// amqp: the standalone relay publishes to RabbitMQ (a queue named as the
+	// subject, on the default exchange) instead of JetStream; the worker,
+	// a JetStream consumer, does not run, and the checks read the queue.
+	amqp bool
 }
 
 // TestOutboxPipeline is the proof of issue 28: N keyed orders, each retried
@@ -493,6 +499,11 @@ func TestOutboxPipeline(t *testing.T) {
 				applied:   func(t *testing.T) map[string]int { return pgApplied(t, wdb) }}
 		},
 	}
+	runs = append(runs, func(t *testing.T) pipelineRun {
+		db := newPostgresDatabase(t)
+		return pipelineRun{name: "relay-postgres-rabbitmq", demoDB: db, standaloneRelay: true, amqp: true,
+			committed: func(t *testing.T) []committedOrder { return pgCommitted(t, db) }}
+	})
 	for _, mk := range runs {
 		r := mk(t)
 		t.Run(r.name, func(t *testing.T) { runPipeline(t, natsURL, r) })
@@ -511,6 +522,12 @@ func runPipeline(t *testing.T, natsURL string, r pipelineRun) {
 		workerTags = "idem_broken_worker"
 	default:
 		t.Fatalf("IDEM_PIPELINE_BROKEN=%q: use before-commit, after-commit or no-dedupe", broken)
+	}
+	if demoTags != "" && r.standaloneRelay {
+		t.Skipf("IDEM_PIPELINE_BROKEN=%s breaks the demo's own publishing; this set-up runs the standalone relay", broken)
+	}
+	if workerTags != "" && r.amqp {
+		t.Skipf("IDEM_PIPELINE_BROKEN=%s breaks the worker, which does not run against RabbitMQ", broken)
 	}
 	idem := idemBin
 	if demoTags != "" {
@@ -537,12 +554,23 @@ func runPipeline(t *testing.T, natsURL string, r pipelineRun) {
 	t.Cleanup(func() { _ = js.DeleteStream(context.Background(), stream) })
 
 	u, _ := netURLHost(natsURL)
+	var amqpURL string
+	if r.amqp {
+		amqpURL = testenv.AMQPURL(t)
+		u = amqpHost(t, amqpURL)
+		declareQueue(t, amqpURL, subject)
+	}
 	fp, err := faults.Listen(u)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer fp.Close()
 	brokerURL := "nats://" + fp.Addr()
+	relayBroker := []string{"--nats", brokerURL}
+	if r.amqp {
+		relayBroker = []string{"--amqp", strings.Replace(amqpURL, u, fp.Addr(), 1)}
+		brokerURL = natsURL // the demo's --events (it runs no relay)
+	}
 
 	addr := closedPort(t)
 	base := "http://" + addr
@@ -562,12 +590,15 @@ func runPipeline(t *testing.T, natsURL string, r pipelineRun) {
 		// Wait for the demo to create the outbox table.
 		waitHTTP(t, base+"/healthz", 60*time.Second)
 		stopRelay, relayKills = chaos(t, 150*time.Millisecond, 900*time.Millisecond, func() *proc {
-			return startProc(t, relayOut, nil, idem, "relay", "--db", r.demoDB, "--nats", brokerURL, "--lease", "2s", "--poll", "50ms")
+			return startProc(t, relayOut, nil, idem, append([]string{"relay", "--db", r.demoDB, "--lease", "2s", "--poll", "50ms"}, relayBroker...)...)
 		})
 	}
-	stopWorker, workerKills := chaos(t, 300*time.Millisecond, 1500*time.Millisecond, func() *proc {
-		return startProc(t, workerOut, nil, worker, "-events", "-db", r.workerDB, "-nats", natsURL, "-subject", subject, "-ack-wait", "2s", "-lease", "2s")
-	})
+	stopWorker, workerKills := func() *proc { return nil }, new(atomic.Int64)
+	if !r.amqp {
+		stopWorker, workerKills = chaos(t, 300*time.Millisecond, 1500*time.Millisecond, func() *proc {
+			return startProc(t, workerOut, nil, worker, "-events", "-db", r.workerDB, "-nats", natsURL, "-subject", subject, "-ack-wait", "2s", "-lease", "2s")
+		})
+	}
 	// The broker's connections: cut every few hundred milliseconds, and
 	// black-holed (kept open, nothing forwarded) for up to 1.5 s now and then.
 	var faultWG sync.WaitGroup
@@ -635,6 +666,27 @@ func runPipeline(t *testing.T, natsURL string, r pipelineRun) {
 		time.Sleep(250 * time.Millisecond)
 	}
 	drained := time.Since(started)
+	if r.amqp {
+		demo.interrupt(t)
+		relay.interrupt(t)
+		committed := r.committed(t)
+		events := readQueue(t, amqpURL, subject)
+		ids := map[string]bool{}
+		applied := map[string]int{}
+		for _, e := range events {
+			ids[e.msgID] = true
+			applied[e.OrderID] = 1 // no consumer here: checks 1 and 2 only
+		}
+		t.Logf("%d committed orders, %d messages in the queue (%d message IDs: %d republications), outbox drained %v after the first order",
+			len(committed), len(events), len(ids), len(events)-len(ids), drained.Round(time.Millisecond))
+		if len(committed) != n {
+			t.Errorf("%d orders committed for %d keys; want one per key", len(committed), n)
+		}
+		for _, f := range pipelineFindings(committed, events, applied) {
+			t.Error(f)
+		}
+		return
+	}
 	// The worker catches up: nothing pending or unacked on its consumer.
 	worker1 := stopWorker()
 	cons, err := js.Consumer(ctx, stream, "orders-worker-events")
@@ -833,4 +885,76 @@ func sqliteCommitted(t *testing.T, path string) []committedOrder {
 		t.Fatal(err)
 	}
 	return out
+}
+
+// amqpHost is the host:port of an amqp:// URL.
+func amqpHost(t *testing.T, raw string) string {
+	t.Helper()
+	u, err := url.Parse(raw)
+	if err != nil || u.Host == "" {
+		t.Fatalf("AMQP URL %q: %v", raw, err)
+	}
+	if u.Port() == "" {
+		return u.Host + ":5672"
+	}
+	return u.Host
+}
+
+// declareQueue declares a durable queue named name (the default exchange
+// routes the relay's messages to it by their subject), deleted when the test
+// ends.
+func declareQueue(t *testing.T, raw, name string) {
+	t.Helper()
+	conn, err := amqp091.Dial(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare(name, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	conn.Close()
+	t.Cleanup(func() {
+		if conn, err := amqp091.Dial(raw); err == nil {
+			if ch, err := conn.Channel(); err == nil {
+				_, _ = ch.QueueDelete(name, false, false, false)
+			}
+			conn.Close()
+		}
+	})
+}
+
+// readQueue takes every message of the queue.
+func readQueue(t *testing.T, raw, name string) []streamEvent {
+	t.Helper()
+	conn, err := amqp091.Dial(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []streamEvent
+	for {
+		d, ok, err := ch.Get(name, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !ok {
+			return out
+		}
+		e := streamEvent{msgID: d.MessageId}
+		if v, ok := d.Headers[eventTenantHeader].(string); ok {
+			e.header = v
+		}
+		if err := json.Unmarshal(d.Body, &e.orderEvent); err != nil {
+			t.Errorf("queue %s: not an order event: %q", name, d.Body)
+		}
+		out = append(out, e)
+	}
 }
