@@ -15,6 +15,7 @@ import (
 var readmePages = []string{
 	"README.md", "docs/http.md", "docs/errors.md", "docs/stores.md", "docs/cli.md",
 	"docs/demo.md", "docs/grpc.md", "docs/routers.md", "docs/client.md", "docs/reliability.md",
+	"docs/outbox.md",
 }
 
 // Every Go block in the README (and in the pages that hold the README's

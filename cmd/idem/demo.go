@@ -70,6 +70,14 @@ the API wants. When that address is taken the demo runs without metrics and
 says so. idem's decisions are logged on stderr (store errors, lost leases,
 released keys, takeovers), with hashes of keys and scopes, never the raw ones.
 
+With --events nats://HOST:PORT every order created also writes an event
+(order_id, cart_id, tenant, total_cents, created_at) into the outbox table
+PREFIXidem_outbox, in the order's transaction, and a relay running in the
+demo publishes it to JetStream on --events-subject with Nats-Msg-Id set to
+its message ID, the same for every publication; the demo creates a stream
+for the subject if none captures it. examples/orders-worker -events consumes
+them. See docs/outbox.md.
+
 Ctrl-C (SIGINT) or SIGTERM stops it: requests in flight finish, a second one
 stops it at once. It also stops when the process that started it exits (for
 example a killed "go run"), unless --exit-with-parent=false.
@@ -78,6 +86,7 @@ Example:
   idem demo
   idem demo --db postgres://postgres@127.0.0.1:5432/test --schema shop --handler-delay 2s
   IDEM_DB=mysql://root@127.0.0.1:3306/test idem demo --addr 127.0.0.1:3000 --prefix demo_
+  idem demo --db postgres://postgres@127.0.0.1:5432/test --events nats://127.0.0.1:4222
 
 Every flag can also be set by an environment variable (shown in brackets); a
 flag on the command line wins.
