@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"net/http"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -182,5 +184,66 @@ func TestRelayDeadLetters(t *testing.T) {
 		if code != exitUsage || !strings.Contains(errOut, c.want) {
 			t.Errorf("idem %q: exit %d %q; want 2 and %q", c.args, code, errOut, c.want)
 		}
+	}
+}
+
+// TestRelayMetrics: `idem relay --metrics-addr` serves the relay's metrics
+// (idemprom.Outbox), and SIGINT stops it cleanly (exit 0).
+func TestRelayMetrics(t *testing.T) {
+	natsURL := testenv.NATSURL(t)
+	db := newPostgresDatabase(t)
+	nc, err := nats.Connect(natsURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	js, _ := jetstream.New(nc)
+	subject := "metrics." + cliRandHex(4) + ".created"
+	testStream(t, js, subject)
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	ob, err := pgoutbox.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		for i := range 2 {
+			if err := ob.Enqueue(ctx, tx, outbox.Message{ID: fmt.Sprintf("m-%d", i), Subject: subject, Payload: []byte(`{}`)}); err != nil {
+				return err
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	out := &tailBuffer{}
+	addr := closedPort(t)
+	p := startProc(t, out, nil, idemBin, "relay", "--db", db, "--nats", natsURL, "--metrics-addr", addr, "--poll", "50ms")
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		body := ""
+		if resp, err := http.Get("http://" + addr + "/metrics"); err == nil {
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			body = string(b)
+		}
+		if strings.Contains(body, "idem_outbox_published_total 2") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("/metrics does not count 2 publications after 30 s:\n%s\noutput:\n%s", body, out)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	p.interrupt(t)
+	if code := p.cmd.ProcessState.ExitCode(); code != 0 || !strings.Contains(out.String(), "interrupted (SIGINT or SIGTERM); stopped") {
+		t.Errorf("after SIGINT: exit %d, output:\n%s", code, out)
 	}
 }
