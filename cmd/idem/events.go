@@ -366,7 +366,7 @@ func (ev *demoEventsRun) run(ctx context.Context) {
 	ev.logger.Info("events: relay running", "table", ev.ob.table, "stream", stream, "subject", ev.subject)
 	r := &outbox.Relay{
 		Source:        ev.ob.source,
-		Publisher:     natsjs.NewPublisher(ev.js),
+		Publisher:     demoPublisher(natsjs.NewPublisher(ev.js)),
 		Observer:      ev.observer(),
 		LeaseDuration: ev.lease,
 		Wake:          ev.wake,

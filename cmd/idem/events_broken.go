@@ -6,6 +6,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"strconv"
 	"time"
 
 	"github.com/idemkit/idem/internal/orders"
@@ -23,6 +24,8 @@ import (
 //	               rollback undoes)
 //	after-commit   publish after the commit, from the process, no outbox (a
 //	               crash between the two loses the event)
+//	unstable-id    the outbox, but the relay publishes a republication under
+//	               another ID (the message ID with the attempt number)
 //
 // Anything else is the outbox, as built without the tag.
 func demoEnqueue(ctx context.Context, ev *demoEventsRun, tx orders.Tx, m outbox.Message) error {
@@ -57,4 +60,20 @@ func demoEnqueue(ctx context.Context, ev *demoEventsRun, tx orders.Tx, m outbox.
 		_, _ = ev.js.PublishMsg(pctx, msg)
 	}()
 	return nil
+}
+
+// demoPublisher, with IDEM_BROKEN_OUTBOX=unstable-id, publishes every
+// attempt after the first under an ID of its own.
+func demoPublisher(p outbox.Publisher) outbox.Publisher {
+	if os.Getenv("IDEM_BROKEN_OUTBOX") != "unstable-id" {
+		return p
+	}
+	return outbox.PublisherFunc(func(ctx context.Context, m *outbox.Stored) error {
+		if m.Attempts > 0 {
+			c := *m
+			c.ID = m.ID + "-" + strconv.Itoa(m.Attempts)
+			return p.Publish(ctx, &c)
+		}
+		return p.Publish(ctx, m)
+	})
 }

@@ -15,3 +15,7 @@ import (
 func demoEnqueue(ctx context.Context, ev *demoEventsRun, tx orders.Tx, m outbox.Message) error {
 	return ev.ob.enqueue(ctx, tx, m)
 }
+
+// demoPublisher is the demo relay's publisher, p itself (the build tag
+// idem_broken_outbox wraps it).
+func demoPublisher(p outbox.Publisher) outbox.Publisher { return p }
