@@ -37,7 +37,7 @@ type Message struct {
 	// metadata. Names are HTTP tokens (letters, digits and !#$%&'*+-.^_`|~),
 	// at most 255 bytes, and may not start with "Nats-" (JetStream reads
 	// those); values are UTF-8 without control characters, at most
-	// MaxHeaderValue bytes; at most MaxHeaders of them.
+	// MaxHeaderValue bytes; at most MaxHeaders of them, MaxHeaderBytes in all.
 	Headers map[string]string
 	// PartitionKey orders messages: the relay publishes the messages of one
 	// partition one after the other, in the order they were enqueued (their
@@ -62,8 +62,10 @@ type Stored struct {
 // Limits on what Enqueue accepts.
 const (
 	// DefaultMaxPayload is the largest payload a store's outbox accepts
-	// unless configured otherwise: 1 MiB, NATS's default max_payload.
-	DefaultMaxPayload = 1 << 20
+	// unless configured otherwise: 1 MiB less 20 KiB, so that a message at
+	// the bounds, with MaxHeaderBytes of headers and the Nats-Msg-Id, fits
+	// NATS's default max_payload of 1 MiB.
+	DefaultMaxPayload = 1<<20 - 20<<10
 	// MaxIDLength is the longest message ID, the longest a consumer uses as
 	// it is.
 	MaxIDLength = 255
@@ -77,6 +79,8 @@ const (
 	MaxHeaderName = 255
 	// MaxHeaderValue is the longest header value.
 	MaxHeaderValue = 4096
+	// MaxHeaderBytes bounds the headers' names and values together.
+	MaxHeaderBytes = 16 << 10
 )
 
 // Errors Prepare (and so every store's Enqueue) returns, wrapped with the
@@ -167,7 +171,9 @@ func check(m Message, maxPayload int) error {
 	if len(m.Headers) > MaxHeaders {
 		return fmt.Errorf("%w: %d headers, at most %d", ErrInvalid, len(m.Headers), MaxHeaders)
 	}
+	size := 0
 	for k, v := range m.Headers {
+		size += len(k) + len(v)
 		if k == "" || len(k) > MaxHeaderName || !token(k) {
 			return fmt.Errorf("%w: header name %q: it must be 1 to %d bytes of letters, digits and !#$%%&'*+-.^_`|~", ErrInvalid, clip(k), MaxHeaderName)
 		}
@@ -177,6 +183,9 @@ func check(m Message, maxPayload int) error {
 		if len(v) > MaxHeaderValue || !utf8.ValidString(v) || hasControl(v) {
 			return fmt.Errorf("%w: header %q: the value must be at most %d bytes of UTF-8 without control characters (CR, LF, NUL…)", ErrInvalid, k, MaxHeaderValue)
 		}
+	}
+	if size > MaxHeaderBytes {
+		return fmt.Errorf("%w: headers of %d bytes, at most %d (names and values together)", ErrInvalid, size, MaxHeaderBytes)
 	}
 	return nil
 }

@@ -283,12 +283,7 @@ func safePublish(ctx context.Context, p Publisher, m *Stored) (err error) {
 			err = fmt.Errorf("outbox: Publisher panicked: %v", v)
 		}
 	}()
-	err = p.Publish(ctx, m)
-	if err == nil && ctx.Err() != nil {
-		// Confirmed, but too late to be sure the lease still held: count it.
-		return nil
-	}
-	return err
+	return p.Publish(ctx, m)
 }
 
 // backoff is the wait before attempt n+1: MinBackoff·2^(n-1), jittered by

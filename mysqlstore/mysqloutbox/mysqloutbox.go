@@ -129,6 +129,9 @@ ORDER BY o.seq LIMIT ?`
 	return o, nil
 }
 
+// Table returns the outbox table's name, quoted.
+func (o *Outbox) Table() string { return o.table }
+
 // Migrate creates the outbox, dead-letter and lock tables if they do not
 // exist.
 func (o *Outbox) Migrate(ctx context.Context) error {
@@ -348,11 +351,21 @@ func (o *Outbox) DeadLetter(ctx context.Context, owner string, seq int64, reason
 
 // DeletePublished implements outbox.Source.
 func (o *Outbox) DeletePublished(ctx context.Context, olderThan time.Duration, limit int) (int, error) {
-	res, err := o.db.ExecContext(ctx, o.deleteSQL, olderThan.Microseconds(), limit)
+	// At READ COMMITTED: no gap locks that would hold up the handlers'
+	// inserts (whose NULL published_at sorts just before the range).
+	tx, err := o.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return 0, fmt.Errorf("mysqloutbox: delete published: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	res, err := tx.ExecContext(ctx, o.deleteSQL, olderThan.Microseconds(), limit)
 	if err != nil {
 		return 0, fmt.Errorf("mysqloutbox: delete published: %w", err)
 	}
 	n, _ := res.RowsAffected()
+	if err := tx.Commit(); err != nil {
+		return 0, fmt.Errorf("mysqloutbox: delete published: %w", err)
+	}
 	return int(n), nil
 }
 

@@ -3,13 +3,16 @@ module github.com/idemkit/idem/outbox/natsjs
 go 1.26.0
 
 require (
+	github.com/go-sql-driver/mysql v1.10.1
 	github.com/idemkit/idem v0.0.0-00010101000000-000000000000
+	github.com/idemkit/idem/mysqlstore v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/pgstore v0.0.0-00010101000000-000000000000
 	github.com/jackc/pgx/v5 v5.12.0
 	github.com/nats-io/nats.go v1.55.0
 )
 
 require (
+	filippo.io/edwards25519 v1.2.0 // indirect
 	github.com/jackc/pgpassfile v1.0.0 // indirect
 	github.com/jackc/pgservicefile v0.0.0-20240606120523-5a60cdf6a761 // indirect
 	github.com/jackc/puddle/v2 v2.2.3 // indirect
@@ -27,3 +30,5 @@ replace github.com/idemkit/idem => ../..
 replace github.com/idemkit/idem/pgstore => ../../pgstore
 
 replace github.com/idemkit/idem/storetest => ../../storetest
+
+replace github.com/idemkit/idem/mysqlstore => ../../mysqlstore

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -13,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -304,6 +302,3 @@ func TestPermanentRefusals(t *testing.T) {
 		t.Fatalf("stats %+v, %v", st, err)
 	}
 }
-
-var _ = errors.New
-var _ pgx.Tx

@@ -117,6 +117,9 @@ RETURNING t.seq, t.id, t.subject, t.payload, t.headers, t.partition_key, t.enque
 	return o, nil
 }
 
+// Table returns the outbox table's name, quoted.
+func (o *Outbox) Table() string { return o.table }
+
 // Migrate creates the outbox and dead-letter tables and their indexes if
 // they do not exist. It is idempotent and safe to run from many processes.
 func (o *Outbox) Migrate(ctx context.Context) error {

@@ -104,6 +104,9 @@ RETURNING seq, id, subject, payload, headers, partition_key, enqueued_at, attemp
 	return o, nil
 }
 
+// Table returns the outbox table's name, quoted.
+func (o *Outbox) Table() string { return o.table }
+
 // Migrate creates the outbox and dead-letter tables and their indexes if they
 // do not exist.
 func (o *Outbox) Migrate(ctx context.Context) error {
