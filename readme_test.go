@@ -16,6 +16,7 @@ var readmePages = []string{
 	"README.md", "docs/http.md", "docs/errors.md", "docs/stores.md", "docs/cli.md",
 	"docs/demo.md", "docs/grpc.md", "docs/routers.md", "docs/client.md", "docs/reliability.md",
 	"docs/effects.md",
+	"docs/outbox.md",
 }
 
 // Every Go block in the README (and in the pages that hold the README's

@@ -16,6 +16,7 @@ require (
 	github.com/idemkit/idem/idemgrpc v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/internal/checker v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/mysqlstore v0.0.0-00010101000000-000000000000
+	github.com/idemkit/idem/outbox/natsjs v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/pgstore v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/redisstore v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/sqlitestore v0.0.0-00010101000000-000000000000
@@ -103,3 +104,5 @@ replace github.com/idemkit/idem/consumer/natsjs => ../consumer/natsjs
 replace github.com/idemkit/idem/internal/checker => ../internal/checker
 
 replace github.com/idemkit/idem/idemgrpc => ../idemgrpc
+
+replace github.com/idemkit/idem/outbox/natsjs => ../outbox/natsjs

@@ -28,6 +28,7 @@ import (
 	"github.com/idemkit/idem/idemslog"
 	"github.com/idemkit/idem/internal/dbopen"
 	"github.com/idemkit/idem/internal/orders"
+	"github.com/idemkit/idem/outbox"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -77,6 +78,14 @@ carries it as "charge_id". A decline (4xx) is a stored 402 payment_failed; a
 provider that fails or does not answer a 502 payment_unavailable, not stored:
 the retry asks again with the same key. See docs/demo.md.
 
+With --events nats://HOST:PORT every order created also writes an event
+(order_id, cart_id, tenant, total_cents, created_at) into the outbox table
+PREFIXidem_outbox, in the order's transaction, and a relay running in the
+demo publishes it to JetStream on --events-subject with Nats-Msg-Id set to
+its message ID, the same for every publication; the demo creates a stream
+for the subject if none captures it. examples/orders-worker -events consumes
+them. See docs/outbox.md.
+
 Ctrl-C (SIGINT) or SIGTERM stops it: requests in flight finish, a second one
 stops it at once. It also stops when the process that started it exits (for
 example a killed "go run"), unless --exit-with-parent=false.
@@ -85,6 +94,7 @@ Example:
   idem demo
   idem demo --db postgres://postgres@127.0.0.1:5432/test --schema shop --handler-delay 2s
   IDEM_DB=mysql://root@127.0.0.1:3306/test idem demo --addr 127.0.0.1:3000 --prefix demo_
+  idem demo --db postgres://postgres@127.0.0.1:5432/test --events nats://127.0.0.1:4222
 
 Every flag can also be set by an environment variable (shown in brackets); a
 flag on the command line wins.
@@ -103,6 +113,8 @@ var demoEnv = []storeEnvVar{
 	{"in-flight-wait", "IDEM_IN_FLIGHT_WAIT"},
 	{"payment-url", "IDEM_PAYMENT_URL"}, {"payment-timeout", "IDEM_PAYMENT_TIMEOUT"},
 	{"payment-unknown", "IDEM_PAYMENT_UNKNOWN"},
+	{"events", "IDEM_EVENTS"}, {"events-subject", "IDEM_EVENTS_SUBJECT"}, {"events-lease", "IDEM_EVENTS_LEASE"},
+	{"events-relay", "IDEM_EVENTS_RELAY"},
 }
 
 // demoShutdownTimeout bounds how long in-flight requests may take to finish after
@@ -151,6 +163,10 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	paymentURL := fs.String("payment-url", "", "charge every new order's total at this payment provider (POST URL/charges, the charge step's derived key as Idempotency-Key) before inserting it; empty charges nothing")
 	paymentTimeout := fs.Duration("payment-timeout", orders.DefaultPaymentTimeout, "how long one call to the payment provider may take; a slower one is a 502 and the retry asks again with the same key")
 	paymentUnknown := fs.String("payment-unknown", "rerun", "a charge begun by an attempt that died before recording it: rerun (charge again with the same key: safe when the provider honours Idempotency-Key) or refuse (the order's outcome is unknown until idem resolve settles the charge: for a provider that ignores keys)")
+	events := fs.String("events", "", "`nats://HOST:PORT`: publish an event for every order created, through a transactional outbox and a relay running in the demo, to JetStream; empty for none")
+	eventsSubject := fs.String("events-subject", defaultEventsSubject, "with --events: the `subject` of the orders' events (a stream is created for it if none captures it)")
+	eventsLease := fs.Duration("events-lease", outbox.DefaultLeaseDuration, "with --events: how long the relay holds a message it publishes; after a crash another relay publishes it again (same ID) once this lapses")
+	eventsRelay := fs.Bool("events-relay", true, "with --events: run the relay in the demo; false only writes the events into the outbox, for `idem relay` to publish")
 	withParent := fs.Bool("exit-with-parent", true, "stop when the process that started the demo exits (for example a killed go run); false for nohup and the like")
 	fs.Usage = storeUsage(fs, demoUsage, demoEnv)
 	pos, code, ok := storeParse(fs, args, demoEnv, stdout, stderr)
@@ -196,6 +212,17 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		payments = &orders.Payments{URL: *paymentURL, Timeout: *paymentTimeout, RefuseUnknown: *paymentUnknown == "refuse"}
 	}
+	if *events != "" {
+		if msg := checkNATSURL("--events", *events); msg != "" {
+			return storeUsageError(stderr, fs, msg)
+		}
+		if *eventsSubject == "" || strings.ContainsAny(*eventsSubject, " \t*>") {
+			return storeUsageError(stderr, fs, fmt.Sprintf("--events-subject %q is not a subject to publish on; use a NATS subject without spaces or wildcards, such as orders.created", *eventsSubject))
+		}
+		if *eventsLease < time.Second {
+			return storeUsageError(stderr, fs, fmt.Sprintf("--events-lease %v is too short; use 1s or more (a publication may take up to half of it)", *eventsLease))
+		}
+	}
 	logger := demoLogger(stderr)
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -203,6 +230,13 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		fmt.Fprintf(stderr, "idem demo: %v\n", err)
 		return exitFailure
+	}
+	var outboxMetrics outbox.Observer
+	if *events != "" {
+		if outboxMetrics, err = idemprom.NewOutbox(reg, nil); err != nil {
+			fmt.Fprintf(stderr, "idem demo: %v\n", err)
+			return exitFailure
+		}
 	}
 	flow, ok := map[string]idem.Flow{"auto": idem.FlowAuto, "claim-complete": idem.FlowClaimComplete, "single-tx": idem.FlowSingleTx}[*flowName]
 	if !ok {
@@ -309,6 +343,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		base: base, opts: opts, ordersTable: ordersTable, schema: *schema, delay: *delay, lease: *lease, ttl: *ttl,
 		requireKey: *requireKey, rate: *rate, mwCfg: mwCfg, logger: logger, metrics: metrics, metricsURL: metricsURL,
 		payments: payments,
+		events:   *events, eventsSubject: *eventsSubject, eventsLease: *eventsLease, eventsRelay: *eventsRelay, outboxTable: qualify(outboxTableName), outboxMetrics: outboxMetrics,
 	}, stdout, stderr)
 	fmt.Fprintln(stderr, "idem demo: stopped")
 	return code
@@ -328,6 +363,12 @@ type demoSetup struct {
 	metrics           *idemprom.Metrics // fed by the middleware, the store and the janitor
 	metricsURL        string            // where GET /metrics answers; empty when not served
 	payments          *orders.Payments  // nil: orders are not charged
+	events            string            // --events: the NATS URL; empty for no events
+	eventsSubject     string
+	eventsLease       time.Duration
+	eventsRelay       bool            // run the relay in the demo
+	outboxMetrics     outbox.Observer // the relay's metrics (idemprom.Outbox)
+	outboxTable       string          // the outbox table, with --prefix and --schema
 }
 
 // demoServe opens the database while srv already answers 503, then serves the
@@ -369,7 +410,16 @@ func demoServe(ctx context.Context, srv *http.Server, serveErr chan error, app *
 	if err := h.Migrate(ctx); err != nil {
 		return fail(err)
 	}
-	svc, err := orders.New(h.Orders, &orders.Config{Table: c.ordersTable, HandlerDelay: c.delay, Payments: c.payments})
+	ocfg := &orders.Config{Table: c.ordersTable, HandlerDelay: c.delay, Payments: c.payments}
+	var ev *demoEventsRun
+	if c.events != "" {
+		ev, err = demoEventsOpen(ctx, h, c, ocfg)
+		if err != nil {
+			return fail(err)
+		}
+		defer ev.close()
+	}
+	svc, err := orders.New(h.Orders, ocfg)
 	if err != nil {
 		return fail(err)
 	}
@@ -383,7 +433,11 @@ func demoServe(ctx context.Context, srv *http.Server, serveErr chan error, app *
 	}
 
 	// auth → rate limit → routing → idem (POST /orders only) → orders.
-	var routes http.Handler = svc.Handler(mw)
+	keyed := mw
+	if ev != nil {
+		keyed = func(next http.Handler) http.Handler { return ev.wakeAfter(mw(next)) }
+	}
+	var routes http.Handler = svc.Handler(keyed)
 	if c.rate > 0 {
 		rate := c.rate
 		routes = httprate.LimitBy(rate, time.Second,
@@ -399,10 +453,17 @@ func demoServe(ctx context.Context, srv *http.Server, serveErr chan error, app *
 	root.Handle("/", orders.Authenticate(routes))
 	var ready http.Handler = root
 	app.Store(&ready)
-	demoBanner(stdout, c.base, h, svc, c.lease, c.ttl, c.delay, c.requireKey, c.rate, c.metricsURL, c.payments)
+	demoBanner(stdout, c.base, h, svc, c.lease, c.ttl, c.delay, c.requireKey, c.rate, c.metricsURL, c.payments, ev)
 
 	jctx, jcancel := context.WithCancel(context.WithoutCancel(ctx))
 	var wg sync.WaitGroup
+	if ev != nil && ev.nc != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ev.run(jctx)
+		}()
+	}
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -455,7 +516,7 @@ func demoBaseURL(addr net.Addr) string {
 
 // demoBanner prints, after the "listening on" line, where the data lives and a
 // curl command to paste.
-func demoBanner(w io.Writer, base string, h *dbopen.Handle, svc *orders.Service, lease, ttl, delay time.Duration, requireKey bool, rate int, metricsURL string, payments *orders.Payments) {
+func demoBanner(w io.Writer, base string, h *dbopen.Handle, svc *orders.Service, lease, ttl, delay time.Duration, requireKey bool, rate int, metricsURL string, payments *orders.Payments, ev *demoEventsRun) {
 	fmt.Fprintf(w, "  orders: %s (table %s)\n", h.Target.Display, svc.Table())
 	if h.Transactional() {
 		fmt.Fprintf(w, "  keys:   %s; an order and its stored answer commit in one transaction\n", h.KeysAt)
@@ -480,6 +541,12 @@ func demoBanner(w io.Writer, base string, h *dbopen.Handle, svc *orders.Service,
 			unknown = "refuse (outcome unknown until idem resolve)"
 		}
 		fmt.Fprintf(w, "  payments: every new order is charged at %s/charges (timeout %v; a charge begun and not recorded: %s)\n", strings.TrimRight(payments.URL, "/"), payments.Timeout, unknown)
+	}
+	switch {
+	case ev != nil && ev.nc != nil:
+		fmt.Fprintf(w, "  events: every order's event is written to %s in the order's transaction; the relay publishes it to %s on %s\n", ev.ob.table, ev.subject, natsDisplay(ev.url))
+	case ev != nil:
+		fmt.Fprintf(w, "  events: every order's event is written to %s in the order's transaction; no relay runs here (--events-relay=false): run idem relay\n", ev.ob.table)
 	}
 	fmt.Fprintf(w, `
 Create an order; run the curl twice: the second answer is the stored one, with

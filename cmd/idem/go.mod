@@ -12,6 +12,8 @@ require (
 	github.com/idemkit/idem/internal/dbopen v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/internal/orders v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/mysqlstore v0.0.0-00010101000000-000000000000
+	github.com/idemkit/idem/outbox/amqp v0.0.0-00010101000000-000000000000
+	github.com/idemkit/idem/outbox/natsjs v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/pgstore v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/proxy v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/redisstore v0.0.0-00010101000000-000000000000
@@ -20,6 +22,7 @@ require (
 	github.com/nats-io/nats.go v1.55.0
 	github.com/prometheus/client_golang v1.25.0
 	github.com/prometheus/common v0.73.1
+	github.com/rabbitmq/amqp091-go v1.16.0
 	github.com/redis/go-redis/v9 v9.23.0
 )
 
@@ -96,3 +99,7 @@ replace github.com/idemkit/idem/internal/orders => ../../internal/orders
 replace github.com/idemkit/idem/internal/checker => ../../internal/checker
 
 replace github.com/idemkit/idem/idemgrpc => ../../idemgrpc
+
+replace github.com/idemkit/idem/outbox/natsjs => ../../outbox/natsjs
+
+replace github.com/idemkit/idem/outbox/amqp => ../../outbox/amqp

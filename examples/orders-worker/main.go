@@ -17,6 +17,17 @@
 // so in the ack's Duplicate flag.) The worker's records share the demo's idem_records table but never
 // an HTTP tenant's scope (consumer.StoredScope).
 //
+// With -events it is the consumer of `idem demo --events`: it consumes the
+// demo's orders.created events (published through the demo's transactional
+// outbox, one per order, with a message ID derived from the order's
+// idempotency key) and applies each event's effect — a row in its
+// fulfilments table — exactly once per message ID, however often the relay
+// republished it or JetStream redelivered it:
+//
+//	go run ./cmd/idem demo --events nats://127.0.0.1:4222   # publishes orders.created
+//	go run ./examples/orders-worker -events -db fulfilments.db
+//	go run ./examples/orders-worker -events -db fulfilments.db -count   # N fulfilments of N orders
+//
 // -db takes a SQLite file (default orders.db) or a postgres:// URL; -nats the
 // server (default nats://127.0.0.1:4222, started with nats-server -js).
 package main
@@ -94,7 +105,12 @@ func main() {
 	publish := flag.Bool("publish", false, "publish the order given as the argument instead of consuming")
 	id := flag.String("id", "", "with -publish: the message ID (Nats-Msg-Id); publish twice with one ID to see one order")
 	tenant := flag.String("tenant", "", "with -publish: the Tenant header (default: none, filed as \"demo\")")
-	count := flag.Bool("count", false, "print how many orders the table holds and exit")
+	count := flag.Bool("count", false, "print how many orders the table holds and exit (with -events: fulfilments)")
+	events := flag.Bool("events", false, "consume the orders.created events of `idem demo --events` and fulfil each order once, instead of orders.create")
+	subject := flag.String("subject", EventsSubject, "with -events: the subject the events are published on (the demo's --events-subject)")
+	verbose := flag.Bool("v", false, "with -events: log every event")
+	ackWait := flag.Duration("ack-wait", 30*time.Second, "with -events: how long JetStream waits for an ack before it redelivers (after a crash)")
+	lease := flag.Duration("lease", 30*time.Second, "with -events: how long a message being processed stays claimed before another delivery may take it over (after a crash)")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
@@ -119,6 +135,25 @@ func main() {
 		log.Fatal(err)
 	}
 	defer w.Close()
+	w.Verbose, w.AckWait, w.Lease = *verbose, *ackWait, *lease
+	if *events {
+		if *count {
+			applied, err := w.Applied(ctx)
+			if err != nil {
+				log.Fatal(err)
+			}
+			n := 0
+			for _, c := range applied {
+				n += c
+			}
+			fmt.Println(n, "fulfilments of", len(applied), "orders")
+			return
+		}
+		if err := w.RunEvents(ctx, js, *subject); err != nil && !errors.Is(err, context.Canceled) {
+			log.Fatal(err)
+		}
+		return
+	}
 	if *count {
 		n, err := w.Count(ctx)
 		if err != nil {
@@ -168,13 +203,19 @@ type Worker struct {
 	pool    *pgxpool.Pool
 	db      *sql.DB
 	Table   string // the orders table, "orders" unless changed before Run
+	Effects string // the fulfilments table (-events), "fulfilments"
 	Durable string // the JetStream consumer's name and the dedupe scope
+	Verbose bool   // log every event (-events)
+	// AckWait and Lease (-events) bound how long a crash delays an event:
+	// JetStream redelivers after AckWait, the dedupe takes over a claim after
+	// Lease. Zero means 30 s.
+	AckWait, Lease time.Duration
 }
 
 // Open opens the database (a SQLite file or a postgres:// URL), migrates
 // idem's records table and creates the orders table.
 func Open(ctx context.Context, dbURL string) (*Worker, error) {
-	w := &Worker{Table: "orders", Durable: "orders-worker"}
+	w := &Worker{Table: "orders", Effects: "fulfilments", Durable: "orders-worker"}
 	ddl := `CREATE TABLE IF NOT EXISTS %s (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, cart_id TEXT NOT NULL, total_cents BIGINT NOT NULL CHECK (total_cents >= 0), created_at TEXT NOT NULL)`
 	if strings.HasPrefix(dbURL, "postgres://") || strings.HasPrefix(dbURL, "postgresql://") {
 		ddl = strings.Replace(ddl, "created_at TEXT", "created_at TIMESTAMPTZ", 1)
@@ -188,6 +229,9 @@ func Open(ctx context.Context, dbURL string) (*Worker, error) {
 		}
 		if err == nil {
 			_, err = pool.Exec(ctx, fmt.Sprintf(ddl, w.Table))
+		}
+		if err == nil {
+			_, err = pool.Exec(ctx, fmt.Sprintf(fulfilmentsDDL, w.Effects))
 		}
 		if err != nil {
 			pool.Close()
@@ -206,6 +250,9 @@ func Open(ctx context.Context, dbURL string) (*Worker, error) {
 	}
 	if err == nil {
 		_, err = db.ExecContext(ctx, fmt.Sprintf(ddl, w.Table))
+	}
+	if err == nil {
+		_, err = db.ExecContext(ctx, fmt.Sprintf(fulfilmentsDDL, w.Effects))
 	}
 	if err != nil {
 		db.Close()

@@ -12,7 +12,6 @@ package faults
 
 import (
 	"errors"
-	"io"
 	"net"
 	"sync"
 	"time"
@@ -29,6 +28,7 @@ type Proxy struct {
 	peers  map[net.Conn]net.Conn  // the other end of each forwarded connection
 	cuts   int
 	closed bool
+	hold   chan struct{} // non-nil while held: closed by Release
 	wg     sync.WaitGroup
 }
 
@@ -85,9 +85,25 @@ func (p *Proxy) track(client, server net.Conn) bool {
 }
 
 // pipe copies from src to dst; when either side fails, both are closed.
+// While the proxy is held (Hold), what it reads waits, undelivered, until
+// Release.
 func (p *Proxy) pipe(dst, src net.Conn) {
 	defer p.wg.Done()
-	_, _ = io.Copy(dst, src)
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			if gate := p.gate(); gate != nil {
+				<-gate
+			}
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				break
+			}
+		}
+		if err != nil {
+			break
+		}
+	}
 	_ = dst.Close()
 	_ = src.Close()
 	p.mu.Lock()
@@ -187,12 +203,45 @@ func (p *Proxy) CutEvery(interval time.Duration) (stop func()) {
 	}
 }
 
+// gate returns the channel a forwarding goroutine waits on while the proxy is
+// held, nil otherwise.
+func (p *Proxy) gate() chan struct{} {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.hold
+}
+
+// Hold black-holes the proxy: connections stay open (old ones and new ones,
+// which are still accepted), but nothing is forwarded either way until
+// Release, so a client sees its calls hang rather than fail — the way a
+// partitioned network or a hung broker looks, until the client's own timeout
+// or heartbeat gives up. What was sent meanwhile is delivered on Release, as
+// TCP would retransmit it; Cut while held drops it with the connection.
+func (p *Proxy) Hold() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.hold == nil {
+		p.hold = make(chan struct{})
+	}
+}
+
+// Release ends a Hold: forwarding resumes on the connections still open.
+func (p *Proxy) Release() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.hold != nil {
+		close(p.hold)
+		p.hold = nil
+	}
+}
+
 // Close stops accepting, cuts every open connection and waits for the
 // forwarding goroutines to end.
 func (p *Proxy) Close() error {
 	p.mu.Lock()
 	p.closed = true
 	p.mu.Unlock()
+	p.Release()
 	err := p.ln.Close()
 	p.Cut()
 	p.wg.Wait()

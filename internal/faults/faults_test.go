@@ -164,3 +164,50 @@ func TestCutEvery(t *testing.T) {
 		t.Errorf("a connection was cut after stop: %v", err)
 	}
 }
+
+// Hold stops forwarding without closing anything: a call hangs until Release,
+// then completes; Cut during a hold still breaks the connection.
+func TestHoldRelease(t *testing.T) {
+	t.Parallel()
+	p, err := Listen(echoServer(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	c, r := dial(t, p)
+	if _, err := roundTrip(c, r, "up"); err != nil {
+		t.Fatal(err)
+	}
+	p.Hold()
+	_ = c.SetDeadline(time.Now().Add(300 * time.Millisecond))
+	if _, err := c.Write([]byte("held\n")); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := r.ReadString('\n'); err == nil {
+		t.Fatalf("an answer came through a held proxy: %q", got)
+	}
+	fresh, err := net.DialTimeout("tcp", p.Addr(), time.Second)
+	if err != nil {
+		t.Fatalf("a held proxy refused a new connection: %v", err)
+	}
+	fr := bufio.NewReader(fresh)
+	_ = fresh.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := fresh.Write([]byte("queued\n")); err != nil {
+		t.Fatal(err)
+	}
+	p.Release()
+	if got, err := fr.ReadString('\n'); err != nil || got != "queued\n" {
+		t.Fatalf("after Release, the held call got %q, %v", got, err)
+	}
+	_ = fresh.Close()
+	c2, r2 := dial(t, p)
+	if _, err := roundTrip(c2, r2, "up"); err != nil {
+		t.Fatal(err)
+	}
+	p.Hold()
+	p.Cut()
+	p.Release()
+	if _, err := roundTrip(c2, r2, "x"); err == nil {
+		t.Fatal("a connection cut while held still works")
+	}
+}

@@ -39,8 +39,17 @@ type Backend interface {
 	ping(ctx context.Context) error
 }
 
+// Tx is the transaction an order is inserted in, as Config.OnCreate gets it:
+// SQL on SQLite and MySQL, Pgx on PostgreSQL; the other one is nil.
+type Tx struct {
+	SQL *sql.Tx
+	Pgx pgx.Tx
+}
+
 // querier runs statements with '?' placeholders, rebound for the dialect.
 type querier interface {
+	// tx is the transaction the querier runs in (zero outside one).
+	tx() Tx
 	exec(ctx context.Context, query string, args ...any) error
 	query(ctx context.Context, query string, args []any, row func(scan func(dest ...any) error) error) error
 }
@@ -104,6 +113,11 @@ type sqlConn interface {
 
 type sqlQ struct{ c sqlConn }
 
+func (q sqlQ) tx() Tx {
+	t, _ := q.c.(*sql.Tx)
+	return Tx{SQL: t}
+}
+
 func (q sqlQ) exec(ctx context.Context, query string, args ...any) error {
 	_, err := q.c.ExecContext(ctx, query, args...)
 	return err
@@ -149,6 +163,11 @@ type pgxConn interface {
 }
 
 type pgxQ struct{ c pgxConn }
+
+func (q pgxQ) tx() Tx {
+	t, _ := q.c.(pgx.Tx)
+	return Tx{Pgx: t}
+}
 
 func (q pgxQ) exec(ctx context.Context, query string, args ...any) error {
 	_, err := q.c.Exec(ctx, rebind(query), args...)

@@ -45,6 +45,10 @@
 // leaves an order whose key is released when its lease lapses, and a retry then
 // creates a second order.
 //
+// Config.OnCreate is called in that transaction after the insert, with the
+// transaction (Tx): the demo enqueues the order's event into its outbox there,
+// so the event commits with the order or not at all.
+//
 // Config.HandlerDelay sleeps inside the transaction after the insert, to widen the
 // race window in demonstrations.
 //

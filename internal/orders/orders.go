@@ -68,6 +68,11 @@ type Config struct {
 	// Payments, when set, charges every new order's total before the order is
 	// inserted (see Payments). Nil charges nothing.
 	Payments *Payments
+	// OnCreate, when set, is called inside the order's transaction right after
+	// the insert (before HandlerDelay), with that transaction: what it writes
+	// there (an outbox message) commits with the order, and its answer, or not
+	// at all. An error rolls the order back (500 "order_not_saved").
+	OnCreate func(ctx context.Context, tx Tx, tenant string, o Order) error
 }
 
 // Service is the reference checkout service: it creates and lists orders.
@@ -205,6 +210,11 @@ func (s *Service) create(w http.ResponseWriter, r *http.Request) {
 	err := s.b.inTx(ctx, func(q querier) error {
 		if err := q.exec(ctx, s.insert, o.ID, tenant, o.CartID, o.TotalCents, s.timeArg(o.CreatedAt), charge); err != nil {
 			return fmt.Errorf("insert order: %w", err)
+		}
+		if s.cfg.OnCreate != nil {
+			if err := s.cfg.OnCreate(ctx, q.tx(), tenant, o); err != nil {
+				return fmt.Errorf("after the insert: %w", err)
+			}
 		}
 		if d := s.cfg.HandlerDelay; d > 0 {
 			t := time.NewTimer(d)

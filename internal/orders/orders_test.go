@@ -361,3 +361,47 @@ func TestHealthz(t *testing.T) {
 		t.Fatalf("healthz with a closed database: %d %s, want 503", a.status, a.body)
 	}
 }
+
+// TestOnCreate: OnCreate runs in the order's transaction: what it writes there
+// commits with the order, and its error rolls both back (500).
+func TestOnCreate(t *testing.T) {
+	var fail bool
+	b := setup(t, &orders.Config{OnCreate: func(ctx context.Context, tx orders.Tx, tenant string, o orders.Order) error {
+		if tx.SQL == nil || tx.Pgx != nil {
+			return fmt.Errorf("OnCreate got %+v, want the *sql.Tx", tx)
+		}
+		if _, err := tx.SQL.ExecContext(ctx, "INSERT INTO events (order_id, tenant) VALUES (?, ?)", o.ID, tenant); err != nil {
+			return err
+		}
+		if fail {
+			return fmt.Errorf("refused")
+		}
+		return nil
+	}})
+	if _, err := b.db.Exec("CREATE TABLE events (order_id TEXT NOT NULL, tenant TEXT NOT NULL)"); err != nil {
+		t.Fatal(err)
+	}
+	a := b.do(t, "POST", "/orders", "t1", "k1", `{"cart_id":"c_ev","total_cents":5}`)
+	if a.status != 201 {
+		t.Fatalf("POST: %d %s", a.status, a.body)
+	}
+	var o orders.Order
+	if err := json.Unmarshal(a.body, &o); err != nil {
+		t.Fatal(err)
+	}
+	var id, tenant string
+	if err := b.db.QueryRow("SELECT order_id, tenant FROM events").Scan(&id, &tenant); err != nil || id != o.ID || tenant != "t1" {
+		t.Fatalf("event row %q %q (%v); want %s t1", id, tenant, err, o.ID)
+	}
+	fail = true
+	if a := b.do(t, "POST", "/orders", "t1", "k2", `{"cart_id":"c_ev","total_cents":5}`); a.status != 500 {
+		t.Fatalf("POST with a failing OnCreate: %d %s; want 500", a.status, a.body)
+	}
+	var n int
+	if err := b.db.QueryRow("SELECT count(*) FROM events").Scan(&n); err != nil || n != 1 {
+		t.Fatalf("%d event rows (%v) after the failed create; want 1 (rolled back)", n, err)
+	}
+	if n := b.count(t, "t1", "c_ev"); n != 1 {
+		t.Fatalf("%d orders after the failed create; want 1 (rolled back)", n)
+	}
+}
