@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -965,6 +966,40 @@ func TestStepAfterTheRequestFinished(t *testing.T) {
 			}
 			if steps := stepsOf(t, mem, "k", time.Now()); len(steps) != 0 {
 				t.Fatalf("a step was recorded after the request finished: %v", steps)
+			}
+		})
+	}
+}
+
+// BenchmarkStep is a first-time keyed request whose handler runs one step,
+// next to one that runs none, on memstore: the difference is a step's cost
+// (begin and finish records, the derived key, the JSON round trip).
+func BenchmarkStep(b *testing.B) {
+	for _, steps := range []int{0, 1} {
+		b.Run(fmt.Sprintf("steps=%d", steps), func(b *testing.B) {
+			store := memstore.New(&memstore.Config{JanitorInterval: -1})
+			defer store.Close()
+			mw, err := idem.New(store, nil)
+			if err != nil {
+				b.Fatal(err)
+			}
+			h := mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				for range steps {
+					if _, err := idem.Step(r.Context(), "charge", func(ctx context.Context, key string) (charge, error) {
+						return charge{ID: "ch_1", Amount: 1250}, nil
+					}); err != nil {
+						b.Error(err)
+					}
+				}
+				w.WriteHeader(http.StatusCreated)
+			}))
+			b.ReportAllocs()
+			n := 0
+			for b.Loop() {
+				n++
+				r := httptest.NewRequest(http.MethodPost, "/orders", nil)
+				r.Header.Set("Idempotency-Key", "k-"+strconv.Itoa(n))
+				h.ServeHTTP(httptest.NewRecorder(), r)
 			}
 		})
 	}
