@@ -270,3 +270,13 @@ func testStepHTTP(t *testing.T) {
 		})
 	}
 }
+
+// TestStepStoreStatementBinlog runs the step checks on a private MariaDB that
+// writes a statement-based binary log, under which InnoDB refuses writes at
+// READ COMMITTED and INSERT … SELECT takes shared locks on what it reads.
+func TestStepStoreStatementBinlog(t *testing.T) {
+	t.Parallel()
+	dsn := statementBinlogServer(t)
+	db := binlogPool(t, dsn, 24)
+	steptest.Run(t, func(t *testing.T) steptest.Store { return newStore(t, db) }, steptest.Options{Resolution: time.Microsecond})
+}
