@@ -280,3 +280,16 @@ func TestStepStoreStatementBinlog(t *testing.T) {
 	db := binlogPool(t, dsn, 24)
 	steptest.Run(t, func(t *testing.T) steptest.Store { return newStore(t, db) }, steptest.Options{Resolution: time.Microsecond})
 }
+
+// TestStepStoreTxPath runs the step checks with BeginStep of an existing step
+// deciding in its transaction (the upsert and read), the path it takes when
+// its optimistic one loses every round.
+func TestStepStoreTxPath(t *testing.T) {
+	t.Parallel()
+	db := openDB(t, 24, "")
+	steptest.Run(t, func(t *testing.T) steptest.Store {
+		s := newStore(t, db)
+		mysqlstore.NoStepCAS(s)
+		return s
+	}, steptest.Options{Resolution: time.Microsecond})
+}
