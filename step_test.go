@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -900,5 +901,106 @@ func TestStepAmbiguousFailure(t *testing.T) {
 	srv.post(t, "k")
 	if calls != 1 || len(got) != 2 || !errors.Is(got[0], errTimeout) || !errors.Is(got[1], idem.ErrStepUnknown) {
 		t.Fatalf("calls %d, errors %v; want one call, then ErrStepUnknown", calls, got)
+	}
+}
+
+// A result type whose MarshalJSON refuses its zero value is not refused
+// before the step runs (only types encoding/json cannot encode at all are).
+func TestStepTypeRefusingZero(t *testing.T) {
+	t.Parallel()
+	mem := stepMem(t)
+	var got money
+	var gotErr error
+	srv := stepServer(t, mem, idem.Config{}, func(w http.ResponseWriter, r *http.Request) {
+		got, gotErr = idem.Step(r.Context(), "price", func(context.Context, string) (money, error) { return money{Cents: 5, Currency: "EUR"}, nil })
+		w.WriteHeader(http.StatusCreated)
+	})
+	srv.post(t, "k")
+	if gotErr != nil || got != (money{Cents: 5, Currency: "EUR"}) {
+		t.Fatalf("Step = %+v, %v", got, gotErr)
+	}
+}
+
+type money struct {
+	Cents    int
+	Currency string
+}
+
+func (m money) MarshalJSON() ([]byte, error) {
+	if m.Currency == "" {
+		return nil, errors.New("money without a currency")
+	}
+	type plain money
+	return json.Marshal(plain(m))
+}
+
+// A goroutine of the handler that calls Step after the request finished (its
+// outcome stored) is refused, and its step does not run, in both flows.
+func TestStepAfterTheRequestFinished(t *testing.T) {
+	for _, flow := range []idem.Flow{idem.FlowClaimComplete, idem.FlowSingleTx} {
+		t.Run(flow.String(), func(t *testing.T) {
+			t.Parallel()
+			mem := stepMem(t)
+			var store idem.Store = mem
+			if flow == idem.FlowSingleTx {
+				store = newFakeSingleTx(mem)
+			}
+			later := make(chan struct{})
+			done := make(chan error, 1)
+			ran := false
+			srv := stepServer(t, store, idem.Config{Flow: flow}, func(w http.ResponseWriter, r *http.Request) {
+				ctx := r.Context()
+				go func() {
+					<-later
+					_, err := idem.Step(ctx, "late", func(context.Context, string) (int, error) { ran = true; return 1, nil })
+					done <- err
+				}()
+				w.WriteHeader(http.StatusCreated)
+			})
+			if a := srv.post(t, "k"); a.status != http.StatusCreated {
+				t.Fatalf("%d %s", a.status, a.body)
+			}
+			close(later)
+			if err := <-done; err == nil || ran {
+				t.Fatalf("Step after the request finished: %v (ran %v), want refused", err, ran)
+			}
+			if steps := stepsOf(t, mem, "k", time.Now()); len(steps) != 0 {
+				t.Fatalf("a step was recorded after the request finished: %v", steps)
+			}
+		})
+	}
+}
+
+// BenchmarkStep is a first-time keyed request whose handler runs one step,
+// next to one that runs none, on memstore: the difference is a step's cost
+// (begin and finish records, the derived key, the JSON round trip).
+func BenchmarkStep(b *testing.B) {
+	for _, steps := range []int{0, 1} {
+		b.Run(fmt.Sprintf("steps=%d", steps), func(b *testing.B) {
+			store := memstore.New(&memstore.Config{JanitorInterval: -1})
+			defer store.Close()
+			mw, err := idem.New(store, nil)
+			if err != nil {
+				b.Fatal(err)
+			}
+			h := mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				for range steps {
+					if _, err := idem.Step(r.Context(), "charge", func(ctx context.Context, key string) (charge, error) {
+						return charge{ID: "ch_1", Amount: 1250}, nil
+					}); err != nil {
+						b.Error(err)
+					}
+				}
+				w.WriteHeader(http.StatusCreated)
+			}))
+			b.ReportAllocs()
+			n := 0
+			for b.Loop() {
+				n++
+				r := httptest.NewRequest(http.MethodPost, "/orders", nil)
+				r.Header.Set("Idempotency-Key", "k-"+strconv.Itoa(n))
+				h.ServeHTTP(httptest.NewRecorder(), r)
+			}
+		})
 	}
 }

@@ -73,6 +73,7 @@ func stepCases() []stepCase {
 		{"DeleteExpiredSteps", testDeleteExpiredSteps},
 		{"HostileNames", testStepHostileNames},
 		{"LargeResult", testStepLargeResult},
+		{"HugeResult", testStepHugeResult},
 		{"DuringTx", testStepDuringTx},
 		{"DuringSingleTx", testStepDuringSingleTx},
 		{"Linearizable", testStepsLinearizable},
@@ -727,6 +728,29 @@ func testStepLargeResult(t *testing.T, _ idem.Store, ss idem.StepStore) {
 		checkStep(t, "result "+name, &got, idem.StepDone, "", got.DerivedKey, w)
 		rec := mustNotBegin(t, ss, stepOf{f, name}.begin("own-"+randToken(), now, longTTL))
 		checkStep(t, "BeginStep's record of "+name, rec, idem.StepDone, "", got.DerivedKey, w)
+	}
+}
+
+// testStepHugeResult: a result larger than a store keeps (20 MiB) is kept
+// whole or refused with idem.ErrFieldTooLarge, changing nothing: the step
+// stays started under its owner, never recorded cut short.
+func testStepHugeResult(t *testing.T, _ idem.Store, ss idem.StepStore) {
+	st := newStep(t, "charge")
+	now := time.Now()
+	req := st.begin("own-"+randToken(), now, longTTL)
+	mustBegin(t, ss, req)
+	huge := []byte(`"` + strings.Repeat("h", 20<<20) + `"`)
+	err := ss.FinishStep(ctxFor(t), st.scope, st.key, st.name, req.Owner, idem.StepDone, huge, now)
+	got := mustStep(t, ss, st, now)
+	switch {
+	case err == nil:
+		if got.State != idem.StepDone || !bytes.Equal(got.Result, huge) {
+			t.Fatalf("FinishStep of %d bytes succeeded, and the step is %v with %d bytes", len(huge), got.State, len(got.Result))
+		}
+	case errors.Is(err, idem.ErrFieldTooLarge):
+		checkStep(t, "after a refused FinishStep", &got, idem.StepStarted, req.Owner, req.DerivedKey, nil)
+	default:
+		t.Fatalf("FinishStep of %d bytes: %v; want it kept or refused with idem.ErrFieldTooLarge", len(huge), err)
 	}
 }
 
