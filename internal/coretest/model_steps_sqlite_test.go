@@ -13,15 +13,16 @@ import (
 	"github.com/idemkit/idem/sqlitestore/embedded"
 )
 
-// TestModelStepsSQLite runs the middleware's step model (runStepModel) on
-// sqlitestore, whose step records live in a file of their own beside the
-// records' file: each sequence on a fresh database. The store is used as a
-// plain idem.Store and idem.StepStore, without its transactions: the model
-// takes a held request's key over once its lease lapsed, which SQLite's
-// write lock, held by the handler's transaction, rightly forbids (a takeover
-// is a write; see "Leases and the one writer" in the sqlitestore package
-// documentation).
-func TestModelStepsSQLite(t *testing.T) {
+// TestModelStepsSQLitePlain runs the middleware's step model (runStepModel)
+// with held requests and takeovers between steps on sqlitestore, whose step
+// records live in a file of their own beside the records' file: each sequence
+// on a fresh database. The store is used as a plain idem.Store and
+// idem.StepStore, without its transactions (TestModelStepsSQLite runs the
+// flows with them, without holds): the model takes a held request's key over
+// once its lease lapsed, which SQLite's write lock, held by the handler's
+// transaction, rightly forbids (a takeover is a write; see "Leases and the
+// one writer" in the sqlitestore package documentation).
+func TestModelStepsSQLitePlain(t *testing.T) {
 	t.Parallel()
 	budget := modelBudget()
 	if budget > 0 {
@@ -48,6 +49,6 @@ func TestModelStepsSQLite(t *testing.T) {
 		runStepModel(rt, struct {
 			idem.Store
 			idem.StepStore
-		}{s, s}, budget)
+		}{s, s}, stepModelRun{budget: budget, flow: idem.FlowClaimComplete, hold: true})
 	})
 }
