@@ -298,19 +298,25 @@
 // one autocommitted INSERT … SELECT: with Holder the SELECT reads the request
 // record (state 1, token = owner, live at now) LOCK IN SHARE MODE, so that no
 // takeover commits between the check and the write, and no row selected means
-// the fence failed. When the step's row exists (error 1062), one plain read
-// of the row and (with Holder) of the request record, in one snapshot,
-// answers when there is nothing to write — a replay of a done step, or a
-// started one this call may not take, its expiry not moving: two round
-// trips, no lock, no write. Otherwise one transaction decides: INSERT … SELECT … ON DUPLICATE KEY UPDATE, whose assignments take
-// the row (absent or expired; started and abandoned; or another owner's with
-// Rerun) or leave it, moving only its expiry — attempt is assigned first, to
-// this call's nonce when it takes the row, and every later assignment asks
-// "attempt = nonce OR take", so the statement decides the same under MySQL's
-// left-to-right assignments and MariaDB's SIMULTANEOUS_ASSIGNMENT — then a
-// read of the row, which sees the transaction's own write under its exclusive
-// row lock, then COMMIT. seq changes with every write, so the affected-rows
-// count tells "updated" (2) from "inserted" (1) and "fence failed" (0) with or
+// the fence failed. When the step's row exists (error 1062), BeginStep reads
+// it — with its seq, which every write bumps, and with Holder whether the
+// request record is held, in one snapshot — and decides in Go. A replay that
+// moves no expiry writes nothing (two round trips in all). Otherwise one
+// autocommitted UPDATE writes what changes (the owner of a step taken over,
+// the later expiry, or a new record over an expired one), conditioned on seq
+// and attempt being those read and, with Holder, on the request record read
+// LOCK IN SHARE MODE: three round trips, and a row changed in between makes
+// it read and decide again. After a few lost rounds (contention) one
+// transaction decides instead: INSERT … SELECT … ON DUPLICATE KEY UPDATE,
+// whose assignments take the row (absent or expired; started and abandoned;
+// or another owner's with Rerun) or leave it, moving only its expiry —
+// attempt is assigned first, to this call's nonce when it takes the row, and
+// every later assignment asks "attempt = nonce OR take", so the statement
+// decides the same under MySQL's left-to-right assignments and MariaDB's
+// SIMULTANEOUS_ASSIGNMENT — then a read of the row, which sees the
+// transaction's own write under its exclusive row lock, then COMMIT. seq
+// changes with every write, so the affected-rows count tells "updated" (2)
+// from "inserted" (1) and "fence failed" (0) with or
 // without clientFoundRows. Under REPEATABLE READ, concurrent first BeginSteps
 // of one step can deadlock on the duplicate key's next-key lock; InnoDB rolls
 // one back, and it is retried (the other's row then decides). FinishStep,

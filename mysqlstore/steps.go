@@ -197,13 +197,12 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	if code, ok := errorNumber(err); !ok || (code != 1062 && code != 1213) {
 		return nil, false, s.wrapSteps(err)
 	}
-	// The step exists: a plain read decides when nothing is to be written (a
-	// replay of a done or failed step, or a started step this call may not
-	// take, whose expiry does not move), as the upsert would at that instant.
-	if rec, ok, err := s.peekStep(ctx, req); err != nil {
+	// The step exists: read it, decide, and write the decision only if the
+	// row is still the version read (compare-and-set on seq).
+	if rec, began, ok, err := s.casStep(ctx, req, nonce); err != nil {
 		return nil, false, err
 	} else if ok {
-		return rec, false, nil
+		return rec, began, nil
 	}
 
 	rerun := req.Rerun
@@ -279,48 +278,110 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	return rec, began, nil
 }
 
-// peekStep reads the live step record of req, and with req.Holder whether the
-// request record is held, in one plain read (one snapshot). It reports ok when
-// that read decides BeginStep without a write: a live record that req may not
-// take and whose expiry req would not move (rec, with ok), or a broken fence
-// (idem.ErrLockLost).
-func (s *Store) peekStep(ctx context.Context, req idem.BeginStepRequest) (*idem.StepRecord, bool, error) {
+// maxCASRounds bounds casStep's optimistic rounds before BeginStep falls
+// back to its transaction.
+const maxCASRounds = 4
+
+// casStep decides BeginStep of an existing step optimistically, in
+// autocommitted statements: one plain read of the row (with its seq, which
+// every write bumps) and, with req.Holder, of whether the request record is
+// held, in one snapshot; the decision in Go; then, unless there is nothing
+// to write (a replay that moves no expiry: one round trip), one UPDATE of
+// what changes, conditioned on seq and attempt being the ones read (and with req.Holder
+// on the request record, read LOCK IN SHARE MODE). A matched UPDATE is the
+// decision applied to the version read, atomically. ok is false when the
+// row is absent, or changed under every round: the caller decides otherwise.
+func (s *Store) casStep(ctx context.Context, req idem.BeginStepRequest, nonce []byte) (rec *idem.StepRecord, began, ok bool, err error) {
 	t := quote(s.StepsTable())
-	held := "1"
-	args := []any{}
+	pk := " WHERE `scope` = ? AND `key` = ? AND `name` = ?"
+	held, fence := "1", ""
+	var hargs []any
 	if req.Holder {
-		held = "EXISTS (SELECT 1 FROM " + s.q.table + " WHERE `scope` = ? AND `key` = ? AND `state` = 1 AND `token` = ? AND `expires_at` > ?)"
-		args = append(args, []byte(req.Scope), []byte(req.Key), []byte(req.Owner), req.Now.UnixMicro())
+		cond := " FROM " + s.q.table + " WHERE `scope` = ? AND `key` = ? AND `state` = 1 AND `token` = ? AND `expires_at` > ?"
+		held = "EXISTS (SELECT 1" + cond + ")"
+		fence = " AND EXISTS (SELECT 1" + cond + " LOCK IN SHARE MODE)"
+		hargs = []any{[]byte(req.Scope), []byte(req.Key), []byte(req.Owner), req.Now.UnixMicro()}
 	}
-	st, err := s.stmt(ctx, "SELECT "+held+", `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at` FROM "+t+
-		" WHERE `scope` = ? AND `key` = ? AND `name` = ?")
+	pkArgs := []any{[]byte(req.Scope), []byte(req.Key), []byte(req.Name)}
+	read, err := s.stmt(ctx, "SELECT "+held+", `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `seq`, `attempt` FROM "+t+pk)
 	if err != nil {
-		return nil, false, s.wrapSteps(err)
+		return nil, false, false, s.wrapSteps(err)
 	}
-	args = append(args, []byte(req.Scope), []byte(req.Key), []byte(req.Name))
-	var ok bool
-	var state uint8
-	var owner, dk []byte
-	var started, expires int64
-	r := &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name}
-	err = st.QueryRowContext(ctx, args...).Scan(&ok, &state, &owner, &dk, &r.Result, &started, &expires)
-	if errors.Is(err, sql.ErrNoRows) {
-		return nil, false, nil
+	now, exp := req.Now.UnixMicro(), req.ExpiresAt.UnixMicro()
+	rounds := maxCASRounds
+	if s.noStepCAS.Load() {
+		rounds = 0
 	}
-	if err != nil {
-		return nil, false, s.wrapSteps(err)
+	for range rounds {
+		var h bool
+		var state uint8
+		var owner, dk []byte
+		var started, expires int64
+		var seq uint64
+		var attempt []byte
+		r := &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name}
+		err := read.QueryRowContext(ctx, append(append([]any{}, hargs...), pkArgs...)...).
+			Scan(&h, &state, &owner, &dk, &r.Result, &started, &expires, &seq, &attempt)
+		if errors.Is(err, sql.ErrNoRows) {
+			return nil, false, false, nil
+		}
+		if err != nil {
+			return nil, false, false, s.wrapSteps(err)
+		}
+		if !h {
+			return nil, false, false, idem.ErrLockLost
+		}
+		r.State, r.Owner, r.DerivedKey = idem.StepState(state), string(owner), string(dk)
+		r.StartedAt, r.ExpiresAt = time.UnixMicro(started), time.UnixMicro(expires)
+		var q string
+		var args []any
+		switch {
+		case expires <= now: // expired: a new record
+			q = "UPDATE " + t + " SET `state` = 1, `owner` = ?, `derived_key` = ?, `result` = NULL, `started_at` = ?, `expires_at` = ?, `attempt` = ?, `seq` = `seq` + 1"
+			args = []any{[]byte(req.Owner), []byte(req.DerivedKey), now, exp, nonce}
+			r = &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name, State: idem.StepStarted, Owner: req.Owner,
+				DerivedKey: req.DerivedKey, StartedAt: req.Now, ExpiresAt: req.ExpiresAt}
+			began = true
+		case r.State == idem.StepStarted && (r.Owner == "" || (req.Rerun && r.Owner != req.Owner)): // taken
+			q = "UPDATE " + t + " SET `owner` = ?, `attempt` = ?, `expires_at` = GREATEST(`expires_at`, ?), `seq` = `seq` + 1"
+			args = []any{[]byte(req.Owner), nonce, exp}
+			r.Owner, began = req.Owner, true
+		case exp > expires: // left, its expiry moved
+			q = "UPDATE " + t + " SET `expires_at` = ?, `seq` = `seq` + 1"
+			args = []any{exp}
+			began = false
+		default: // nothing to write
+			return r, false, true, nil
+		}
+		if exp > expires {
+			r.ExpiresAt = req.ExpiresAt
+		}
+		// seq is the version within one row's life, attempt (a random nonce
+		// set by every insert) tells the row from one deleted and inserted
+		// anew meanwhile, whose seq starts again.
+		st, err := s.stmt(ctx, q+pk+" AND `seq` = ? AND `attempt` = ?"+fence)
+		if err != nil {
+			return nil, false, false, s.wrapSteps(err)
+		}
+		args = append(append(append(args, pkArgs...), seq, attempt), hargs...)
+		var n int64
+		err = retry(ctx, func() error {
+			res, err := st.ExecContext(ctx, args...)
+			if err != nil {
+				return err
+			}
+			n, err = res.RowsAffected()
+			return err
+		})
+		if err != nil {
+			return nil, false, false, s.wrapSteps(err)
+		}
+		if n == 1 {
+			return r, began, true, nil
+		}
+		// The row changed since the read, or the fence broke: read again.
 	}
-	if !ok {
-		return nil, false, idem.ErrLockLost
-	}
-	now := req.Now.UnixMicro()
-	r.State, r.Owner, r.DerivedKey = idem.StepState(state), string(owner), string(dk)
-	takeable := r.State == idem.StepStarted && (r.Owner == "" || (req.Rerun && r.Owner != req.Owner))
-	if expires <= now || takeable || req.ExpiresAt.UnixMicro() > expires {
-		return nil, false, nil
-	}
-	r.StartedAt, r.ExpiresAt = time.UnixMicro(started), time.UnixMicro(expires)
-	return r, true, nil
+	return nil, false, false, nil
 }
 
 // stepExec runs one autocommitted statement and returns the rows it changed.

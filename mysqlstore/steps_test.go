@@ -270,3 +270,26 @@ func testStepHTTP(t *testing.T) {
 		})
 	}
 }
+
+// TestStepStoreStatementBinlog runs the step checks on a private MariaDB that
+// writes a statement-based binary log, under which InnoDB refuses writes at
+// READ COMMITTED and INSERT … SELECT takes shared locks on what it reads.
+func TestStepStoreStatementBinlog(t *testing.T) {
+	t.Parallel()
+	dsn := statementBinlogServer(t)
+	db := binlogPool(t, dsn, 24)
+	steptest.Run(t, func(t *testing.T) steptest.Store { return newStore(t, db) }, steptest.Options{Resolution: time.Microsecond})
+}
+
+// TestStepStoreTxPath runs the step checks with BeginStep of an existing step
+// deciding in its transaction (the upsert and read), the path it takes when
+// its optimistic one loses every round.
+func TestStepStoreTxPath(t *testing.T) {
+	t.Parallel()
+	db := openDB(t, 24, "")
+	steptest.Run(t, func(t *testing.T) steptest.Store {
+		s := newStore(t, db)
+		mysqlstore.NoStepCAS(s)
+		return s
+	}, steptest.Options{Resolution: time.Microsecond})
+}

@@ -77,6 +77,8 @@ type Store struct {
 	// BeginLocked open, decided on first use (see settingsFor): 0 not yet,
 	// else a sql.IsolationLevel.
 	isolation atomic.Int32
+
+	noStepCAS atomic.Bool // tests: BeginStep of an existing step always takes its transaction (steps.go)
 }
 
 var (

@@ -14,9 +14,10 @@ import (
 var migrationFiles embed.FS
 
 // Migrations holds the versioned migration files (001_create.up.sql,
-// 001_create.down.sql, …) for users of goose, golang-migrate or atlas. They are
-// written for the default table name, idem_records; Store.Migrate applies the up
-// files to the configured table.
+// 001_create.down.sql, 002_create_steps.up.sql, …) for users of goose,
+// golang-migrate or atlas. They are written for the default table names,
+// idem_records and idem_records_steps (the step records); Store.Migrate applies
+// the up files to the configured table (Table and StepsTable).
 var Migrations fs.FS = migrations.Sub(migrationFiles, "migrations")
 
 // migrateLockKey is the advisory lock that serialises Migrate calls (any table).
