@@ -50,4 +50,14 @@
 // By default the full response is stored and replayed. With Config.ReplayFunc the
 // body is not stored: the handler records a resource reference with SetRef (or
 // nothing, for a marker), and ReplayFunc rebuilds the answer on every retry.
+//
+// # Calls to other services
+//
+// A call to another service (a payment provider, a carrier) is outside the
+// store's transaction. Make it a step with Step: its outcome is recorded before
+// Step returns, so that a retry or a takeover gets it without calling again,
+// and the call sends the step's derived key as its Idempotency-Key, so that a
+// crash during the call is harmless with a service that honours the header.
+// docs/effects.md in the repository says what each kind of effect needs and
+// which windows remain.
 package idem

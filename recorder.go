@@ -30,8 +30,6 @@ type recorder struct {
 	scope   string
 	key     string
 	ref     string
-	written bool
-
 	outer   http.Header    // a shallow copy of the writer's header map before the handler ran
 	snap    headerSnapshot // the header map as it was when the handler wrote its status
 	limited bool           // limit applies
@@ -39,6 +37,7 @@ type recorder struct {
 	size    int // bytes the handler wrote
 	mode    recorderMode
 	spill   *request                // when set, its spillOutcome stores the outcome early; the recorder then streams
+	written bool                    // the handler wrote its status (or a body)
 	unknown bool                    // MarkOutcomeUnknown was called
 	head    bool                    // the request is a HEAD: a Content-Length describes a body not sent
 	req     *request                // the request the recorder belongs to (for Step)

@@ -210,7 +210,7 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 	if ctx.Err() != nil {
 		return zero, fmt.Errorf("idem: step %q was not begun, and not run: the handler's context has ended: %w", name, context.Cause(ctx))
 	}
-	if _, err := json.Marshal(zero); err != nil {
+	if err := checkEncodable(zero); err != nil {
 		return zero, fmt.Errorf("idem: step %q was not begun, and not run: its result type %T cannot be encoded with encoding/json (%v), so its outcome could never be recorded", name, zero, err)
 	}
 	rec, began, err := run.store.BeginStep(ctx, BeginStepRequest{
@@ -290,6 +290,18 @@ func recordedStep[T any](run *stepRun, name string, rec *StepRecord) (T, error) 
 		return out, fmt.Errorf("%w: step %q (derived key %s) was begun by an earlier execution of this operation, which did not record whether it took effect, and OnUnknown(StepRefuse) keeps it from running again; the operation's outcome is unknown until an operator settles the step (idem resolve --step %s)", ErrStepUnknown, name, rec.DerivedKey, name)
 	}
 	return out, fmt.Errorf("idem: step %q has a record in state %v, which Step does not know", name, rec.State)
+}
+
+// checkEncodable reports a result type encoding/json cannot encode at all (a
+// channel, a function, a complex number), found by encoding its zero value;
+// a type whose own MarshalJSON refuses the zero value is no such type.
+func checkEncodable(zero any) error {
+	_, err := json.Marshal(zero)
+	var unsupported *json.UnsupportedTypeError
+	if errors.As(err, &unsupported) {
+		return err
+	}
+	return nil
 }
 
 // roundTrip encodes v and decodes it again, returning the encoding and the

@@ -205,16 +205,24 @@ func TestStepRecoveryPointAfterCrash(t *testing.T) {
 // the retry does not call the provider again, gets ErrStepUnknown, and the
 // key's outcome is unknown (in flight: 409 for the next request).
 func TestStepUnknownRerunOrRefuse(t *testing.T) {
-	for _, policy := range []idem.UnknownPolicy{idem.StepRerun, idem.StepRefuse} {
-		t.Run(policy.String(), func(t *testing.T) {
+	for _, c := range []struct {
+		flow   idem.Flow
+		policy idem.UnknownPolicy
+	}{{idem.FlowClaimComplete, idem.StepRerun}, {idem.FlowClaimComplete, idem.StepRefuse}, {idem.FlowSingleTx, idem.StepRerun}, {idem.FlowSingleTx, idem.StepRefuse}} {
+		policy := c.policy
+		t.Run(c.flow.String()+"/"+policy.String(), func(t *testing.T) {
 			t.Parallel()
 			mem := stepMem(t)
+			var store idem.Store = mem
+			if c.flow == idem.FlowSingleTx {
+				store = newFakeSingleTx(mem)
+			}
 			clk := newClock()
 			p := newProvider(true)
 			var crash sync.Once
 			var keys []string
 			var mu sync.Mutex
-			srv := stepServer(t, mem, idem.Config{NowFunc: clk.Now}, func(w http.ResponseWriter, r *http.Request) {
+			srv := stepServer(t, store, idem.Config{NowFunc: clk.Now, Flow: c.flow}, func(w http.ResponseWriter, r *http.Request) {
 				ch, err := idem.Step(r.Context(), "charge", func(ctx context.Context, key string) (charge, error) {
 					mu.Lock()
 					keys = append(keys, key)
@@ -892,5 +900,72 @@ func TestStepAmbiguousFailure(t *testing.T) {
 	srv.post(t, "k")
 	if calls != 1 || len(got) != 2 || !errors.Is(got[0], errTimeout) || !errors.Is(got[1], idem.ErrStepUnknown) {
 		t.Fatalf("calls %d, errors %v; want one call, then ErrStepUnknown", calls, got)
+	}
+}
+
+// A result type whose MarshalJSON refuses its zero value is not refused
+// before the step runs (only types encoding/json cannot encode at all are).
+func TestStepTypeRefusingZero(t *testing.T) {
+	t.Parallel()
+	mem := stepMem(t)
+	var got money
+	var gotErr error
+	srv := stepServer(t, mem, idem.Config{}, func(w http.ResponseWriter, r *http.Request) {
+		got, gotErr = idem.Step(r.Context(), "price", func(context.Context, string) (money, error) { return money{Cents: 5, Currency: "EUR"}, nil })
+		w.WriteHeader(http.StatusCreated)
+	})
+	srv.post(t, "k")
+	if gotErr != nil || got != (money{Cents: 5, Currency: "EUR"}) {
+		t.Fatalf("Step = %+v, %v", got, gotErr)
+	}
+}
+
+type money struct {
+	Cents    int
+	Currency string
+}
+
+func (m money) MarshalJSON() ([]byte, error) {
+	if m.Currency == "" {
+		return nil, errors.New("money without a currency")
+	}
+	type plain money
+	return json.Marshal(plain(m))
+}
+
+// A goroutine of the handler that calls Step after the request finished (its
+// outcome stored) is refused, and its step does not run, in both flows.
+func TestStepAfterTheRequestFinished(t *testing.T) {
+	for _, flow := range []idem.Flow{idem.FlowClaimComplete, idem.FlowSingleTx} {
+		t.Run(flow.String(), func(t *testing.T) {
+			t.Parallel()
+			mem := stepMem(t)
+			var store idem.Store = mem
+			if flow == idem.FlowSingleTx {
+				store = newFakeSingleTx(mem)
+			}
+			later := make(chan struct{})
+			done := make(chan error, 1)
+			ran := false
+			srv := stepServer(t, store, idem.Config{Flow: flow}, func(w http.ResponseWriter, r *http.Request) {
+				ctx := r.Context()
+				go func() {
+					<-later
+					_, err := idem.Step(ctx, "late", func(context.Context, string) (int, error) { ran = true; return 1, nil })
+					done <- err
+				}()
+				w.WriteHeader(http.StatusCreated)
+			})
+			if a := srv.post(t, "k"); a.status != http.StatusCreated {
+				t.Fatalf("%d %s", a.status, a.body)
+			}
+			close(later)
+			if err := <-done; err == nil || ran {
+				t.Fatalf("Step after the request finished: %v (ran %v), want refused", err, ran)
+			}
+			if steps := stepsOf(t, mem, "k", time.Now()); len(steps) != 0 {
+				t.Fatalf("a step was recorded after the request finished: %v", steps)
+			}
+		})
 	}
 }

@@ -73,6 +73,7 @@ func stepCases() []stepCase {
 		{"DeleteExpiredSteps", testDeleteExpiredSteps},
 		{"HostileNames", testStepHostileNames},
 		{"LargeResult", testStepLargeResult},
+		{"HugeResult", testStepHugeResult},
 		{"DuringTx", testStepDuringTx},
 		{"DuringSingleTx", testStepDuringSingleTx},
 		{"Linearizable", testStepsLinearizable},
@@ -730,11 +731,37 @@ func testStepLargeResult(t *testing.T, _ idem.Store, ss idem.StepStore) {
 	}
 }
 
+// testStepHugeResult: a result larger than a store keeps (20 MiB) is kept
+// whole or refused with idem.ErrFieldTooLarge, changing nothing: the step
+// stays started under its owner, never recorded cut short.
+func testStepHugeResult(t *testing.T, _ idem.Store, ss idem.StepStore) {
+	st := newStep(t, "charge")
+	now := time.Now()
+	req := st.begin("own-"+randToken(), now, longTTL)
+	mustBegin(t, ss, req)
+	huge := []byte(`"` + strings.Repeat("h", 20<<20) + `"`)
+	err := ss.FinishStep(ctxFor(t), st.scope, st.key, st.name, req.Owner, idem.StepDone, huge, now)
+	got := mustStep(t, ss, st, now)
+	switch {
+	case err == nil:
+		if got.State != idem.StepDone || !bytes.Equal(got.Result, huge) {
+			t.Fatalf("FinishStep of %d bytes succeeded, and the step is %v with %d bytes", len(huge), got.State, len(got.Result))
+		}
+	case errors.Is(err, idem.ErrFieldTooLarge):
+		checkStep(t, "after a refused FinishStep", &got, idem.StepStarted, req.Owner, req.DerivedKey, nil)
+	default:
+		t.Fatalf("FinishStep of %d bytes: %v; want it kept or refused with idem.ErrFieldTooLarge", len(huge), err)
+	}
+}
+
 // stepWithin runs BeginStep and FinishStep of st under owner within a
-// deadline: a store whose step records wait for a lock the caller's open
-// transaction holds deadlocks here.
-func stepWithin(t *testing.T, ss idem.StepStore, req idem.BeginStepRequest) error {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+// deadline, on parent: the context the open transaction's BeginTx or
+// BeginLocked returned, as the middleware passes the handler's context to
+// Step. A store whose step records wait for a lock the open transaction holds
+// deadlocks here; one that writes them in the transaction the context carries
+// loses them with its rollback.
+func stepWithin(t *testing.T, parent context.Context, ss idem.StepStore, req idem.BeginStepRequest) error {
+	ctx, cancel := context.WithTimeout(parent, 10*time.Second)
 	defer cancel()
 	done := make(chan error, 1)
 	go func() {
@@ -756,8 +783,8 @@ func stepWithin(t *testing.T, ss idem.StepStore, req idem.BeginStepRequest) erro
 }
 
 // testStepDuringTx: a step is recorded while the handler's business
-// transaction (TxStore.BeginTx) is open, without waiting for it, and survives
-// its rollback.
+// transaction (TxStore.BeginTx) is open, with the transaction's context,
+// without waiting for it and outside it: it survives the rollback.
 func testStepDuringTx(t *testing.T, s idem.Store, ss idem.StepStore) {
 	ts, ok := s.(idem.TxStore)
 	if !ok {
@@ -773,7 +800,7 @@ func testStepDuringTx(t *testing.T, s idem.Store, ss idem.StepStore) {
 	}
 	req := st.begin(claim.Token, now, longTTL)
 	req.Holder = true
-	err = stepWithin(t, ss, req)
+	err = stepWithin(t, ctx, ss, req)
 	_ = tx.Rollback(ctx)
 	if err != nil {
 		t.Fatalf("a step while a transaction is open: %v", err)
@@ -783,8 +810,9 @@ func testStepDuringTx(t *testing.T, s idem.Store, ss idem.StepStore) {
 }
 
 // testStepDuringSingleTx: a step is recorded while the single-transaction
-// flow's locked transaction (SingleTxStore.BeginLocked) is open, without
-// waiting for it, and survives its rollback.
+// flow's locked transaction (SingleTxStore.BeginLocked) is open, with the
+// transaction's context, without waiting for it and outside it: it survives
+// the rollback.
 func testStepDuringSingleTx(t *testing.T, s idem.Store, ss idem.StepStore) {
 	ls, ok := s.(idem.SingleTxStore)
 	if !ok {
@@ -797,10 +825,10 @@ func testStepDuringSingleTx(t *testing.T, s idem.Store, ss idem.StepStore) {
 		t.Fatalf("BeginLocked = %+v, %v", rec, err)
 	}
 	req := st.begin("own-"+randToken(), now, longTTL)
-	err = stepWithin(t, ss, req)
+	err = stepWithin(t, ctx, ss, req)
 	if err == nil {
-		// A second step, and a read, while the lock is still held.
-		err = stepWithin(t, ss, stepOf{st.fixture, "ship"}.begin(req.Owner, now, longTTL))
+		// A second step while the lock is still held.
+		err = stepWithin(t, ctx, ss, stepOf{st.fixture, "ship"}.begin(req.Owner, now, longTTL))
 	}
 	_ = tx.Rollback(ctx)
 	if err != nil {

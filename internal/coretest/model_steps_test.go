@@ -43,6 +43,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -50,6 +51,7 @@ import (
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/memstore"
+	"github.com/idemkit/idem/sqlitestore"
 )
 
 func TestModelStepsMemstore(t *testing.T) {
@@ -61,7 +63,28 @@ func TestModelStepsMemstore(t *testing.T) {
 	rapid.Check(t, func(rt *rapid.T) {
 		s := memstore.New(&memstore.Config{JanitorInterval: -1})
 		defer s.Close()
-		runStepModel(rt, s, budget)
+		runStepModel(rt, s, stepModelRun{budget: budget, flow: idem.FlowClaimComplete, hold: true})
+	})
+}
+
+// TestModelStepsSQLite runs the step model on SQLite, in both flows, once
+// sqlitestore keeps step records (idem.StepStore); without holds, since a
+// held handler's transaction would hold SQLite's one write lock.
+func TestModelStepsSQLite(t *testing.T) {
+	t.Parallel()
+	if _, ok := any((*sqlitestore.Store)(nil)).(idem.StepStore); !ok {
+		t.Skip("sqlitestore keeps no step records yet (it is no idem.StepStore): the step model runs on memstore only")
+	}
+	newTarget := sqliteModel(t)
+	budget := modelBudget()
+	if budget > 0 {
+		budget = 16
+	}
+	rapid.Check(t, func(rt *rapid.T) {
+		tg := newTarget(rt)
+		ss := any(tg.store).(stepModelStore)
+		flow := rapid.SampledFrom([]idem.Flow{idem.FlowClaimComplete, idem.FlowSingleTx}).Draw(rt, "flow")
+		runStepModel(rt, ss, stepModelRun{budget: budget, flow: flow})
 	})
 }
 
@@ -137,6 +160,7 @@ type smHarness struct {
 	client  *http.Client
 	step    int
 	ttl     time.Duration
+	key     string
 
 	mu      sync.Mutex
 	calls   []smCall // the provider's log
@@ -146,7 +170,6 @@ type smHarness struct {
 	rec     smRec
 	steps   map[string]*smStep
 	preds   []smPred // predicted provider calls, in order
-	checked int      // provider calls checked so far
 	answers []smAnswer
 	keys    map[string]bool // every derived key seen
 }
@@ -172,7 +195,10 @@ type smHeld struct {
 	res     chan result
 }
 
-const smKey = "order-1"
+// smKeys numbers the keys of the step model's sequences: the step records
+// of a store shared by several sequences (SQLite's) are not emptied between
+// them.
+var smKeys atomic.Int64
 
 // stepModelStore is a store the step model runs on.
 type stepModelStore interface {
@@ -180,11 +206,19 @@ type stepModelStore interface {
 	idem.StepStore
 }
 
-func runStepModel(t *rapid.T, store stepModelStore, budget int) {
-	h := &smHarness{t: t, store: store, honours: rapid.Bool().Draw(t, "honours"), ttl: 4 * modelLease,
+// stepModelRun is what one run of the step model may do.
+type stepModelRun struct {
+	budget int       // the most actions of a sequence; 0: no bound
+	flow   idem.Flow // FlowClaimComplete or FlowSingleTx
+	hold   bool      // requests may be held between their steps (stores whose transactions do not serialize every write)
+}
+
+func runStepModel(t *rapid.T, store stepModelStore, run stepModelRun) {
+	budget := run.budget
+	h := &smHarness{t: t, store: store, key: fmt.Sprintf("order-%d", smKeys.Add(1)), honours: rapid.Bool().Draw(t, "honours"), ttl: 4 * modelLease,
 		steps: map[string]*smStep{}, keys: map[string]bool{}}
 	h.clock.set(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
-	mw, err := idem.New(store, &idem.Config{Lease: modelLease, TTL: h.ttl, NowFunc: h.clock.Now, Flow: idem.FlowClaimComplete,
+	mw, err := idem.New(store, &idem.Config{Lease: modelLease, TTL: h.ttl, NowFunc: h.clock.Now, Flow: run.flow,
 		KeepFunc: func(s int) bool { return s < 500 }})
 	if err != nil {
 		t.Fatal(err)
@@ -204,7 +238,7 @@ func runStepModel(t *rapid.T, store stepModelStore, budget int) {
 		}
 		h.srv.Close()
 	})
-	t.Logf("step 0: provider honours keys: %v, lease %v, TTL %v", h.honours, modelLease, h.ttl)
+	t.Logf("step 0: provider honours keys: %v, lease %v, TTL %v, %v flow", h.honours, modelLease, h.ttl, run.flow)
 	act := func(f func(*rapid.T)) func(*rapid.T) {
 		return func(t *rapid.T) {
 			if budget == 0 || h.step < budget {
@@ -214,12 +248,14 @@ func runStepModel(t *rapid.T, store stepModelStore, budget int) {
 			}
 		}
 	}
-	t.Repeat(map[string]func(*rapid.T){
+	actions := map[string]func(*rapid.T){
 		"request": act(h.actRequest),
-		"hold":    act(h.actHold),
-		"release": act(h.actRelease),
 		"advance": act(h.actAdvance),
-	})
+	}
+	if run.hold {
+		actions["hold"], actions["release"] = act(h.actHold), act(h.actRelease)
+	}
+	t.Repeat(actions)
 }
 
 var (
@@ -315,7 +351,7 @@ func (h *smHarness) drawPlan(t *rapid.T) smPlan {
 func (h *smHarness) send(plan smPlan) result {
 	b, _ := json.Marshal(plan)
 	req, _ := http.NewRequest(http.MethodPost, h.srv.URL+"/orders", strings.NewReader(`{"cart":"c1"}`))
-	req.Header.Set("Idempotency-Key", smKey)
+	req.Header.Set("Idempotency-Key", h.key)
 	req.Header.Set("X-Plan", string(b))
 	resp, err := h.client.Do(req)
 	if err != nil {
@@ -566,7 +602,7 @@ func (h *smHarness) actAdvance(t *rapid.T) {
 func (h *smHarness) check(t *rapid.T) {
 	now := h.clock.Now()
 	h.expire(now)
-	recs, err := h.store.GetSteps(context.Background(), idem.StoredScope(""), smKey, now)
+	recs, err := h.store.GetSteps(context.Background(), idem.StoredScope(""), h.key, now)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -695,7 +731,7 @@ func TestModelStepsCatchesPlantedBugs(t *testing.T) {
 		rapid.Check(tb, func(rt *rapid.T) {
 			s := memstore.New(&memstore.Config{JanitorInterval: -1})
 			defer s.Close()
-			runStepModel(rt, plantedSteps{s, bug}, 2*16)
+			runStepModel(rt, plantedSteps{s, bug}, stepModelRun{budget: 2 * 16, flow: idem.FlowClaimComplete, hold: true})
 		})
 		switch {
 		case bug == "" && tb.Failed():
@@ -718,4 +754,92 @@ func stepCounterexample(out string) string {
 		}
 	}
 	return b.String()
+}
+
+// TestModelStepsSingleTx runs the step model in the single-transaction flow
+// on memstore behind a locking fake (lockedMem), without holds: the flow's
+// step records are not fenced on a record (none is committed while the
+// handler runs) and its crashes roll everything back.
+func TestModelStepsSingleTx(t *testing.T) {
+	t.Parallel()
+	budget := modelBudget()
+	if budget > 0 {
+		budget = 16
+	}
+	rapid.Check(t, func(rt *rapid.T) {
+		s := memstore.New(&memstore.Config{JanitorInterval: -1})
+		defer s.Close()
+		runStepModel(rt, &lockedMem{Store: s, locked: map[string]bool{}}, stepModelRun{budget: budget, flow: idem.FlowSingleTx})
+	})
+}
+
+// lockedMem is memstore as an idem.SingleTxStore: BeginLocked takes a per-key
+// lock, and the inserted record is written at Commit (a claim and its
+// completion).
+type lockedMem struct {
+	*memstore.Store
+	mu     sync.Mutex
+	locked map[string]bool
+}
+
+type lockedMemTx struct {
+	s    *lockedMem
+	id   string
+	rec  *idem.Record
+	done bool
+}
+
+func (s *lockedMem) BeginLocked(ctx context.Context, scope, key string, now time.Time) (context.Context, idem.LockedTx, *idem.Record, error) {
+	id := scope + "\x00" + key
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.locked[id] {
+		return nil, nil, nil, idem.ErrInFlight
+	}
+	rec, err := s.Get(ctx, scope, key, now)
+	if errors.Is(err, idem.ErrNotFound) {
+		rec, err = nil, nil
+	}
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	s.locked[id] = true
+	return ctx, &lockedMemTx{s: s, id: id}, rec, nil
+}
+
+func (tx *lockedMemTx) Insert(_ context.Context, rec *idem.Record) error {
+	c := *rec
+	resp := *rec.Response
+	resp.Body = append([]byte(nil), resp.Body...)
+	c.Response = &resp
+	tx.rec = &c
+	return nil
+}
+
+func (tx *lockedMemTx) Commit(ctx context.Context) error {
+	if tx.done {
+		return nil
+	}
+	defer tx.end()
+	if r := tx.rec; r != nil {
+		if _, ok, err := tx.s.Claim(ctx, idem.ClaimRequest{Scope: r.Scope, Key: r.Key, Fingerprint: r.Fingerprint, Token: r.Token, Now: r.CreatedAt, LeaseUntil: r.LeaseUntil, ExpiresAt: r.ExpiresAt}); err != nil || !ok {
+			return errors.Join(idem.ErrInFlight, err)
+		}
+		return tx.s.Complete(ctx, r.Scope, r.Key, r.Token, r.Response, r.LeaseUntil, r.ExpiresAt)
+	}
+	return nil
+}
+
+func (tx *lockedMemTx) Rollback(context.Context) error {
+	if !tx.done {
+		tx.end()
+	}
+	return nil
+}
+
+func (tx *lockedMemTx) end() {
+	tx.done = true
+	tx.s.mu.Lock()
+	delete(tx.s.locked, tx.id)
+	tx.s.mu.Unlock()
 }
