@@ -278,8 +278,11 @@
 // one autocommitted INSERT … SELECT: with Holder the SELECT reads the request
 // record (state 1, token = owner, live at now) LOCK IN SHARE MODE, so that no
 // takeover commits between the check and the write, and no row selected means
-// the fence failed. When the step's row exists (error 1062) one transaction
-// decides: INSERT … SELECT … ON DUPLICATE KEY UPDATE, whose assignments take
+// the fence failed. When the step's row exists (error 1062), one plain read
+// of the row and (with Holder) of the request record, in one snapshot,
+// answers when there is nothing to write — a replay of a done step, or a
+// started one this call may not take, its expiry not moving: two round
+// trips, no lock, no write. Otherwise one transaction decides: INSERT … SELECT … ON DUPLICATE KEY UPDATE, whose assignments take
 // the row (absent or expired; started and abandoned; or another owner's with
 // Rerun) or leave it, moving only its expiry — attempt is assigned first, to
 // this call's nonce when it takes the row, and every later assignment asks

@@ -3,6 +3,7 @@ package mysqlstore
 import (
 	"context"
 	"crypto/rand"
+	"database/sql"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -94,14 +95,51 @@ func checkStep(scope, key, name, owner string) error {
 	return nil
 }
 
-func checkStepResult(result []byte) ([]byte, error) {
+func (s *Store) checkStepResult(ctx context.Context, result []byte) ([]byte, error) {
 	if err := idem.CheckFieldSize("mysqlstore", "step result", int64(len(result)), MaxStepResultLength); err != nil {
 		return nil, err
+	}
+	// The result travels in one statement: over the server's
+	// max_allowed_packet it is refused every time (and the server may close
+	// the connection before the driver reads why). Read the setting once per
+	// Store, as Complete does.
+	if s.settings.Load() == nil {
+		if conn, err := s.db.Conn(ctx); err == nil {
+			_, _ = s.settingsFor(ctx, conn)
+			_ = conn.Close()
+		}
+	}
+	if st := s.settings.Load(); st != nil && st.maxPacket > 0 && int64(len(result))+packetOverhead > st.maxPacket {
+		return nil, stepPacketError(st.maxPacket, len(result))
 	}
 	if result == nil {
 		result = []byte{}
 	}
 	return result, nil
+}
+
+// stepPacketError is the *idem.FieldTooLargeError of a step result that does
+// not fit in one packet of maxPacket bytes (0 when not known).
+func stepPacketError(maxPacket int64, size int) error {
+	fte := &idem.FieldTooLargeError{Store: "mysqlstore", Field: "step result", Size: int64(size), Limit: max(maxPacket-packetOverhead, 0)}
+	return fmt.Errorf("%w (the step result travels in one statement, and the server's max_allowed_packet is %d bytes)", fte, maxPacket)
+}
+
+// stepPacketRefused turns the server's or the driver's refusal of a statement
+// over max_allowed_packet into stepPacketError; nil for any other error.
+func (s *Store) stepPacketRefused(err error, size int) error {
+	if err == nil {
+		return nil
+	}
+	code, ok := errorNumber(err)
+	if !(ok && code == 1153) && !strings.Contains(err.Error(), "packet for query is too large") {
+		return nil
+	}
+	var maxPacket int64
+	if st := s.settings.Load(); st != nil {
+		maxPacket = st.maxPacket
+	}
+	return errors.Join(stepPacketError(maxPacket, size), err)
 }
 
 func stepNonce() []byte {
@@ -158,6 +196,14 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	}
 	if code, ok := errorNumber(err); !ok || (code != 1062 && code != 1213) {
 		return nil, false, s.wrapSteps(err)
+	}
+	// The step exists: a plain read decides when nothing is to be written (a
+	// replay of a done or failed step, or a started step this call may not
+	// take, whose expiry does not move), as the upsert would at that instant.
+	if rec, ok, err := s.peekStep(ctx, req); err != nil {
+		return nil, false, err
+	} else if ok {
+		return rec, false, nil
 	}
 
 	rerun := req.Rerun
@@ -233,6 +279,50 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	return rec, began, nil
 }
 
+// peekStep reads the live step record of req, and with req.Holder whether the
+// request record is held, in one plain read (one snapshot). It reports ok when
+// that read decides BeginStep without a write: a live record that req may not
+// take and whose expiry req would not move (rec, with ok), or a broken fence
+// (idem.ErrLockLost).
+func (s *Store) peekStep(ctx context.Context, req idem.BeginStepRequest) (*idem.StepRecord, bool, error) {
+	t := quote(s.StepsTable())
+	held := "1"
+	args := []any{}
+	if req.Holder {
+		held = "EXISTS (SELECT 1 FROM " + s.q.table + " WHERE `scope` = ? AND `key` = ? AND `state` = 1 AND `token` = ? AND `expires_at` > ?)"
+		args = append(args, []byte(req.Scope), []byte(req.Key), []byte(req.Owner), req.Now.UnixMicro())
+	}
+	st, err := s.stmt(ctx, "SELECT "+held+", `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at` FROM "+t+
+		" WHERE `scope` = ? AND `key` = ? AND `name` = ?")
+	if err != nil {
+		return nil, false, s.wrapSteps(err)
+	}
+	args = append(args, []byte(req.Scope), []byte(req.Key), []byte(req.Name))
+	var ok bool
+	var state uint8
+	var owner, dk []byte
+	var started, expires int64
+	r := &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name}
+	err = st.QueryRowContext(ctx, args...).Scan(&ok, &state, &owner, &dk, &r.Result, &started, &expires)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, false, nil
+	}
+	if err != nil {
+		return nil, false, s.wrapSteps(err)
+	}
+	if !ok {
+		return nil, false, idem.ErrLockLost
+	}
+	now := req.Now.UnixMicro()
+	r.State, r.Owner, r.DerivedKey = idem.StepState(state), string(owner), string(dk)
+	takeable := r.State == idem.StepStarted && (r.Owner == "" || (req.Rerun && r.Owner != req.Owner))
+	if expires <= now || takeable || req.ExpiresAt.UnixMicro() > expires {
+		return nil, false, nil
+	}
+	r.StartedAt, r.ExpiresAt = time.UnixMicro(started), time.UnixMicro(expires)
+	return r, true, nil
+}
+
 // stepExec runs one autocommitted statement and returns the rows it changed.
 func (s *Store) stepExec(ctx context.Context, q string, args ...any) (int64, error) {
 	st, err := s.stmt(ctx, q)
@@ -266,13 +356,16 @@ func (s *Store) FinishStep(ctx context.Context, scope, key, name, owner string, 
 	if state != idem.StepDone && state != idem.StepFailed {
 		return fmt.Errorf("mysqlstore: finish step: state %v; a step finishes done or failed", state)
 	}
-	result, err := checkStepResult(result)
+	result, err := s.checkStepResult(ctx, result)
 	if err != nil {
 		return err
 	}
 	n, err := s.stepExec(ctx, "UPDATE "+quote(s.StepsTable())+" SET `state` = ?, `result` = ?, `seq` = `seq` + 1"+live+
 		" AND `state` = 1 AND `owner` = ? AND `owner` <> ''",
 		uint8(state), result, []byte(scope), []byte(key), []byte(name), now.UnixMicro(), []byte(owner))
+	if perr := s.stepPacketRefused(err, len(result)); perr != nil {
+		return perr
+	}
 	if err != nil {
 		return err
 	}
@@ -346,7 +439,7 @@ func (s *Store) SettleStep(ctx context.Context, scope, key, name string, state i
 		q = "DELETE FROM " + t + live
 	case idem.StepDone, idem.StepFailed:
 		var err error
-		if result, err = checkStepResult(result); err != nil {
+		if result, err = s.checkStepResult(ctx, result); err != nil {
 			return err
 		}
 		q = "UPDATE " + t + " SET `state` = ?, `result` = ?, `seq` = `seq` + 1" + live
@@ -355,6 +448,9 @@ func (s *Store) SettleStep(ctx context.Context, scope, key, name string, state i
 		return fmt.Errorf("mysqlstore: settle step: state %v; settle a step as done or failed, or 0 to forget it", state)
 	}
 	n, err := s.stepExec(ctx, q, args...)
+	if perr := s.stepPacketRefused(err, len(result)); perr != nil {
+		return perr
+	}
 	if err != nil {
 		return err
 	}

@@ -3,6 +3,7 @@ package mysqlstore_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -19,6 +20,27 @@ func TestStepStore(t *testing.T) { bothModes(t, testStepStore) }
 func testStepStore(t *testing.T) {
 	db := openDB(t, 24, "")
 	steptest.Run(t, func(t *testing.T) steptest.Store { return newStore(t, db) }, steptest.Options{Resolution: time.Microsecond})
+}
+
+// TestStepStoreSQLModes runs the step checks under MariaDB's
+// SIMULTANEOUS_ASSIGNMENT and ORACLE modes, in which every assignment of ON
+// DUPLICATE KEY UPDATE sees the old row (see the upsert's ours).
+func TestStepStoreSQLModes(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []string{"SIMULTANEOUS_ASSIGNMENT,STRICT_TRANS_TABLES", "ORACLE"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
+			db := openDB(t, 24, sqlModeDSN(mode))
+			var got string
+			if err := db.QueryRowContext(ctxFor(t), "SELECT @@SESSION.sql_mode").Scan(&got); err != nil {
+				t.Fatal(err)
+			}
+			if !strings.Contains(got, "SIMULTANEOUS_ASSIGNMENT") {
+				t.Skipf("the server has no SIMULTANEOUS_ASSIGNMENT mode (sql_mode = %q): not MariaDB", got)
+			}
+			steptest.Run(t, func(t *testing.T) steptest.Store { return newStore(t, db) }, steptest.Options{Resolution: time.Microsecond})
+		})
+	}
 }
 
 // beginFinish begins and finishes step name within 3 seconds: far less than
@@ -118,5 +140,133 @@ func TestStepMissingTableSaysMigrate(t *testing.T) {
 		DerivedKey: "idem_x", Now: now, ExpiresAt: now.Add(time.Hour)})
 	if err == nil || !strings.Contains(err.Error(), "Migrate") || errors.Is(err, idem.ErrLockLost) {
 		t.Fatalf("BeginStep without the table = %v, want advice to migrate", err)
+	}
+}
+
+// BenchmarkStep: a step's first BeginStep (fenced), FinishStep and a replay's
+// BeginStep, per op.
+func BenchmarkStep(b *testing.B) {
+	steptest.Bench(b, newStore(b, openDB(b, 4, "")))
+}
+
+// TestStepReplayWritesNothing: a BeginStep that finds the step done (and
+// would not move its expiry) writes nothing (seq, which every write bumps,
+// stays); one that moves the expiry writes.
+func TestStepReplayWritesNothing(t *testing.T) {
+	t.Parallel()
+	db := openDB(t, 4, "")
+	s := newStore(t, db)
+	ctx := ctxFor(t)
+	now := time.Now()
+	tok := randomName("tok-")
+	if _, ok, err := s.Claim(ctx, idem.ClaimRequest{Scope: "s", Key: "k", Fingerprint: "v1:x", Token: tok,
+		Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)}); err != nil || !ok {
+		t.Fatalf("claim: %v %v", ok, err)
+	}
+	req := idem.BeginStepRequest{Scope: "s", Key: "k", Name: "charge", Owner: tok, Holder: true, Rerun: true,
+		DerivedKey: "idem_1", Now: now, ExpiresAt: now.Add(time.Hour)}
+	if _, began, err := s.BeginStep(ctx, req); err != nil || !began {
+		t.Fatal(began, err)
+	}
+	if err := s.FinishStep(ctx, "s", "k", "charge", tok, idem.StepDone, []byte(`1`), now); err != nil {
+		t.Fatal(err)
+	}
+	seq := func() int {
+		var n int
+		if err := db.QueryRowContext(ctx, "SELECT `seq` FROM `"+s.StepsTable()+"`").Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	before := seq()
+	for _, holder := range []bool{true, false} {
+		req.Holder = holder
+		if rec, began, err := s.BeginStep(ctx, req); err != nil || began || rec.State != idem.StepDone {
+			t.Fatalf("replay: %+v %v %v", rec, began, err)
+		}
+		if after := seq(); after != before {
+			t.Fatalf("replay (holder %v) wrote the row (seq %d → %d)", holder, before, after)
+		}
+	}
+	// A fenced-out replay is refused, also on the read path.
+	bad := req
+	bad.Owner, bad.Holder = "someone-else", true
+	if _, _, err := s.BeginStep(ctx, bad); !errors.Is(err, idem.ErrLockLost) {
+		t.Fatalf("fenced-out replay = %v, want ErrLockLost", err)
+	}
+	req.ExpiresAt = now.Add(2 * time.Hour)
+	if rec, began, err := s.BeginStep(ctx, req); err != nil || began || !rec.ExpiresAt.Equal(req.ExpiresAt) {
+		t.Fatalf("replay with a later expiry: %+v %v %v", rec, began, err)
+	}
+	if after := seq(); after == before {
+		t.Fatal("a later expiry did not write the row")
+	}
+}
+
+// TestStepResultOverPacket: a step result that cannot travel in one packet of
+// the server's max_allowed_packet is refused as idem.ErrFieldTooLarge (naming
+// the step result), on a fresh Store too, and the record stays started, the
+// connection usable; one that fits is recorded.
+func TestStepResultOverPacket(t *testing.T) {
+	t.Parallel()
+	db := openDB(t, 2, "")
+	ctx := ctxFor(t)
+	var maxPacket int
+	if err := db.QueryRowContext(ctx, "SELECT @@max_allowed_packet").Scan(&maxPacket); err != nil {
+		t.Fatal(err)
+	}
+	if maxPacket > 64<<20 {
+		t.Skipf("max_allowed_packet is %d bytes; the test sends one more", maxPacket)
+	}
+	s := newStore(t, db)
+	now := time.Now()
+	if _, began, err := s.BeginStep(ctx, idem.BeginStepRequest{Scope: "s", Key: "k", Name: "n", Owner: "o",
+		DerivedKey: "idem_x", Now: now, ExpiresAt: now.Add(time.Hour)}); err != nil || !began {
+		t.Fatal(began, err)
+	}
+	fresh, err := mysqlstore.New(db, &mysqlstore.Config{Table: s.Table()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	big := make([]byte, maxPacket+1)
+	var fte *idem.FieldTooLargeError
+	for name, st := range map[string]*mysqlstore.Store{"store": s, "fresh store": fresh} {
+		err := st.FinishStep(ctx, "s", "k", "n", "o", idem.StepDone, big, now)
+		if !errors.As(err, &fte) || fte.Field != "step result" {
+			t.Fatalf("%s: FinishStep with a result over max_allowed_packet = %v, want ErrFieldTooLarge for the step result", name, err)
+		}
+		if err := st.SettleStep(ctx, "s", "k", "n", idem.StepDone, big, now); !errors.As(err, &fte) {
+			t.Fatalf("%s: SettleStep with a result over max_allowed_packet = %v, want ErrFieldTooLarge", name, err)
+		}
+	}
+	recs, err := s.GetSteps(ctx, "s", "k", now)
+	if err != nil || len(recs) != 1 || recs[0].State != idem.StepStarted {
+		t.Fatalf("after the refusals: %+v, %v", recs, err)
+	}
+	if err := s.FinishStep(ctx, "s", "k", "n", "o", idem.StepDone, make([]byte, 1<<20), now); err != nil {
+		t.Fatalf("FinishStep with a 1 MiB result: %v", err)
+	}
+}
+
+// TestStepHTTP: idem.Step in a handler over loopback HTTP, in both flows,
+// records the step while the handler's transaction is open and has written,
+// and the retry after an answer not kept gets the recorded result without
+// calling the provider again (steptest.HTTP).
+func TestStepHTTP(t *testing.T) { bothModes(t, testStepHTTP) }
+
+func testStepHTTP(t *testing.T) {
+	db := openDB(t, 8, "")
+	orders := randomName("step_orders_")
+	dropAtEnd(t, db, orders)
+	if _, err := db.ExecContext(ctxFor(t), "CREATE TABLE `"+orders+"` (cart VARCHAR(10)) ENGINE=InnoDB"); err != nil {
+		t.Fatal(err)
+	}
+	for _, flow := range []idem.Flow{idem.FlowClaimComplete, idem.FlowSingleTx} {
+		t.Run(fmt.Sprint(flow), func(t *testing.T) {
+			steptest.HTTP(t, newStore(t, db), flow, func(ctx context.Context) error {
+				_, err := mysqlstore.Tx(ctx).ExecContext(ctx, "INSERT INTO `"+orders+"` VALUES ('c1')")
+				return err
+			})
+		})
 	}
 }

@@ -202,8 +202,12 @@
 // COMMIT at READ COMMITTED, whatever the session default), on a pool
 // connection of its own: it commits at once and never waits for the handler's
 // transaction (Tx) or the single transaction's locked one, which hold no lock
-// it needs. BeginStep is an INSERT … ON CONFLICT … DO UPDATE … RETURNING whose
-// CASEs take the step (absent or expired; started and abandoned; or of another
+// it needs. BeginStep first looks, in the statement's snapshot, for a live
+// record it may not take and whose expiry it would not move (with Holder,
+// while the request record is held): that is the answer, and nothing is
+// written — a replay of a done step costs no row lock and no commit flush.
+// Otherwise an INSERT … ON CONFLICT … DO UPDATE … RETURNING in the same
+// statement decides, whose CASEs take the step (absent or expired; started and abandoned; or of another
 // owner with Rerun) or leave it, moving only its expiry; it returns the row
 // after the decision, and whether this call took it (attempt = its nonce).
 // With Holder the INSERT's rows come from a read of the request record —

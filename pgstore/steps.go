@@ -51,16 +51,27 @@ func (s *Store) buildStepSQL(parts []string) {
 	t, r := st.table, s.table
 
 	// beginSQL decides BeginStep in one statement. $6 is the middleware's
-	// clock reading. The upsert always writes (at least the later expiry), so
-	// it always returns the row after the decision; took (attempt = $9, a
-	// nonce of this call) says whether this call began the step. A
-	// conflicting row is locked and the CASEs are evaluated on its latest
-	// version, so exactly one of concurrent BeginSteps begins a step.
+	// clock reading. cur is the live record this call may not take and whose
+	// expiry it would not move, as the statement's snapshot sees it (with
+	// Holder, while the request record is held): when there is one, that is
+	// the answer and nothing is written — a replay of a done step costs no
+	// write and no commit flush. Otherwise the upsert decides; it always
+	// writes (at least the later expiry), so it always returns the row after
+	// the decision, and attempt = $9 (a nonce of this call) says whether this
+	// call began the step. A conflicting row is locked and the CASEs are
+	// evaluated on its latest version, so exactly one of concurrent
+	// BeginSteps begins a step.
 	take := `(s.expires_at <= $6 OR (s.state = 1 AND (s.owner = '' OR ($10 AND s.owner <> excluded.owner))))`
 	expired := `s.expires_at <= $6`
-	upsert := func(guard string) string {
-		return `INSERT INTO ` + t + ` AS s (scope, key, name, state, owner, derived_key, result, started_at, expires_at, attempt)
-	SELECT $1::bytea, $2::bytea, $3::text, 1, $4::text, $5::text, NULL, $6::timestamptz, $7::timestamptz, $9::text` + guard + `
+	begin := func(held, guard string) string {
+		return `cur AS (
+	SELECT state, owner, derived_key, result, started_at, expires_at FROM ` + t + `
+	WHERE scope = $1 AND key = $2 AND name = $3 AND expires_at > $6 AND expires_at >= $7
+	  AND NOT (state = 1 AND (owner = '' OR ($10 AND owner <> $4)))` + held + `
+), ins AS (
+	INSERT INTO ` + t + ` AS s (scope, key, name, state, owner, derived_key, result, started_at, expires_at, attempt)
+	SELECT $1::bytea, $2::bytea, $3::text, 1, $4::text, $5::text, NULL, $6::timestamptz, $7::timestamptz, $9::text
+	WHERE CASE WHEN EXISTS (SELECT FROM cur) THEN false ELSE ` + guard + ` END
 	ON CONFLICT (scope, key, name) DO UPDATE SET
 		attempt = CASE WHEN ` + take + ` THEN excluded.attempt ELSE s.attempt END,
 		owner = CASE WHEN ` + take + ` THEN excluded.owner ELSE s.owner END,
@@ -69,18 +80,24 @@ func (s *Store) buildStepSQL(parts []string) {
 		result = CASE WHEN ` + expired + ` THEN NULL ELSE s.result END,
 		started_at = CASE WHEN ` + expired + ` THEN excluded.started_at ELSE s.started_at END,
 		expires_at = CASE WHEN ` + expired + ` THEN excluded.expires_at ELSE GREATEST(s.expires_at, excluded.expires_at) END
-	RETURNING attempt = $9, state, owner, derived_key, result, started_at, expires_at`
+	RETURNING attempt = $9, state, owner, derived_key, result, started_at, expires_at
+)
+SELECT * FROM ins
+UNION ALL
+SELECT false, * FROM cur`
 	}
-	st.beginSQL = `WITH h AS (SELECT $8::text) ` + upsert("")
-	// beginHolderSQL is beginSQL fenced on the request record: the row is
-	// written only when the record is in flight under the owner and not
-	// expired at $6, and the record is locked FOR SHARE until the statement
-	// commits, so that no takeover commits between the check and the write
-	// (a claim's upsert waits the few microseconds for it). A lock, not a
-	// write: a handler's REPEATABLE READ transaction that later completes
-	// the record does not conflict with it. No row returned: the fence failed.
-	st.beginHolderSQL = `WITH h AS (SELECT FROM ` + r + ` WHERE scope = $1 AND key = $2 AND state = 1 AND token = $8 AND expires_at > $6 FOR SHARE) ` +
-		upsert(` WHERE EXISTS (SELECT FROM h)`)
+	st.beginSQL = `WITH h AS (SELECT $8::text), ` + begin("", "true")
+	// beginHolderSQL is beginSQL fenced on the request record: cur counts
+	// only while the record is in flight under the owner and not expired at
+	// $6 (in the snapshot), and the upsert writes only when the record is,
+	// read FOR SHARE and so locked until the statement commits, so that no
+	// takeover commits between the check and the write (a claim's upsert
+	// waits the few microseconds for it). A lock, not a write: a handler's
+	// REPEATABLE READ transaction that later completes the record does not
+	// conflict with it. No row returned: the fence failed.
+	held := `SELECT FROM ` + r + ` WHERE scope = $1 AND key = $2 AND state = 1 AND token = $8 AND expires_at > $6`
+	st.beginHolderSQL = `WITH h AS (` + held + ` FOR SHARE), ` +
+		begin(` AND EXISTS (`+held+`)`, `EXISTS (SELECT FROM h)`)
 	live := `scope = $1 AND key = $2 AND name = $3 AND expires_at > $4`
 	st.finishSQL = `UPDATE ` + t + ` SET state = $6, result = $7 WHERE ` + live + ` AND state = 1 AND owner = $5 AND owner <> ''`
 	st.abandonSQL = `UPDATE ` + t + ` SET owner = '' WHERE ` + live + ` AND state = 1 AND owner = $5 AND owner <> ''`

@@ -3,6 +3,7 @@ package pgstore_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -175,5 +176,80 @@ func TestStepMissingTableSaysMigrate(t *testing.T) {
 		DerivedKey: "idem_x", Now: now, ExpiresAt: now.Add(time.Hour)})
 	if err == nil || !strings.Contains(err.Error(), "Migrate") || errors.Is(err, idem.ErrLockLost) {
 		t.Fatalf("BeginStep without the table = %v, want advice to migrate", err)
+	}
+}
+
+// BenchmarkStep: a step's first BeginStep (fenced), FinishStep and a replay's
+// BeginStep, per op.
+func BenchmarkStep(b *testing.B) {
+	db := newTestDB(b, 4)
+	steptest.Bench(b, db.newStore(b))
+}
+
+// TestStepReplayWritesNothing: a BeginStep that finds the step done (and
+// would not move its expiry) writes nothing: the row keeps its version (xmin)
+// and is not even locked (xmax 0), holder fence or not; one that moves the
+// expiry writes.
+func TestStepReplayWritesNothing(t *testing.T) {
+	t.Parallel()
+	db := newTestDB(t, 4)
+	s := db.newStore(t)
+	ctx := ctx30(t)
+	now := time.Now()
+	tok := "tok-" + randomHex(8)
+	if _, ok, err := s.Claim(ctx, idem.ClaimRequest{Scope: "s", Key: "k", Fingerprint: "v1:x", Token: tok,
+		Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)}); err != nil || !ok {
+		t.Fatalf("claim: %v %v", ok, err)
+	}
+	req := idem.BeginStepRequest{Scope: "s", Key: "k", Name: "charge", Owner: tok, Holder: true, Rerun: true,
+		DerivedKey: "idem_1", Now: now, ExpiresAt: now.Add(time.Hour)}
+	if _, began, err := s.BeginStep(ctx, req); err != nil || !began {
+		t.Fatal(began, err)
+	}
+	if err := s.FinishStep(ctx, "s", "k", "charge", tok, idem.StepDone, []byte(`1`), now); err != nil {
+		t.Fatal(err)
+	}
+	version := func() string {
+		var v string
+		if err := db.pool.QueryRow(ctx, `SELECT xmin::text || '/' || xmax::text FROM `+s.StepsTable()).Scan(&v); err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	before := version()
+	for _, holder := range []bool{true, false} {
+		req.Holder = holder
+		if rec, began, err := s.BeginStep(ctx, req); err != nil || began || rec.State != idem.StepDone {
+			t.Fatalf("replay: %+v %v %v", rec, began, err)
+		}
+		if after := version(); after != before || !strings.HasSuffix(after, "/0") {
+			t.Fatalf("replay (holder %v) changed the row's xmin/xmax from %s to %s", holder, before, after)
+		}
+	}
+	req.ExpiresAt = now.Add(2 * time.Hour)
+	if rec, began, err := s.BeginStep(ctx, req); err != nil || began || !rec.ExpiresAt.Equal(req.ExpiresAt) {
+		t.Fatalf("replay with a later expiry: %+v %v %v", rec, began, err)
+	}
+	if after := version(); after == before {
+		t.Fatalf("a later expiry left the row at %s", after)
+	}
+}
+
+// TestStepHTTP: idem.Step in a handler over loopback HTTP, in both flows,
+// records the step while the handler's transaction is open and has written,
+// and the retry after an answer not kept gets the recorded result without
+// calling the provider again (steptest.HTTP).
+func TestStepHTTP(t *testing.T) {
+	t.Parallel()
+	db := newTestDB(t, 8)
+	orders := db.schema + ".step_orders"
+	db.exec(t, `CREATE TABLE `+orders+` (cart text)`)
+	for _, flow := range []idem.Flow{idem.FlowClaimComplete, idem.FlowSingleTx} {
+		t.Run(fmt.Sprint(flow), func(t *testing.T) {
+			steptest.HTTP(t, db.newStore(t), flow, func(ctx context.Context) error {
+				_, err := pgstore.Tx(ctx).Exec(ctx, `INSERT INTO `+orders+` VALUES ('c1')`)
+				return err
+			})
+		})
 	}
 }

@@ -83,3 +83,17 @@ func TestStepsExpireInRedis(t *testing.T) {
 		time.Sleep(50 * time.Millisecond)
 	}
 }
+
+// BenchmarkStep: a step's first BeginStep (fenced), FinishStep and a replay's
+// BeginStep, per op.
+func BenchmarkStep(b *testing.B) {
+	steptest.Bench(b, setup(b).store)
+}
+
+// TestStepHTTP: idem.Step in a handler over loopback HTTP records the step,
+// and the retry after an answer not kept gets the recorded result without
+// calling the provider again (steptest.HTTP; Redis has no transaction).
+func TestStepHTTP(t *testing.T) {
+	t.Parallel()
+	steptest.HTTP(t, setup(t).store, idem.FlowClaimComplete, func(context.Context) error { return nil })
+}

@@ -206,8 +206,11 @@
 //	    PRIMARY KEY (scope, key, name)
 //	);
 //
-// BeginStep is one INSERT … ON CONFLICT DO UPDATE … RETURNING under the steps
-// gate. With Holder it runs in a transaction of the steps file that first
+// BeginStep first reads the step (and then, with Holder, the request record):
+// a live record it may not take and whose expiry it would not move — a
+// replay of a done step — is the answer, without the gate, a lock or a
+// write. Otherwise it is one INSERT … ON CONFLICT DO UPDATE … RETURNING under
+// the steps gate. With Holder it runs in a transaction of the steps file that first
 // takes that file's write lock, then reads the request record from the records
 // file — a WAL read, which waits for no writer, the handler's transaction
 // included — and writes only when the record is in flight under the owner and

@@ -38,7 +38,7 @@ type stepsState struct {
 }
 
 type stepQueries struct {
-	begin, finish, abandon, settle, forget, get, deleteExpired, lock, schema string
+	begin, peek, finish, abandon, settle, forget, get, deleteExpired, lock, schema string
 }
 
 // stepsHandles holds the step database sqlitestore opened for each records
@@ -104,6 +104,7 @@ ON CONFLICT (scope, key, name) DO UPDATE SET
     started_at = CASE WHEN ` + expired + ` THEN excluded.started_at ELSE s.started_at END,
     expires_at = CASE WHEN ` + expired + ` THEN excluded.expires_at ELSE MAX(s.expires_at, excluded.expires_at) END
 RETURNING attempt = ?8, state, owner, derived_key, result, started_at, expires_at`,
+		peek:          `SELECT state, owner, derived_key, result, started_at, expires_at FROM ` + t + ` WHERE scope = ? AND key = ? AND name = ?`,
 		finish:        `UPDATE ` + t + ` SET state = ?, result = ? WHERE ` + live + ` AND state = 1 AND owner = ? AND owner <> ''`,
 		abandon:       `UPDATE ` + t + ` SET owner = '' WHERE ` + live + ` AND state = 1 AND owner = ? AND owner <> ''`,
 		settle:        `UPDATE ` + t + ` SET state = ?, result = ? WHERE ` + live,
@@ -385,6 +386,9 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	if err != nil {
 		return nil, false, err
 	}
+	if rec, ok, err := s.peekStep(ctx, db, req); err != nil || ok {
+		return rec, false, err
+	}
 	unlock, err := g.lock(ctx, s.lockTimeout)
 	if err != nil {
 		return nil, false, wrap("begin step", err)
@@ -403,14 +407,12 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 		if _, err := tx.ExecContext(ctx, s.st.q.lock); err != nil {
 			return nil, false, wrap("begin step: take the steps' write lock", err)
 		}
-		var held int
-		err := s.db.QueryRowContext(ctx, `SELECT 1 FROM `+quoteIdent(s.table)+` WHERE scope = ? AND key = ? AND state = 1 AND token = ? AND expires_at > ?`,
-			req.Scope, req.Key, req.Owner, nanos(req.Now)).Scan(&held)
-		if errors.Is(err, sql.ErrNoRows) {
-			return nil, false, idem.ErrLockLost
-		}
+		held, err := s.holds(ctx, req)
 		if err != nil {
-			return nil, false, wrap("begin step: read the request record", err)
+			return nil, false, err
+		}
+		if !held {
+			return nil, false, idem.ErrLockLost
 		}
 		q = tx
 	}
@@ -438,6 +440,60 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 		rec.ExpiresAt = req.ExpiresAt
 	}
 	return rec, began, nil
+}
+
+// holds reports whether the request record of req is in flight under
+// req.Owner and live at req.Now: a read of the records file, which in WAL
+// mode waits for no writer.
+func (s *Store) holds(ctx context.Context, req idem.BeginStepRequest) (bool, error) {
+	var held int
+	err := s.db.QueryRowContext(ctx, `SELECT 1 FROM `+quoteIdent(s.table)+` WHERE scope = ? AND key = ? AND state = 1 AND token = ? AND expires_at > ?`,
+		req.Scope, req.Key, req.Owner, nanos(req.Now)).Scan(&held)
+	if errors.Is(err, sql.ErrNoRows) {
+		return false, nil
+	}
+	if err != nil {
+		return false, wrap("begin step: read the request record", err)
+	}
+	return true, nil
+}
+
+// peekStep decides BeginStep without a write, the gate or a lock when it can:
+// a live record req may not take and whose expiry req would not move (a
+// replay of a done step, above all) is the answer, ok true. The step is read
+// first, then (with Holder) the request record: a record held by req.Owner
+// when read was held from its claim on, so at the step's reading too, and
+// both hold at that instant.
+func (s *Store) peekStep(ctx context.Context, db *sql.DB, req idem.BeginStepRequest) (*idem.StepRecord, bool, error) {
+	rec := &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name}
+	var state, started, expires int64
+	err := db.QueryRowContext(ctx, s.st.q.peek, req.Scope, req.Key, req.Name).
+		Scan(&state, &rec.Owner, &rec.DerivedKey, &rec.Result, &started, &expires)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, false, nil
+	}
+	if err != nil {
+		return nil, false, wrap("begin step: read the step", err)
+	}
+	rec.State = idem.StepState(state)
+	takeable := rec.State == idem.StepStarted && (rec.Owner == "" || (req.Rerun && rec.Owner != req.Owner))
+	if expires <= nanos(req.Now) || takeable || nanos(req.ExpiresAt) > expires {
+		return nil, false, nil
+	}
+	if req.Holder {
+		held, err := s.holds(ctx, req)
+		if err != nil {
+			return nil, false, err
+		}
+		if !held {
+			return nil, false, idem.ErrLockLost
+		}
+	}
+	rec.StartedAt, rec.ExpiresAt = fromNanos(started), fromNanos(expires)
+	if expires == nanos(req.ExpiresAt) {
+		rec.ExpiresAt = req.ExpiresAt
+	}
+	return rec, true, nil
 }
 
 // stepExec runs one write statement on the step records' database under its

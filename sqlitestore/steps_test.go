@@ -299,3 +299,84 @@ func TestStepsFileNotCreatedByReads(t *testing.T) {
 		t.Fatalf("steps file after reads only: %v, want absent", err)
 	}
 }
+
+// BenchmarkStep: a step's first BeginStep (fenced), FinishStep and a replay's
+// BeginStep, per op.
+func BenchmarkStep(b *testing.B) {
+	steptest.Bench(b, newStore(b, openDB(b)))
+}
+
+// TestStepReplayWritesNothing: a BeginStep that finds the step done (the
+// expiry not moving) needs no write: it answers while another connection
+// holds the steps file's write lock, where a BeginStep that writes waits.
+func TestStepReplayWritesNothing(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "idem.db")
+	db, err := embedded.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	s := newStore(t, db)
+	ctx := context.Background()
+	now := time.Now()
+	if _, ok, err := s.Claim(ctx, idem.ClaimRequest{Scope: "s", Key: "k", Fingerprint: "v1:x", Token: "tok",
+		Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)}); err != nil || !ok {
+		t.Fatalf("claim: %v %v", ok, err)
+	}
+	req := idem.BeginStepRequest{Scope: "s", Key: "k", Name: "charge", Owner: "tok", Holder: true, Rerun: true,
+		DerivedKey: "idem_1", Now: now, ExpiresAt: now.Add(time.Hour)}
+	stepInTx(t, s, "k", "tok", true, now) // begins and finishes "charge"
+	other, err := embedded.Open(path + sqlitestore.StepsFileSuffix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = other.Close() })
+	tx, err := other.BeginTx(ctx, nil) // BEGIN IMMEDIATE: the steps file's write lock
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	for _, holder := range []bool{true, false} {
+		req.Holder = holder
+		promptly(t, "a replay's BeginStep", func(ctx context.Context) error {
+			rec, began, err := s.BeginStep(ctx, req)
+			if err == nil && (began || rec.State != idem.StepDone) {
+				err = fmt.Errorf("replay: %+v began %v", rec, began)
+			}
+			return err
+		})
+	}
+	bad := req
+	bad.Owner, bad.Holder = "someone-else", true
+	if _, _, err := s.BeginStep(ctx, bad); !errors.Is(err, idem.ErrLockLost) {
+		t.Fatalf("fenced-out replay = %v, want ErrLockLost", err)
+	}
+	short, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	req.Name = "ship"
+	if _, _, err := s.BeginStep(short, req); err == nil {
+		t.Fatal("a BeginStep that writes did not wait for the steps file's write lock; the check above proves nothing")
+	}
+}
+
+// TestStepHTTP: idem.Step in a handler over loopback HTTP, in both flows,
+// records the step while the handler's transaction holds the records file's
+// write lock (it wrote first), and the retry after an answer not kept gets
+// the recorded result without calling the provider again (steptest.HTTP).
+func TestStepHTTP(t *testing.T) {
+	t.Parallel()
+	for _, flow := range []idem.Flow{idem.FlowClaimComplete, idem.FlowSingleTx} {
+		t.Run(fmt.Sprint(flow), func(t *testing.T) {
+			t.Parallel()
+			db := openDB(t)
+			if _, err := db.Exec(`CREATE TABLE step_orders (cart TEXT)`); err != nil {
+				t.Fatal(err)
+			}
+			steptest.HTTP(t, newStore(t, db), flow, func(ctx context.Context) error {
+				_, err := sqlitestore.Tx(ctx).ExecContext(ctx, `INSERT INTO step_orders VALUES ('c1')`)
+				return err
+			})
+		})
+	}
+}

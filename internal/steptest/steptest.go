@@ -674,3 +674,35 @@ func janitor(t *testing.T, s Store, o Options) {
 		t.Fatalf("records after the sweep (at the old clock): %+v, want live only", got)
 	}
 }
+
+// Bench measures, per iteration, one step's life as Step lives it: a first
+// BeginStep (fenced on the request record, which the benchmark claimed), its
+// FinishStep, and the BeginStep of a retry that finds it done (the replay).
+// Each iteration is a fresh step name of one claimed request, so the table
+// grows by b.N rows.
+func Bench(b *testing.B, s Store) {
+	c := context.Background()
+	now := time.Now()
+	scope, key, tok := "bench", "key-"+Rand(8), "tok-"+Rand(8)
+	if _, ok, err := s.Claim(c, idem.ClaimRequest{Scope: scope, Key: key, Fingerprint: "v1:b", Token: tok,
+		Now: now, LeaseUntil: now.Add(time.Hour), ExpiresAt: now.Add(2 * time.Hour)}); err != nil || !ok {
+		b.Fatalf("Claim: %v %v", ok, err)
+	}
+	result := []byte(`{"id":"ch_3MmlLrLkdIwHu7ix0snN0B15","amount":1200,"currency":"eur"}`)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := range b.N {
+		name := fmt.Sprintf("step-%d", i)
+		req := idem.BeginStepRequest{Scope: scope, Key: key, Name: name, Owner: tok, Holder: true, Rerun: true,
+			DerivedKey: "idem_" + Rand(16), Now: now, ExpiresAt: now.Add(2 * time.Hour)}
+		if _, began, err := s.BeginStep(c, req); err != nil || !began {
+			b.Fatalf("BeginStep: %v %v", began, err)
+		}
+		if err := s.FinishStep(c, scope, key, name, tok, idem.StepDone, result, now); err != nil {
+			b.Fatalf("FinishStep: %v", err)
+		}
+		if rec, began, err := s.BeginStep(c, req); err != nil || began || rec.State != idem.StepDone {
+			b.Fatalf("replay BeginStep: %v %v %v", rec, began, err)
+		}
+	}
+}
