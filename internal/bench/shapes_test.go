@@ -20,14 +20,17 @@ import (
 //
 //   - hand: START TRANSACTION + INSERT of the key row; the order; UPDATE + COMMIT
 //     (handMySQL's statements);
+//
 //   - hand+getlock: the same with GET_LOCK before and RELEASE_LOCK after, the
 //     lock name computed on the server as mysqlstore computes it;
+//
 //   - idem: mysqlstore's statements (lock-free read, guard with GET_LOCK,
 //     savepoint, expiry read; the order; savepoint check, record INSERT,
 //     COMMIT, release);
+//
 //   - idem-nolock: idem without GET_LOCK and RELEASE_LOCK.
 //
-//	go test -run '^$' -bench MySQLShapes -count 4 ./internal/bench/
+//     go test -run '^$' -bench MySQLShapes -count 4 ./internal/bench/
 func BenchmarkMySQLShapes(b *testing.B) {
 	mc, err := mysql.ParseDSN(testenv.MySQLDSN(testenv.MySQLURL(b)))
 	if err != nil {
