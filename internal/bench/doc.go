@@ -11,7 +11,7 @@
 //	POST /idem/orders    idem in front of it, with the store's default flow
 //	POST /single/orders  idem with Flow = FlowSingleTx (SQL stores)
 //	POST /claim/orders   idem with Flow = FlowClaimComplete (PostgreSQL)
-//	POST /hand/orders    the hand-written pgx reference (PostgreSQL, see handOrders)
+//	POST /hand/orders    the hand-written reference (PostgreSQL: handOrders; MariaDB with multiStatements: handMySQL)
 //
 // With Config.Isolate the server runs in a process of its own (Serve, started
 // as Config.ServerCommand and, with Config.Pin, pinned to CPU 0 with taskset),
@@ -29,7 +29,7 @@
 // The handler decodes {"item": "widget", "qty": 1}, inserts one order row and
 // answers 201 with the order as JSON and a Location header. For the SQL stores
 // the row goes into an orders table in the same database as the idempotency
-// records, inside idem's transaction (sqlitestore.Tx, pgstore.Tx, mysqlstore.Tx)
+// records, inside idem's transaction (sqlitestore.Tx, pgstore.Tx, mysqlstore.Conn)
 // when there is one; for memory and redis, and for Fiber, into an in-process map.
 //
 // The variants, each a cell per number of clients:
