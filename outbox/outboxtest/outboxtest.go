@@ -195,6 +195,29 @@ func testDeadLetter(t *testing.T, h Harness) {
 	if st.DeadLetters != 1 || st.Pending != 1 {
 		t.Fatalf("stats %+v", st)
 	}
+	rd, ok := src.(interface {
+		Redrive(ctx context.Context, seqs ...int64) (int, error)
+	})
+	if !ok {
+		return
+	}
+	n, err := rd.Redrive(ctx, got[0].Seq, 999999)
+	must(t, err)
+	if n != 1 {
+		t.Fatalf("redrove %d, want 1", n)
+	}
+	st, err = src.Stats(ctx)
+	must(t, err)
+	if st.DeadLetters != 0 || st.Pending != 2 {
+		t.Fatalf("after Redrive: %+v", st)
+	}
+	_, err = src.MarkPublished(ctx, "r1", next[0].Seq)
+	must(t, err)
+	again, err := src.Lease(ctx, "r1", 10, time.Minute)
+	must(t, err)
+	if len(again) != 1 || again[0].ID != "a1" || again[0].Seq <= next[0].Seq || string(again[0].Payload) != "payload of a1" || again[0].Headers["X-Id"] != "a1" {
+		t.Fatalf("the redriven message: %+v", again)
+	}
 }
 
 func testRetention(t *testing.T, h Harness) {
