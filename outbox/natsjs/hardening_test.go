@@ -391,22 +391,18 @@ func TestBrokerOutage(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer proxy.Close()
-	nc, err := nats.Connect("nats://"+proxy.Addr(), nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond), nats.RetryOnFailedConnect(true))
+	pub, err := natsjs.Dial("nats://"+proxy.Addr(), nats.ReconnectWait(20*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	defer pub.Close()
 	const n = 300
 	var msgs []outbox.Message
 	for i := range n {
 		msgs = append(msgs, outbox.Message{ID: fmt.Sprint("m", i), Subject: b.subject + ".x", Payload: []byte("x"), PartitionKey: fmt.Sprint("p", i%10)})
 	}
 	obs := &failures{}
-	r := &outbox.Relay{Source: d.src, Publisher: natsjs.NewPublisher(js), Observer: obs, PollInterval: 10 * time.Millisecond,
+	r := &outbox.Relay{Source: d.src, Publisher: pub, Observer: obs, PollInterval: 10 * time.Millisecond,
 		PublishTimeout: 200 * time.Millisecond, MinBackoff: 10 * time.Millisecond, MaxBackoff: 300 * time.Millisecond}
 	rctx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
