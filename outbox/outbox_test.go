@@ -73,7 +73,9 @@ func TestPrepareHostile(t *testing.T) {
 		{"header value with CRLF", func(m *outbox.Message) { m.Headers = map[string]string{"X-A": "v\r\nX-Evil: 1"} }, outbox.ErrInvalid, "control characters"},
 		{"header value with NUL", func(m *outbox.Message) { m.Headers = map[string]string{"X-A": "v\x00"} }, outbox.ErrInvalid, "control characters"},
 		{"header value not UTF-8", func(m *outbox.Message) { m.Headers = map[string]string{"X-A": "\xff"} }, outbox.ErrInvalid, "UTF-8"},
-		{"header value too long", func(m *outbox.Message) { m.Headers = map[string]string{"X-A": strings.Repeat("v", outbox.MaxHeaderValue+1)} }, outbox.ErrInvalid, "at most"},
+		{"header value too long", func(m *outbox.Message) {
+			m.Headers = map[string]string{"X-A": strings.Repeat("v", outbox.MaxHeaderValue+1)}
+		}, outbox.ErrInvalid, "at most"},
 		{"Nats- header", func(m *outbox.Message) { m.Headers = map[string]string{"Nats-Msg-Id": "other"} }, outbox.ErrInvalid, "JetStream"},
 		{"partition with NUL", func(m *outbox.Message) { m.PartitionKey = "p\x00" }, outbox.ErrInvalid, "PartitionKey"},
 	}
@@ -175,7 +177,11 @@ type recorder struct {
 	retryIns                         []time.Duration
 }
 
-func (r *recorder) Published(*outbox.Stored, time.Duration) { r.mu.Lock(); r.published++; r.mu.Unlock() }
+func (r *recorder) Published(*outbox.Stored, time.Duration) {
+	r.mu.Lock()
+	r.published++
+	r.mu.Unlock()
+}
 func (r *recorder) Failed(_ *outbox.Stored, _ error, in time.Duration) {
 	r.mu.Lock()
 	r.failed++
@@ -346,5 +352,63 @@ func TestRelayCancelledMidBatch(t *testing.T) {
 	}
 	if time.Since(start) > time.Second || len(ids) != 5 {
 		t.Fatalf("published %v", ids)
+	}
+}
+
+// TestWithKey: outside idem, WithKey gives the defaults a key; the error
+// without it names WithKey.
+func TestWithKey(t *testing.T) {
+	t.Parallel()
+	ctx := outbox.WithKey(context.Background(), "consumer/orders", "msg-17")
+	m, err := outbox.Prepare(ctx, outbox.Message{Name: "invoice.issued", Subject: "invoices"}, 0)
+	if err != nil || m.ID != outbox.MessageID("consumer/orders", "msg-17", "invoice.issued") || m.PartitionKey != outbox.PartitionOf("consumer/orders", "msg-17") {
+		t.Fatalf("%+v %v", m, err)
+	}
+	_, err = outbox.Prepare(context.Background(), outbox.Message{Subject: "s"}, 0)
+	if !strings.Contains(err.Error(), "outbox.WithKey") {
+		t.Fatal(err)
+	}
+}
+
+// TestRelayBlackHole: a broker that never answers (a black hole) costs each
+// publication PublishTimeout, Concurrency at a time; the ones the lease
+// cannot cover any more are released unpublished, and no publication runs
+// past the lease.
+func TestRelayBlackHole(t *testing.T) {
+	t.Parallel()
+	src := &memSource{}
+	for i := range 12 {
+		src.add(outbox.Message{ID: string(rune('a' + i)), Subject: "s", PartitionKey: string(rune('a' + i))})
+	}
+	lease := 400 * time.Millisecond
+	start := time.Now()
+	var mu sync.Mutex
+	var ends []time.Duration
+	hole := outbox.PublisherFunc(func(ctx context.Context, m *outbox.Stored) error {
+		<-ctx.Done()
+		mu.Lock()
+		ends = append(ends, time.Since(start))
+		mu.Unlock()
+		return ctx.Err()
+	})
+	rec := &recorder{}
+	r := &outbox.Relay{Source: src, Publisher: hole, Observer: rec, Concurrency: 2, LeaseDuration: lease, PublishTimeout: 100 * time.Millisecond}
+	if _, err := r.PublishBatch(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for _, e := range ends {
+		if e > lease {
+			t.Fatalf("a publication ended %v after the lease began (lease %v)", e, lease)
+		}
+	}
+	// 400 ms lease, 100 ms per publication, 2 at a time, the last ones
+	// starting at least 150 ms before the lease ends: 4 to 6 tried.
+	if len(ends) < 4 || len(ends) > 6 || rec.failed != 12 {
+		t.Fatalf("%d publications tried, %d failures recorded", len(ends), rec.failed)
+	}
+	if st, _ := src.Stats(context.Background()); st.Pending != 12 {
+		t.Fatalf("pending %d", st.Pending)
 	}
 }
