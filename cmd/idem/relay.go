@@ -41,7 +41,7 @@ outages (it retries with backoff, no operator needed) and its own crashes (a
 message it leased and did not mark is published again, with the same ID, once
 its --lease lapses). Several relays may run on one PostgreSQL or MySQL
 database: they share the work and never publish one message at once; on
-SQLite one relay runs at a time. The messages of one partition (by default,
+SQLite several are safe but no faster than one. The messages of one partition (by default,
 one request's) are published in order. A message the broker refuses for good
 (too large, no stream for its subject, unroutable) is moved to the
 dead-letter table (PREFIXidem_outbox_dead) with the reason: --dead-letters
