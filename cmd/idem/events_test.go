@@ -46,7 +46,8 @@ func TestDemoEvents(t *testing.T) {
 			subject := "demo." + cliRandHex(4) + ".created"
 			stream := eventsStreamName(subject)
 			t.Cleanup(func() { _ = js.DeleteStream(context.Background(), stream) })
-			d := startDemo(t, t.TempDir(), nil, "--metrics-addr", "", "--db", db, "--events", natsURL, "--events-subject", subject)
+			metrics := closedPort(t)
+			d := startDemo(t, t.TempDir(), nil, "--metrics-addr", metrics, "--db", db, "--events", natsURL, "--events-subject", subject)
 			if !strings.Contains(d.output(), "events: every order's event is written to idem_outbox") {
 				t.Errorf("the banner does not say where the events go:\n%s", d.output())
 			}
@@ -81,6 +82,16 @@ func TestDemoEvents(t *testing.T) {
 				}
 			}
 			time.Sleep(500 * time.Millisecond) // a fourth one would be there by now
+			// The relay's metrics are on the demo's /metrics.
+			resp, err := http.Get("http://" + metrics + "/metrics")
+			if err != nil {
+				t.Fatal(err)
+			}
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if !strings.Contains(string(body), "idem_outbox_published_total 3") {
+				t.Errorf("/metrics does not count the 3 publications:\n%s", body)
+			}
 			if code := d.stop(t); code != 0 {
 				t.Errorf("the demo exited %d; output:\n%s", code, d.output())
 			}
