@@ -87,7 +87,7 @@ const (
 // details.
 var (
 	// ErrNoID: the message has no ID and ctx is not a request idem executes.
-	ErrNoID = errors.New("outbox: message has no ID and the context is not a request idem is executing: set Message.ID (for example outbox.MessageID(scope, key, name) from your own stable identifiers), or enqueue inside the handler with the handler's context")
+	ErrNoID = errors.New("outbox: message has no ID and the context is not a request idem is executing: set Message.ID (for example outbox.MessageID(scope, key, name) from your own stable identifiers), enqueue inside the handler with the handler's context, or give the context a key with outbox.WithKey")
 	// ErrInvalid: a field breaks the rules of Message.
 	ErrInvalid = errors.New("outbox: invalid message")
 	// ErrTooLarge: the payload is larger than the outbox accepts.
@@ -121,6 +121,30 @@ func digest(domain string, parts ...string) string {
 	return hex.EncodeToString(h.Sum(nil))
 }
 
+type keyCtx struct{ scope, key string }
+
+type keyCtxKey struct{}
+
+// WithKey returns a context under which Enqueue derives a message's default
+// ID and partition from scope and key, as it does in a request idem
+// executes: for code that has a stable identity of its own but no idem
+// request, such as a consumer's handler (the delivered message's ID as the
+// key) or a job (its run's name). idem's own request, if ctx has one, wins.
+func WithKey(ctx context.Context, scope, key string) context.Context {
+	return context.WithValue(ctx, keyCtxKey{}, keyCtx{scope, key})
+}
+
+// keyOf returns the scope and key the defaults derive from.
+func keyOf(ctx context.Context) (scope, key string, ok bool) {
+	if scope, key, ok = idem.KeyFrom(ctx); ok {
+		return scope, key, true
+	}
+	if v, found := ctx.Value(keyCtxKey{}).(keyCtx); found {
+		return v.scope, v.key, true
+	}
+	return "", "", false
+}
+
 // Prepare checks m and fills in its defaults (ID, PartitionKey) from ctx, the
 // way every store's Enqueue does before it writes: maxPayload bounds the
 // payload (0 means DefaultMaxPayload). A store's Enqueue calls it; a caller
@@ -129,7 +153,7 @@ func Prepare(ctx context.Context, m Message, maxPayload int) (Message, error) {
 	if maxPayload <= 0 {
 		maxPayload = DefaultMaxPayload
 	}
-	scope, key, inRequest := idem.KeyFrom(ctx)
+	scope, key, inRequest := keyOf(ctx)
 	if m.ID == "" {
 		if !inRequest {
 			return m, ErrNoID

@@ -73,7 +73,9 @@ func TestPrepareHostile(t *testing.T) {
 		{"header value with CRLF", func(m *outbox.Message) { m.Headers = map[string]string{"X-A": "v\r\nX-Evil: 1"} }, outbox.ErrInvalid, "control characters"},
 		{"header value with NUL", func(m *outbox.Message) { m.Headers = map[string]string{"X-A": "v\x00"} }, outbox.ErrInvalid, "control characters"},
 		{"header value not UTF-8", func(m *outbox.Message) { m.Headers = map[string]string{"X-A": "\xff"} }, outbox.ErrInvalid, "UTF-8"},
-		{"header value too long", func(m *outbox.Message) { m.Headers = map[string]string{"X-A": strings.Repeat("v", outbox.MaxHeaderValue+1)} }, outbox.ErrInvalid, "at most"},
+		{"header value too long", func(m *outbox.Message) {
+			m.Headers = map[string]string{"X-A": strings.Repeat("v", outbox.MaxHeaderValue+1)}
+		}, outbox.ErrInvalid, "at most"},
 		{"Nats- header", func(m *outbox.Message) { m.Headers = map[string]string{"Nats-Msg-Id": "other"} }, outbox.ErrInvalid, "JetStream"},
 		{"partition with NUL", func(m *outbox.Message) { m.PartitionKey = "p\x00" }, outbox.ErrInvalid, "PartitionKey"},
 	}
@@ -175,7 +177,11 @@ type recorder struct {
 	retryIns                         []time.Duration
 }
 
-func (r *recorder) Published(*outbox.Stored, time.Duration) { r.mu.Lock(); r.published++; r.mu.Unlock() }
+func (r *recorder) Published(*outbox.Stored, time.Duration) {
+	r.mu.Lock()
+	r.published++
+	r.mu.Unlock()
+}
 func (r *recorder) Failed(_ *outbox.Stored, _ error, in time.Duration) {
 	r.mu.Lock()
 	r.failed++
@@ -346,5 +352,20 @@ func TestRelayCancelledMidBatch(t *testing.T) {
 	}
 	if time.Since(start) > time.Second || len(ids) != 5 {
 		t.Fatalf("published %v", ids)
+	}
+}
+
+// TestWithKey: outside idem, WithKey gives the defaults a key; the error
+// without it names WithKey.
+func TestWithKey(t *testing.T) {
+	t.Parallel()
+	ctx := outbox.WithKey(context.Background(), "consumer/orders", "msg-17")
+	m, err := outbox.Prepare(ctx, outbox.Message{Name: "invoice.issued", Subject: "invoices"}, 0)
+	if err != nil || m.ID != outbox.MessageID("consumer/orders", "msg-17", "invoice.issued") || m.PartitionKey != outbox.PartitionOf("consumer/orders", "msg-17") {
+		t.Fatalf("%+v %v", m, err)
+	}
+	_, err = outbox.Prepare(context.Background(), outbox.Message{Subject: "s"}, 0)
+	if !strings.Contains(err.Error(), "outbox.WithKey") {
+		t.Fatal(err)
 	}
 }

@@ -413,6 +413,44 @@ func (o *Outbox) DeadLetters(ctx context.Context, limit int) ([]DeadLetter, erro
 	return out, rows.Err()
 }
 
+// Redrive moves dead-lettered messages back into the outbox, after whatever
+// made them unpublishable was repaired: each gets a new sequence number, at
+// the end of its partition, keeps its ID, and is published like a new
+// message. It returns how many it moved.
+func (o *Outbox) Redrive(ctx context.Context, seqs ...int64) (int, error) {
+	tx, err := o.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return 0, fmt.Errorf("mysqloutbox: redrive: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	n := 0
+	for _, seq := range seqs {
+		var part []byte
+		err := tx.QueryRowContext(ctx, "SELECT partition_key FROM "+o.dead+" WHERE seq = ? FOR UPDATE", seq).Scan(&part)
+		if errors.Is(err, sql.ErrNoRows) {
+			continue
+		}
+		if err != nil {
+			return 0, fmt.Errorf("mysqloutbox: redrive: %w", err)
+		}
+		sum := sha256.Sum256(part)
+		if _, err := tx.ExecContext(ctx, o.lockSQL, binary.BigEndian.Uint32(sum[:])%lockBuckets); err != nil {
+			return 0, fmt.Errorf("mysqloutbox: redrive: lock partition: %w", err)
+		}
+		if _, err := tx.ExecContext(ctx, "INSERT INTO "+o.table+" (id, subject, payload, headers, partition_key, enqueued_at) SELECT id, subject, payload, headers, partition_key, enqueued_at FROM "+o.dead+" WHERE seq = ?", seq); err != nil {
+			return 0, fmt.Errorf("mysqloutbox: redrive: %w", err)
+		}
+		if _, err := tx.ExecContext(ctx, "DELETE FROM "+o.dead+" WHERE seq = ?", seq); err != nil {
+			return 0, fmt.Errorf("mysqloutbox: redrive: %w", err)
+		}
+		n++
+	}
+	if err := tx.Commit(); err != nil {
+		return 0, fmt.Errorf("mysqloutbox: redrive: %w", err)
+	}
+	return n, nil
+}
+
 func clean(reason string) string {
 	reason = strings.ToValidUTF8(strings.ReplaceAll(reason, "\x00", ""), "?")
 	if len(reason) > 4096 {

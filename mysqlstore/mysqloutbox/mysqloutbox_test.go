@@ -52,6 +52,13 @@ func TestSource(t *testing.T) {
 	db := testDB(t)
 	outboxtest.Run(t, outboxtest.Harness{
 		New: func(t *testing.T) outbox.Source { return newOutbox(t, db) },
+		Begin: func(ctx context.Context, src outbox.Source) (func(outbox.Message) error, func() error, error) {
+			tx, err := db.BeginTx(ctx, nil)
+			if err != nil {
+				return nil, nil, err
+			}
+			return func(m outbox.Message) error { return src.(*mysqloutbox.Outbox).Enqueue(ctx, tx, m) }, tx.Commit, nil
+		},
 		Enqueue: func(ctx context.Context, src outbox.Source, msgs ...outbox.Message) error {
 			tx, err := db.BeginTx(ctx, nil)
 			if err != nil {

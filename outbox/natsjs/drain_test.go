@@ -15,7 +15,7 @@ import (
 	"github.com/idemkit/idem/outbox/natsjs"
 )
 
-// TestDrainRate measures how fast relays drain a PostgreSQL outbox of
+// TestDrainRate measures how fast relays drain a PostgreSQL (and a MariaDB) outbox of
 // IDEM_OUTBOX_DRAIN messages (one partition each, as the orders of distinct
 // keys are) to JetStream, with 1 and 2 relays. By hand only:
 //
@@ -25,10 +25,14 @@ func TestDrainRate(t *testing.T) {
 	if n <= 0 {
 		t.Skip("set IDEM_OUTBOX_DRAIN=10000 to measure")
 	}
-	for _, relays := range []int{1, 2} {
-		t.Run(fmt.Sprint(relays, "relays"), func(t *testing.T) {
+	for _, c := range []struct {
+		kind   string
+		relays int
+	}{{"postgres", 1}, {"postgres", 2}, {"mysql", 1}, {"mysql", 2}} {
+		kind, relays := c.kind, c.relays
+		t.Run(fmt.Sprint(kind, "/", relays, "relays"), func(t *testing.T) {
 			ctx := context.Background()
-			d := openDB(t, "postgres", freshTable(t, "postgres"))
+			d := openDB(t, kind, freshTable(t, kind))
 			b := newBroker(t, jetstream.StreamConfig{})
 			var batch []outbox.Message
 			for i := range n {
@@ -63,7 +67,7 @@ func TestDrainRate(t *testing.T) {
 			took := time.Since(start)
 			cancel()
 			wg.Wait()
-			t.Logf("%d relays: %d messages in %v = %.0f messages/s; pending(oldest age) every 250 ms: %v", relays, n, took.Round(time.Millisecond), float64(n)/took.Seconds(), curve)
+			t.Logf("%s, %d relays: %d messages in %v = %.0f messages/s; pending(oldest age) every 250 ms: %v", kind, relays, n, took.Round(time.Millisecond), float64(n)/took.Seconds(), curve)
 		})
 	}
 }

@@ -516,3 +516,50 @@ func TestBoundsFitNATS(t *testing.T) {
 		t.Fatalf("dead letters %+v", dead)
 	}
 }
+
+// TestClosedConnection: the connection of a Dial publisher is closed (not
+// cut: closed for good, as nats.go does after its last reconnect): the next
+// publications dial again, nothing is lost. Wildcard and empty-token
+// subjects are dead-lettered, not retried forever.
+func TestClosedConnection(t *testing.T) {
+	ctx := context.Background()
+	d := openDB(t, "postgres", freshTable(t, "postgres"))
+	b := newBroker(t, jetstream.StreamConfig{})
+	p, err := natsjs.Dial(testenv.NATSURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	r := &outbox.Relay{Source: d.src, Publisher: p, MinBackoff: time.Millisecond, MaxBackoff: 10 * time.Millisecond}
+	if err := d.enqueue(ctx, outbox.Message{ID: "before", Subject: b.subject + ".x"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.PublishBatch(ctx); err != nil {
+		t.Fatal(err)
+	}
+	p.Close() // the connection is gone for good
+	if err := d.enqueue(ctx,
+		outbox.Message{ID: "after", Subject: b.subject + ".x"},
+		outbox.Message{ID: "wild", Subject: b.subject + ".*"},
+		outbox.Message{ID: "gap", Subject: b.subject + "..x"},
+	); err != nil {
+		t.Fatal(err)
+	}
+	for range 20 {
+		if _, err := r.PublishBatch(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if st, _ := d.src.Stats(ctx); st.Pending == 0 {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	st, err := d.src.Stats(ctx)
+	if err != nil || st.Pending != 0 || st.DeadLetters != 2 {
+		t.Fatalf("stats %+v %v", st, err)
+	}
+	got, _ := b.messages(t)
+	if got["before"] == nil || got["after"] == nil || len(got) != 2 {
+		t.Fatalf("stream %v", got)
+	}
+}

@@ -7,7 +7,8 @@
 // A message larger than the server's max_payload, one over the stream's
 // max_msg_size and one whose subject no stream captures are refused as
 // outbox.Permanent: the relay dead-letters them with the reason instead of
-// retrying. Every other failure (no connection, a timeout, a stream leader
+// retrying, as is a subject no one can publish to (an empty token, a
+// wildcard). Every other failure (no connection, a timeout, a stream leader
 // election) is retried.
 package natsjs
 
@@ -15,6 +16,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
+	"sync"
 
 	"github.com/idemkit/idem/outbox"
 	"github.com/nats-io/nats.go"
@@ -23,31 +26,95 @@ import (
 
 // Publisher is an outbox.Publisher on JetStream. Safe for concurrent use.
 type Publisher struct {
-	js jetstream.JetStream
+	mu  sync.Mutex
+	js  jetstream.JetStream
+	own bool // Dial made the connection: redial it when it is closed
+	url string
+	opt []nats.Option
 }
 
-// NewPublisher returns a Publisher on js.
+// NewPublisher returns a Publisher on js, whose connection the caller owns:
+// let it reconnect forever (nats.MaxReconnects(-1)), or a relay stops
+// publishing once nats.go gives up. Dial makes a Publisher that dials again
+// even then.
 func NewPublisher(js jetstream.JetStream) *Publisher { return &Publisher{js: js} }
+
+// Dial connects to the NATS server at url (with nats.MaxReconnects(-1),
+// nats.RetryOnFailedConnect(true) and opts) and returns a Publisher that owns
+// the connection: if it is ever closed, the next Publish dials again. Close
+// it when done.
+func Dial(url string, opts ...nats.Option) (*Publisher, error) {
+	p := &Publisher{own: true, url: url, opt: append([]nats.Option{nats.MaxReconnects(-1), nats.RetryOnFailedConnect(true)}, opts...)}
+	if _, err := p.jetStream(); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// Close closes the connection Dial made; it does nothing to NewPublisher's.
+func (p *Publisher) Close() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.own && p.js != nil {
+		p.js.Conn().Close()
+	}
+}
+
+func (p *Publisher) jetStream() (jetstream.JetStream, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.js != nil && (!p.own || !p.js.Conn().IsClosed()) {
+		return p.js, nil
+	}
+	nc, err := nats.Connect(p.url, p.opt...)
+	if err != nil {
+		return nil, fmt.Errorf("natsjs: connect to %s: %w", p.url, err)
+	}
+	js, err := jetstream.New(nc)
+	if err != nil {
+		nc.Close()
+		return nil, fmt.Errorf("natsjs: %w", err)
+	}
+	p.js = js
+	return js, nil
+}
+
+// subjectOK reports whether s is a subject one may publish to: tokens
+// separated by dots, none empty, no wildcard.
+func subjectOK(s string) bool {
+	for _, tok := range strings.Split(s, ".") {
+		if tok == "" || tok == "*" || tok == ">" {
+			return false
+		}
+	}
+	return true
+}
 
 // Publish sends m to the subject m.Subject with Nats-Msg-Id = m.ID and m's
 // headers, and waits for the stream's acknowledgement.
 func (p *Publisher) Publish(ctx context.Context, m *outbox.Stored) error {
+	if !subjectOK(m.Subject) {
+		return outbox.Permanent(fmt.Errorf("natsjs: %q is not a subject one can publish to (empty token or wildcard)", m.Subject))
+	}
+	js, err := p.jetStream()
+	if err != nil {
+		return err
+	}
 	msg := nats.NewMsg(m.Subject)
 	msg.Data = m.Payload
 	for k, v := range m.Headers {
 		msg.Header.Set(k, v)
 	}
 	msg.Header.Set(jetstream.MsgIDHeader, m.ID)
-	if nc := p.js.Conn(); nc != nil && nc.IsConnected() {
+	if nc := js.Conn(); nc != nil && nc.IsConnected() {
 		if max := nc.MaxPayload(); max > 0 && int64(len(m.Payload)+headerSize(msg.Header)) > max {
 			return outbox.Permanent(fmt.Errorf("natsjs: message of %d bytes with headers is over the NATS server's max_payload of %d bytes", len(m.Payload)+headerSize(msg.Header), max))
 		}
 	}
-	_, err := p.js.PublishMsg(ctx, msg)
-	if err == nil {
-		return nil
+	if _, err := js.PublishMsg(ctx, msg); err != nil {
+		return classify(ctx, js, m, err)
 	}
-	return p.classify(ctx, m, err)
+	return nil
 }
 
 func headerSize(h nats.Header) int {
@@ -60,7 +127,7 @@ func headerSize(h nats.Header) int {
 	return n
 }
 
-func (p *Publisher) classify(ctx context.Context, m *outbox.Stored, err error) error {
+func classify(ctx context.Context, js jetstream.JetStream, m *outbox.Stored, err error) error {
 	var apiErr *jetstream.APIError
 	switch {
 	case errors.Is(err, nats.ErrMaxPayload):
@@ -72,7 +139,7 @@ func (p *Publisher) classify(ctx context.Context, m *outbox.Stored, err error) e
 	case errors.Is(err, jetstream.ErrNoStreamResponse), errors.Is(err, nats.ErrNoResponders):
 		// No responder: no stream captures the subject — or JetStream is
 		// unavailable for a moment. Ask.
-		if _, e := p.js.StreamNameBySubject(ctx, m.Subject); errors.Is(e, jetstream.ErrStreamNotFound) {
+		if _, e := js.StreamNameBySubject(ctx, m.Subject); errors.Is(e, jetstream.ErrStreamNotFound) {
 			return outbox.Permanent(fmt.Errorf("natsjs: no stream captures subject %q (create one, then enqueue the message again)", m.Subject))
 		}
 	}

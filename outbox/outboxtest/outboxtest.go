@@ -23,6 +23,10 @@ type Harness struct {
 	New func(t *testing.T) outbox.Source
 	// Enqueue commits msgs in one transaction of src's database.
 	Enqueue func(ctx context.Context, src outbox.Source, msgs ...outbox.Message) error
+	// Begin, if set, opens a transaction of src's database and returns the
+	// functions that enqueue in it and commit it: the commit-order test
+	// runs only with it.
+	Begin func(ctx context.Context, src outbox.Source) (enqueue func(outbox.Message) error, commit func() error, err error)
 	// Relays is how many relays the concurrency test runs at once (4 if 0).
 	Relays int
 	// Messages is how many messages it enqueues (400 if 0).
@@ -47,6 +51,7 @@ func Run(t *testing.T, h Harness) {
 	t.Run("DeadLetter", func(t *testing.T) { testDeadLetter(t, h) })
 	t.Run("Retention", func(t *testing.T) { testRetention(t, h) })
 	t.Run("Stats", func(t *testing.T) { testStats(t, h) })
+	t.Run("CommitOrderInPartition", func(t *testing.T) { testCommitOrder(t, h) })
 	t.Run("ConcurrentRelays", func(t *testing.T) { testConcurrent(t, h, false) })
 	t.Run("ConcurrentRelaysWithCrashes", func(t *testing.T) { testConcurrent(t, h, true) })
 }
@@ -189,6 +194,29 @@ func testDeadLetter(t *testing.T, h Harness) {
 	must(t, err)
 	if st.DeadLetters != 1 || st.Pending != 1 {
 		t.Fatalf("stats %+v", st)
+	}
+	rd, ok := src.(interface {
+		Redrive(ctx context.Context, seqs ...int64) (int, error)
+	})
+	if !ok {
+		return
+	}
+	n, err := rd.Redrive(ctx, got[0].Seq, 999999)
+	must(t, err)
+	if n != 1 {
+		t.Fatalf("redrove %d, want 1", n)
+	}
+	st, err = src.Stats(ctx)
+	must(t, err)
+	if st.DeadLetters != 0 || st.Pending != 2 {
+		t.Fatalf("after Redrive: %+v", st)
+	}
+	_, err = src.MarkPublished(ctx, "r1", next[0].Seq)
+	must(t, err)
+	again, err := src.Lease(ctx, "r1", 10, time.Minute)
+	must(t, err)
+	if len(again) != 1 || again[0].ID != "a1" || again[0].Seq <= next[0].Seq || string(again[0].Payload) != "payload of a1" || again[0].Headers["X-Id"] != "a1" {
+		t.Fatalf("the redriven message: %+v", again)
 	}
 }
 
@@ -410,4 +438,69 @@ func testConcurrent(t *testing.T, h Harness, crashes bool) {
 		t.Fatal("no publication failed: the retries were not exercised")
 	}
 	t.Logf("%d messages, %d relays: %d transient failures retried, %d marks lost, %d republished with the same ID", nMsg, nRelay, c.fails.Load(), dropped, dups)
+}
+
+// testCommitOrder: two transactions enqueue into one explicit partition;
+// the one that enqueued first commits last. The second's Enqueue (or its
+// commit) must wait for the first, so that no relay sees the later message
+// as the head of the partition while the earlier one is uncommitted.
+func testCommitOrder(t *testing.T, h Harness) {
+	if h.Begin == nil {
+		t.Skip("the harness gives no Begin")
+	}
+	ctx := ctx30(t)
+	src := h.New(t)
+	enq1, commit1, err := h.Begin(ctx, src)
+	must(t, err)
+	committed := false
+	t.Cleanup(func() {
+		if !committed {
+			_ = commit1() // end it, or dropping the table waits for it
+		}
+	})
+	must(t, enq1(msg("first", "P")))
+	second := make(chan error, 1)
+	go func() {
+		enq2, commit2, err := h.Begin(ctx, src)
+		if err == nil {
+			err = enq2(msg("second", "P"))
+		}
+		if err == nil {
+			err = commit2()
+		}
+		second <- err
+	}()
+	select {
+	case err := <-second:
+		// Committed while the first is open: then the first must not be
+		// behind it in the partition's order.
+		must(t, err)
+		got, err := src.Lease(ctx, "r1", 10, time.Minute)
+		must(t, err)
+		t.Fatalf("the second transaction committed its message to partition P while the first (which enqueued to P before it) was open; a relay now leases %v, ahead of the first", ids(got))
+	case <-time.After(300 * time.Millisecond):
+	}
+	got, err := src.Lease(ctx, "r1", 10, time.Minute)
+	must(t, err)
+	if len(got) != 0 {
+		t.Fatalf("leased %v while both transactions are open", ids(got))
+	}
+	committed = true
+	must(t, commit1())
+	must(t, <-second)
+	got, err = src.Lease(ctx, "r1", 10, time.Minute)
+	must(t, err)
+	if fmt.Sprint(ids(got)) != "[first]" {
+		t.Fatalf("after both commits: %v, want [first]", ids(got))
+	}
+	n, err := src.MarkPublished(ctx, "r1", got[0].Seq)
+	must(t, err)
+	if n != 1 {
+		t.Fatal("mark")
+	}
+	got, err = src.Lease(ctx, "r1", 10, time.Minute)
+	must(t, err)
+	if fmt.Sprint(ids(got)) != "[second]" {
+		t.Fatalf("then: %v, want [second]", ids(got))
+	}
 }

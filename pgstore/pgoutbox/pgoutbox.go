@@ -345,6 +345,42 @@ func (o *Outbox) DeadLetters(ctx context.Context, limit int) ([]DeadLetter, erro
 	return out, rows.Err()
 }
 
+// Redrive moves dead-lettered messages back into the outbox, after whatever
+// made them unpublishable was repaired (a stream created, a limit raised):
+// each gets a new sequence number, at the end of its partition, keeps its
+// ID, and is published like a new message. It returns how many it moved.
+func (o *Outbox) Redrive(ctx context.Context, seqs ...int64) (int, error) {
+	tx, err := o.pool.Begin(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("pgoutbox: redrive: %w", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	// The partitions' locks first, as Enqueue takes them, so that the
+	// redriven messages are numbered in commit order too.
+	rows, err := tx.Query(ctx, "SELECT DISTINCT partition_key FROM "+o.dead+" WHERE seq = ANY($1) ORDER BY 1", seqs)
+	if err != nil {
+		return 0, fmt.Errorf("pgoutbox: redrive: %w", err)
+	}
+	parts, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return 0, fmt.Errorf("pgoutbox: redrive: %w", err)
+	}
+	for _, p := range parts {
+		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", o.partitionLock(p)); err != nil {
+			return 0, fmt.Errorf("pgoutbox: redrive: %w", err)
+		}
+	}
+	tag, err := tx.Exec(ctx, "WITH moved AS (DELETE FROM "+o.dead+" WHERE seq = ANY($1) RETURNING seq, id, subject, payload, headers, partition_key, enqueued_at)\n"+
+		"INSERT INTO "+o.table+" (id, subject, payload, headers, partition_key, enqueued_at) SELECT id, subject, payload, headers, partition_key, enqueued_at FROM moved ORDER BY seq", seqs)
+	if err != nil {
+		return 0, fmt.Errorf("pgoutbox: redrive: %w", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return 0, fmt.Errorf("pgoutbox: redrive: %w", err)
+	}
+	return int(tag.RowsAffected()), nil
+}
+
 // clean makes reason storable as text: valid UTF-8 without NUL, at most 4 KiB.
 func clean(reason string) string {
 	reason = strings.ToValidUTF8(strings.ReplaceAll(reason, "\x00", ""), "?")

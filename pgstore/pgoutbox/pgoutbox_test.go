@@ -63,6 +63,14 @@ func TestSource(t *testing.T) {
 			}
 			return o
 		},
+		Begin: func(ctx context.Context, src outbox.Source) (func(outbox.Message) error, func() error, error) {
+			tx, err := pool.Begin(ctx)
+			if err != nil {
+				return nil, nil, err
+			}
+			return func(m outbox.Message) error { return src.(*pgoutbox.Outbox).Enqueue(ctx, tx, m) },
+				func() error { return tx.Commit(ctx) }, nil
+		},
 		Enqueue: func(ctx context.Context, src outbox.Source, msgs ...outbox.Message) error {
 			tx, err := pool.Begin(ctx)
 			if err != nil {

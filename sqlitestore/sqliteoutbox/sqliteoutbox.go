@@ -356,6 +356,37 @@ func (o *Outbox) DeadLetters(ctx context.Context, limit int) ([]DeadLetter, erro
 	return out, rows.Err()
 }
 
+// Redrive moves dead-lettered messages back into the outbox, after whatever
+// made them unpublishable was repaired: each gets a new sequence number, at
+// the end of its partition, keeps its ID, and is published like a new
+// message. It returns how many it moved.
+func (o *Outbox) Redrive(ctx context.Context, seqs ...int64) (int, error) {
+	n := 0
+	err := o.write(ctx, func() error {
+		tx, err := o.db.BeginTx(ctx, nil)
+		if err != nil {
+			return err
+		}
+		defer func() { _ = tx.Rollback() }()
+		for _, seq := range seqs {
+			res, err := tx.ExecContext(ctx, "INSERT INTO "+o.table+" (id, subject, payload, headers, partition_key, enqueued_at) SELECT id, subject, payload, headers, partition_key, enqueued_at FROM "+o.dead+" WHERE seq = ?", seq)
+			if err != nil {
+				return err
+			}
+			k, _ := res.RowsAffected()
+			n += int(k)
+			if _, err := tx.ExecContext(ctx, "DELETE FROM "+o.dead+" WHERE seq = ?", seq); err != nil {
+				return err
+			}
+		}
+		return tx.Commit()
+	})
+	if err != nil {
+		return 0, fmt.Errorf("sqliteoutbox: redrive: %w", err)
+	}
+	return n, nil
+}
+
 func clean(reason string) string {
 	reason = strings.ToValidUTF8(strings.ReplaceAll(reason, "\x00", ""), "?")
 	if len(reason) > 4096 {

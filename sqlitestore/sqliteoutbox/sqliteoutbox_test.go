@@ -32,6 +32,8 @@ func TestSource(t *testing.T) {
 			}
 			return o
 		},
+		// No Begin: a write transaction holds SQLite's only write lock, so
+		// commit order is enqueue order (and a relay waits meanwhile).
 		Enqueue: func(ctx context.Context, src outbox.Source, msgs ...outbox.Message) error {
 			tx, err := db.BeginTx(ctx, nil)
 			if err != nil {
