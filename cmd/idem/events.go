@@ -44,6 +44,8 @@ type eventsOutbox struct {
 	enqueue func(ctx context.Context, tx orders.Tx, m outbox.Message) error
 	// dead lists up to limit dead letters, oldest first.
 	dead func(ctx context.Context, limit int) ([]deadLetter, error)
+	// redrive moves dead letters back into the outbox.
+	redrive func(ctx context.Context, seqs ...int64) (int, error)
 }
 
 // deadLetter is a dead-lettered message as `idem relay --dead-letters` shows it.
@@ -67,7 +69,7 @@ func openOutbox(h *dbopen.Handle, table string) (*eventsOutbox, error) {
 			return nil, err
 		}
 		return &eventsOutbox{
-			table: table, source: ob, migrate: ob.Migrate,
+			table: table, source: ob, migrate: ob.Migrate, redrive: ob.Redrive,
 			enqueue: func(ctx context.Context, tx orders.Tx, m outbox.Message) error {
 				return ob.Enqueue(ctx, tx.Pgx, m)
 			},
@@ -86,7 +88,7 @@ func openOutbox(h *dbopen.Handle, table string) (*eventsOutbox, error) {
 			return nil, err
 		}
 		return &eventsOutbox{
-			table: table, source: ob, migrate: ob.Migrate,
+			table: table, source: ob, migrate: ob.Migrate, redrive: ob.Redrive,
 			enqueue: func(ctx context.Context, tx orders.Tx, m outbox.Message) error {
 				return ob.Enqueue(ctx, tx.SQL, m)
 			},
@@ -105,7 +107,7 @@ func openOutbox(h *dbopen.Handle, table string) (*eventsOutbox, error) {
 			return nil, err
 		}
 		return &eventsOutbox{
-			table: table, source: ob, migrate: ob.Migrate,
+			table: table, source: ob, migrate: ob.Migrate, redrive: ob.Redrive,
 			enqueue: func(ctx context.Context, tx orders.Tx, m outbox.Message) error {
 				return ob.Enqueue(ctx, tx.SQL, m)
 			},

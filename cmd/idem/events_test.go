@@ -179,6 +179,25 @@ func TestRelayDeadLetters(t *testing.T) {
 	if code != 0 || !strings.Contains(out, "0 pending") || !strings.Contains(out, "1 dead-lettered") {
 		t.Errorf("idem relay --stats: exit %d %q", code, out)
 	}
+	// Repaired (a stream for its subject), the dead letter is redriven and
+	// published under its own ID.
+	lost := testStream(t, js, dl.Subject)
+	if code, out, errOut := runIdem(t, t.TempDir(), nil, "relay", "--db", db, "--redrive", "999999"); code != 1 || !strings.Contains(errOut, "named no dead letter") {
+		t.Errorf("idem relay --redrive of an unknown seq: exit %d %q %q", code, out, errOut)
+	}
+	if code, out, errOut := runIdem(t, t.TempDir(), nil, "relay", "--db", db, "--redrive", "all"); code != 0 || !strings.Contains(out, "redrove 1 dead letters") {
+		t.Fatalf("idem relay --redrive all: exit %d %q %q", code, out, errOut)
+	}
+	if code, out, errOut := runIdem(t, t.TempDir(), nil, "relay", "--db", db, "--nats", natsURL, "--exit-when-empty", "--poll", "50ms"); code != 0 {
+		t.Fatalf("idem relay after the redrive: exit %d\n%s\n%s", code, out, errOut)
+	}
+	if msgs, ids := streamMsgIDs(t, js, lost); msgs != 1 || ids["m-lost"] != 1 {
+		t.Errorf("after the redrive the stream of its subject holds %d messages %v; want m-lost", msgs, ids)
+	}
+	code, out, _ = runIdem(t, t.TempDir(), nil, "relay", "--db", db, "--stats")
+	if code != 0 || !strings.Contains(out, "0 pending") || !strings.Contains(out, "0 dead-lettered") {
+		t.Errorf("idem relay --stats after the redrive: exit %d %q", code, out)
+	}
 	for _, c := range []struct {
 		args []string
 		want string
@@ -187,7 +206,8 @@ func TestRelayDeadLetters(t *testing.T) {
 		{[]string{"relay", "--nats", natsURL}, "--db is required"},
 		{[]string{"relay", "--db", db, "--nats", "http://x"}, "is not a NATS URL"},
 		{[]string{"relay", "--db", db, "--nats", natsURL, "--amqp", "amqp://guest:guest@127.0.0.1:5672/"}, "exclusive"},
-		{[]string{"relay", "--db", db, "--dead-letters", "--nats", natsURL}, "only read the database"},
+		{[]string{"relay", "--db", db, "--dead-letters", "--nats", natsURL}, "only work on the database"},
+		{[]string{"relay", "--db", db, "--redrive", "x"}, "give sequence numbers"},
 		{[]string{"relay", "--db", db, "--nats", natsURL, "--lease", "10ms"}, "too short"},
 		{[]string{"relay", "--db", db, "--nats", natsURL, "--retention", "0s"}, "--retention 0"},
 	} {
