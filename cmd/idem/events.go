@@ -44,6 +44,8 @@ type eventsOutbox struct {
 	enqueue func(ctx context.Context, tx orders.Tx, m outbox.Message) error
 	// dead lists up to limit dead letters, oldest first.
 	dead func(ctx context.Context, limit int) ([]deadLetter, error)
+	// redrive moves dead letters back into the outbox.
+	redrive func(ctx context.Context, seqs ...int64) (int, error)
 }
 
 // deadLetter is a dead-lettered message as `idem relay --dead-letters` shows it.
@@ -67,7 +69,7 @@ func openOutbox(h *dbopen.Handle, table string) (*eventsOutbox, error) {
 			return nil, err
 		}
 		return &eventsOutbox{
-			table: table, source: ob, migrate: ob.Migrate,
+			table: table, source: ob, migrate: ob.Migrate, redrive: ob.Redrive,
 			enqueue: func(ctx context.Context, tx orders.Tx, m outbox.Message) error {
 				return ob.Enqueue(ctx, tx.Pgx, m)
 			},
@@ -86,7 +88,7 @@ func openOutbox(h *dbopen.Handle, table string) (*eventsOutbox, error) {
 			return nil, err
 		}
 		return &eventsOutbox{
-			table: table, source: ob, migrate: ob.Migrate,
+			table: table, source: ob, migrate: ob.Migrate, redrive: ob.Redrive,
 			enqueue: func(ctx context.Context, tx orders.Tx, m outbox.Message) error {
 				return ob.Enqueue(ctx, tx.SQL, m)
 			},
@@ -105,7 +107,7 @@ func openOutbox(h *dbopen.Handle, table string) (*eventsOutbox, error) {
 			return nil, err
 		}
 		return &eventsOutbox{
-			table: table, source: ob, migrate: ob.Migrate,
+			table: table, source: ob, migrate: ob.Migrate, redrive: ob.Redrive,
 			enqueue: func(ctx context.Context, tx orders.Tx, m outbox.Message) error {
 				return ob.Enqueue(ctx, tx.SQL, m)
 			},
@@ -228,21 +230,9 @@ func eventsStreamName(subject string) string {
 func ensureEventsStream(ctx context.Context, js jetstream.JetStream, subject string, logger *slog.Logger) (string, error) {
 	warned := false
 	for {
-		name, err := js.StreamNameBySubject(ctx, subject)
-		if err == nil {
-			return name, nil
-		}
-		if errors.Is(err, jetstream.ErrStreamNotFound) {
-			name = eventsStreamName(subject)
-			_, err = js.CreateStream(ctx, jetstream.StreamConfig{Name: name, Subjects: []string{subject}, Storage: jetstream.FileStorage})
-			if err == nil || errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
-				if err != nil {
-					// A stream of that name exists for other subjects: say so.
-					return "", fmt.Errorf("no stream captures %s, and a stream named %s already exists for other subjects; add %s to a stream's subjects, or pick another --events-subject", subject, name, subject)
-				}
-				logger.Info("events: created stream", "stream", name, "subject", subject)
-				return name, nil
-			}
+		name, err, fatal := tryEventsStream(ctx, js, subject, logger)
+		if err == nil || fatal {
+			return name, err
 		}
 		if ctx.Err() != nil {
 			return "", ctx.Err()
@@ -257,6 +247,27 @@ func ensureEventsStream(ctx context.Context, js jetstream.JetStream, subject str
 		case <-time.After(500 * time.Millisecond):
 		}
 	}
+}
+
+// tryEventsStream is one try of ensureEventsStream, bounded in time (while
+// the connection is down a request waits in the client's buffer); fatal
+// says that trying again will not help.
+func tryEventsStream(ctx context.Context, js jetstream.JetStream, subject string, logger *slog.Logger) (name string, err error, fatal bool) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	name, err = js.StreamNameBySubject(ctx, subject)
+	if err == nil || !errors.Is(err, jetstream.ErrStreamNotFound) {
+		return name, err, false
+	}
+	name = eventsStreamName(subject)
+	_, err = js.CreateStream(ctx, jetstream.StreamConfig{Name: name, Subjects: []string{subject}, Storage: jetstream.FileStorage})
+	if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+		return "", fmt.Errorf("no stream captures %s, and a stream named %s already exists for other subjects; add %s to a stream's subjects, or pick another --events-subject", subject, name, subject), true
+	}
+	if err == nil {
+		logger.Info("events: created stream", "stream", name, "subject", subject)
+	}
+	return name, err, false
 }
 
 // relayLogger is an outbox.Observer that logs what an operator must know:

@@ -46,7 +46,8 @@ func TestDemoEvents(t *testing.T) {
 			subject := "demo." + cliRandHex(4) + ".created"
 			stream := eventsStreamName(subject)
 			t.Cleanup(func() { _ = js.DeleteStream(context.Background(), stream) })
-			d := startDemo(t, t.TempDir(), nil, "--metrics-addr", "", "--db", db, "--events", natsURL, "--events-subject", subject)
+			metrics := closedPort(t)
+			d := startDemo(t, t.TempDir(), nil, "--metrics-addr", metrics, "--db", db, "--events", natsURL, "--events-subject", subject)
 			if !strings.Contains(d.output(), "events: every order's event is written to idem_outbox") {
 				t.Errorf("the banner does not say where the events go:\n%s", d.output())
 			}
@@ -81,6 +82,16 @@ func TestDemoEvents(t *testing.T) {
 				}
 			}
 			time.Sleep(500 * time.Millisecond) // a fourth one would be there by now
+			// The relay's metrics are on the demo's /metrics.
+			resp, err := http.Get("http://" + metrics + "/metrics")
+			if err != nil {
+				t.Fatal(err)
+			}
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if !strings.Contains(string(body), "idem_outbox_published_total 3") {
+				t.Errorf("/metrics does not count the 3 publications:\n%s", body)
+			}
 			if code := d.stop(t); code != 0 {
 				t.Errorf("the demo exited %d; output:\n%s", code, d.output())
 			}
@@ -168,6 +179,25 @@ func TestRelayDeadLetters(t *testing.T) {
 	if code != 0 || !strings.Contains(out, "0 pending") || !strings.Contains(out, "1 dead-lettered") {
 		t.Errorf("idem relay --stats: exit %d %q", code, out)
 	}
+	// Repaired (a stream for its subject), the dead letter is redriven and
+	// published under its own ID.
+	lost := testStream(t, js, dl.Subject)
+	if code, out, errOut := runIdem(t, t.TempDir(), nil, "relay", "--db", db, "--redrive", "999999"); code != 1 || !strings.Contains(errOut, "named no dead letter") {
+		t.Errorf("idem relay --redrive of an unknown seq: exit %d %q %q", code, out, errOut)
+	}
+	if code, out, errOut := runIdem(t, t.TempDir(), nil, "relay", "--db", db, "--redrive", "all"); code != 0 || !strings.Contains(out, "redrove 1 dead letters") {
+		t.Fatalf("idem relay --redrive all: exit %d %q %q", code, out, errOut)
+	}
+	if code, out, errOut := runIdem(t, t.TempDir(), nil, "relay", "--db", db, "--nats", natsURL, "--exit-when-empty", "--poll", "50ms"); code != 0 {
+		t.Fatalf("idem relay after the redrive: exit %d\n%s\n%s", code, out, errOut)
+	}
+	if msgs, ids := streamMsgIDs(t, js, lost); msgs != 1 || ids["m-lost"] != 1 {
+		t.Errorf("after the redrive the stream of its subject holds %d messages %v; want m-lost", msgs, ids)
+	}
+	code, out, _ = runIdem(t, t.TempDir(), nil, "relay", "--db", db, "--stats")
+	if code != 0 || !strings.Contains(out, "0 pending") || !strings.Contains(out, "0 dead-lettered") {
+		t.Errorf("idem relay --stats after the redrive: exit %d %q", code, out)
+	}
 	for _, c := range []struct {
 		args []string
 		want string
@@ -176,7 +206,8 @@ func TestRelayDeadLetters(t *testing.T) {
 		{[]string{"relay", "--nats", natsURL}, "--db is required"},
 		{[]string{"relay", "--db", db, "--nats", "http://x"}, "is not a NATS URL"},
 		{[]string{"relay", "--db", db, "--nats", natsURL, "--amqp", "amqp://guest:guest@127.0.0.1:5672/"}, "exclusive"},
-		{[]string{"relay", "--db", db, "--dead-letters", "--nats", natsURL}, "only read the database"},
+		{[]string{"relay", "--db", db, "--dead-letters", "--nats", natsURL}, "only work on the database"},
+		{[]string{"relay", "--db", db, "--redrive", "x"}, "give sequence numbers"},
 		{[]string{"relay", "--db", db, "--nats", natsURL, "--lease", "10ms"}, "too short"},
 		{[]string{"relay", "--db", db, "--nats", natsURL, "--retention", "0s"}, "--retention 0"},
 	} {

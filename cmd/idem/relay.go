@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"time"
 
@@ -31,6 +32,7 @@ func init() {
 const relayUsage = `Usage: idem relay --db URL (--nats URL | --amqp URL) [flags]
        idem relay --db URL --dead-letters [--limit N] [--json]
        idem relay --db URL --stats
+       idem relay --db URL --redrive SEQ,… (or all)
 
 Runs the outbox relay on its own: it leases the committed, unpublished
 messages of the outbox table (PREFIXidem_outbox, as idem demo --events and
@@ -41,11 +43,13 @@ outages (it retries with backoff, no operator needed) and its own crashes (a
 message it leased and did not mark is published again, with the same ID, once
 its --lease lapses). Several relays may run on one PostgreSQL or MySQL
 database: they share the work and never publish one message at once; on
-SQLite one relay runs at a time. The messages of one partition (by default,
+SQLite several are safe but no faster than one. The messages of one partition (by default,
 one request's) are published in order. A message the broker refuses for good
 (too large, no stream for its subject, unroutable) is moved to the
 dead-letter table (PREFIXidem_outbox_dead) with the reason: --dead-letters
-lists them. Published messages are deleted after --retention.
+lists them, and once the cause is repaired (a stream created, a limit
+raised) --redrive moves them back into the outbox, under their own IDs.
+Published messages are deleted after --retention.
 
 It creates the outbox tables if they are missing. On JetStream a stream must
 capture the messages' subjects (idem demo --events creates one for its
@@ -90,6 +94,7 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	limit := fs.Int("limit", 100, "with --dead-letters: the most messages listed")
 	asJSON := fs.Bool("json", false, "with --dead-letters or --stats: print JSON")
 	stats := fs.Bool("stats", false, "print how many messages wait (and the age of the oldest) and how many are dead-lettered, and exit")
+	redrive := fs.String("redrive", "", "move the dead letters of these sequence numbers (`SEQ,…`, as --dead-letters shows them; all: every one) back into the outbox, and exit")
 	untilEmpty := fs.Bool("exit-when-empty", false, "exit (0) as soon as no message waits: drain the outbox and stop")
 	fs.Usage = storeUsage(fs, relayUsage, relayEnv)
 	pos, code, ok := parseFlags(fs, args, relayEnv, stdout, stderr)
@@ -102,10 +107,20 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	if *db == "" {
 		return storeUsageError(stderr, fs, "--db is required: the database your service writes its outbox in, for example --db postgres://postgres@127.0.0.1:5432/test")
 	}
-	inspecting := *deadLetters || *stats
+	var redriveSeqs []int64
+	if *redrive != "" && *redrive != "all" {
+		for _, f := range strings.Split(*redrive, ",") {
+			n, err := strconv.ParseInt(strings.TrimSpace(f), 10, 64)
+			if err != nil || n < 1 {
+				return storeUsageError(stderr, fs, fmt.Sprintf("--redrive %q: give sequence numbers as --dead-letters shows them, separated by commas (12,15), or all", *redrive))
+			}
+			redriveSeqs = append(redriveSeqs, n)
+		}
+	}
+	inspecting := *deadLetters || *stats || *redrive != ""
 	switch {
 	case inspecting && (*natsURL != "" || *amqpURL != ""):
-		return storeUsageError(stderr, fs, "--dead-letters and --stats only read the database; drop --nats and --amqp")
+		return storeUsageError(stderr, fs, "--dead-letters, --stats and --redrive only work on the database; drop --nats and --amqp")
 	case !inspecting && *natsURL == "" && *amqpURL == "":
 		return storeUsageError(stderr, fs, "name the broker: --nats nats://HOST:PORT or --amqp amqp://USER:PASS@HOST:PORT/ (or --dead-letters, --stats to inspect the outbox)")
 	case *natsURL != "" && *amqpURL != "":
@@ -175,6 +190,9 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	}
 	if *deadLetters {
 		return relayDeadLetters(ctx, ob, *limit, *asJSON, stdout, stderr)
+	}
+	if *redrive != "" {
+		return relayRedrive(ctx, ob, redriveSeqs, stdout, stderr)
 	}
 
 	logger := demoLogger(stderr)
@@ -300,6 +318,47 @@ func relayDeadLetters(ctx context.Context, ob *eventsOutbox, limit int, asJSON b
 	}
 	if len(list) == limit {
 		fmt.Fprintf(stdout, "(the first %d; --limit lists more)\n", limit)
+	}
+	return exitOK
+}
+
+// relayRedrive moves the dead letters seqs (nil: all) back into the outbox.
+func relayRedrive(ctx context.Context, ob *eventsOutbox, seqs []int64, stdout, stderr io.Writer) int {
+	if seqs == nil { // all, a thousand at a time
+		total := 0
+		for {
+			list, err := ob.dead(ctx, 1000)
+			if err != nil {
+				fmt.Fprintf(stderr, "idem relay: %v\n", err)
+				return exitFailure
+			}
+			batch := make([]int64, 0, len(list))
+			for _, d := range list {
+				batch = append(batch, d.Seq)
+			}
+			n := 0
+			if len(batch) > 0 {
+				if n, err = ob.redrive(ctx, batch...); err != nil {
+					fmt.Fprintf(stderr, "idem relay: %v (after %d redriven)\n", err, total)
+					return exitFailure
+				}
+			}
+			total += n
+			if n == 0 {
+				fmt.Fprintf(stdout, "redrove %d dead letters into the outbox\n", total)
+				return exitOK
+			}
+		}
+	}
+	n, err := ob.redrive(ctx, seqs...)
+	if err != nil {
+		fmt.Fprintf(stderr, "idem relay: %v\n", err)
+		return exitFailure
+	}
+	fmt.Fprintf(stdout, "redrove %d dead letters into the outbox\n", n)
+	if n < len(seqs) {
+		fmt.Fprintf(stderr, "idem relay: %d of the %d sequence numbers named no dead letter (see --dead-letters)\n", len(seqs)-n, len(seqs))
+		return exitFailure
 	}
 	return exitOK
 }
