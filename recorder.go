@@ -37,10 +37,11 @@ type recorder struct {
 	limit   int
 	size    int // bytes the handler wrote
 	mode    recorderMode
-	spill   *request        // when set, its spillOutcome stores the outcome early; the recorder then streams
-	unknown bool            // MarkOutcomeUnknown was called
-	head    bool            // the request is a HEAD: a Content-Length describes a body not sent
-	pooled  *storedResponse // whose storage body uses (usePooled); nil: its own
+	spill   *request // when set, its spillOutcome stores the outcome early; the recorder then streams
+	unknown bool     // MarkOutcomeUnknown was called
+	head    bool     // the request is a HEAD: a Content-Length describes a body not sent
+
+	pooled *storedResponse // whose storage body uses (usePooled); nil: its own
 }
 
 type recorderMode uint8
