@@ -6,8 +6,8 @@ import (
 )
 
 // claimContext starts the context of req's claim, embedded in the request:
-// the request's values, not its cancellation, ending timeout from now on the
-// wall clock — what context.WithTimeout(context.WithoutCancel(ctx), timeout)
+// the request's values, not its cancellation, ending timeout after wall (a
+// wall clock reading for now) — what context.WithTimeout(context.WithoutCancel(ctx), timeout)
 // gives, without its five allocations and its timer, which are made only if
 // the store asks for Done. Call endClaimContext once the claim returned. A
 // request that claims twice (a lapsed claim under an older fingerprint

@@ -74,16 +74,18 @@ type request struct {
 	fp    string
 	start time.Time
 
-	bodyReader   bodyReader
-	rw           recorder
-	exec         execContext
-	cctx         cleanupContext
-	claimCtx     cleanupContext // the claim's (claimContext)
-	claimCtxUsed bool
-	spilled      bool      // the outcome was stored early and the response streamed
-	claimed      bool      // the request holds the key: its next event ends the hold
-	held         bool      // the request held the key at some point (InFlightWait: wake the waiters)
-	waitUntil    time.Time // the end of its wait for a holder's outcome, once it waited
+	bodyReader bodyReader
+	rw         recorder
+	exec       execContext
+	cctx       cleanupContext
+	spilled    bool      // the outcome was stored early and the response streamed
+	claimed    bool      // the request holds the key: its next event ends the hold
+	held       bool      // the request held the key at some point (InFlightWait: wake the waiters)
+	waitUntil  time.Time // the end of its wait for a holder's outcome, once it waited
+
+	claimCtx     cleanupContext // the claim's context (claimContext)
+	claimCtxUsed bool           // claimCtx served a claim already
+
 	renewal
 }
 
