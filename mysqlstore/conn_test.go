@@ -3,6 +3,7 @@ package mysqlstore_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -112,8 +113,8 @@ func TestConnFailurePaths(t *testing.T) {
 			first.Store(true)
 			srv := newServer(t, s, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				q := mysqlstore.Conn(r.Context())
-				if _, ok := q.(*sql.Conn); !ok {
-					t.Errorf("Conn = %T, want the request's *sql.Conn (the store's own transaction)", q)
+				if _, ok := q.(*sql.Tx); ok || q == nil {
+					t.Errorf("Conn = %T, want the request's connection (the store's own transaction)", q)
 				}
 				if _, err := q.ExecContext(r.Context(), "INSERT INTO `"+orders+"` (item) VALUES (?)", "o"); err != nil {
 					http.Error(w, err.Error(), 500)
@@ -218,4 +219,100 @@ func TestConnAndTx(t *testing.T) {
 	}
 	_ = idem.ErrInFlight
 	_ = time.Second
+}
+
+// A response too large to send as SQL text (over inlineLimit) is stored through
+// a statement prepared on the request's connection, in the transaction the
+// store drives there (Conn), and replays byte for byte.
+func TestConnLargeResponse(t *testing.T) {
+	t.Parallel()
+	for _, dsn := range []string{fastDSN, "&multiStatements=true"} {
+		t.Run(dsn, func(t *testing.T) {
+			t.Parallel()
+			testConnLargeResponse(t, dsn)
+		})
+	}
+}
+
+func testConnLargeResponse(t *testing.T, dsn string) {
+	db := openDB(t, 4, dsn)
+	other := openDB(t, 2, "")
+	s := newStore(t, db)
+	orders := ordersTable(t, db)
+	big := strings.Repeat("0123456789abcdef", 8<<10) // 128 KiB
+	srv := newServer(t, s, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		q := mysqlstore.Conn(r.Context())
+		if _, ok := q.(*sql.Tx); ok || q == nil {
+			t.Errorf("Conn = %T, want the request's connection", q)
+		}
+		if _, err := q.ExecContext(r.Context(), "INSERT INTO `"+orders+"` (item) VALUES ('o')"); err != nil {
+			http.Error(w, err.Error(), 500)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprint(w, big)
+	}))
+	key := randomName("key-")
+	if st, _, body := postConn(t, srv.URL, key); st != http.StatusCreated || body != big {
+		t.Fatalf("first: %d, %d bytes", st, len(body))
+	}
+	st, replayed, body := postConn(t, srv.URL, key)
+	if st != http.StatusCreated || !replayed || body != big {
+		t.Fatalf("retry: %d replayed %v, %d bytes; want the replay of %d bytes", st, replayed, len(body), len(big))
+	}
+	if n := countAll(t, other, orders); n != 1 {
+		t.Errorf("%d orders, want 1", n)
+	}
+}
+
+// A statement the handler's goroutine sends through Conn after the request's
+// transaction ended is refused (sql.ErrTxDone), whether the middleware
+// committed or rolled back: it would otherwise run in autocommit on the
+// connection before it goes back to the pool, and commit on its own.
+func TestConnRefusedAfterTheEnd(t *testing.T) {
+	t.Parallel()
+	for _, status := range []int{http.StatusCreated, 0} { // 0: the handler panics, the middleware rolls back
+		t.Run(fmt.Sprint(status), func(t *testing.T) {
+			t.Parallel()
+			db := openDB(t, 4, fastDSN)
+			other := openDB(t, 2, "")
+			s := newStore(t, db)
+			orders := ordersTable(t, db)
+			late := make(chan error, 2)
+			release := make(chan struct{})
+			srv := newServer(t, s, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				q := mysqlstore.Conn(r.Context())
+				if _, err := q.ExecContext(r.Context(), "INSERT INTO `"+orders+"` (item) VALUES ('in')"); err != nil {
+					http.Error(w, err.Error(), 500)
+					return
+				}
+				go func() {
+					<-release
+					_, err := q.ExecContext(context.Background(), "INSERT INTO `"+orders+"` (item) VALUES ('late')")
+					late <- err
+					var n int
+					late <- q.QueryRowContext(context.Background(), "SELECT 1").Scan(&n)
+				}()
+				if status == 0 {
+					panic(http.ErrAbortHandler)
+				}
+				w.WriteHeader(status)
+			}))
+			postConn(t, srv.URL, randomName("key-"))
+			close(release)
+			if err := <-late; !errors.Is(err, sql.ErrTxDone) {
+				t.Errorf("Exec after the end = %v, want sql.ErrTxDone", err)
+			}
+			if err := <-late; err == nil {
+				t.Error("QueryRow after the end succeeded")
+			}
+			var lateRows int
+			if err := other.QueryRowContext(ctxFor(t), "SELECT COUNT(*) FROM `"+orders+"` WHERE item = 'late'").Scan(&lateRows); err != nil {
+				t.Fatal(err)
+			}
+			if n := countAll(t, other, orders); lateRows != 0 || (status != 0) != (n == 1) {
+				t.Errorf("%d orders, %d of them late; want none late, and the request's own committed only with its answer", n, lateRows)
+			}
+		})
+	}
 }

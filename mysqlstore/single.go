@@ -243,6 +243,7 @@ func (s *Store) beginLockedConn(ctx context.Context, lt *lockedTx, read, check s
 		}
 		return ctx, &lockedTx{done: true}, rec, nil
 	}
+	lt.q = &connQuerier{conn: conn}
 	return context.WithValue(ctx, txKey{}, &txn{s: s, st: st, conn: conn, ctx: ctx, locked: lt}), lt, nil, nil
 }
 
@@ -359,6 +360,10 @@ type lockedTx struct {
 	mu   sync.Mutex
 	rec  *lockedRecord // the record Insert was given
 	done bool
+
+	// q is what Conn hands the handler in the session's own transaction
+	// (beginLockedConn); nil otherwise.
+	q *connQuerier
 }
 
 // Insert implements idem.LockedTx. It checks rec and keeps it for Commit, which
@@ -482,6 +487,7 @@ func (t *lockedTx) deleteSQL() string {
 // appeared), commits, releases the lock and returns the connection. The lock is
 // released even when the commit fails.
 func (t *lockedTx) Commit(ctx context.Context) error {
+	defer t.q.end()()
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.done {
@@ -623,6 +629,7 @@ func (t *lockedTx) fail(err error) error {
 
 // Rollback implements idem.LockedTx. It is a no-op after Commit.
 func (t *lockedTx) Rollback(context.Context) error {
+	defer t.q.end()()
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.done {

@@ -66,9 +66,9 @@ type Querier interface {
 //	_, err := q.ExecContext(r.Context(), "INSERT INTO orders (item) VALUES (?)", item)
 //
 // In the single-transaction flow (the default) with multiStatements=true on
-// the DSN, it is the request's *sql.Conn, on which the store has begun the
-// transaction itself (autocommit off, a savepoint): no database/sql
-// transaction, so a first-time request costs three round trips with one
+// the DSN, it runs the statements on the request's *sql.Conn, on which the
+// store has begun the transaction itself (autocommit off, a savepoint), and
+// refuses them once the transaction ended: no database/sql transaction, so a first-time request costs three round trips with one
 // handler statement (add interpolateParams=true for that statement to be one).
 // Otherwise it is the request's *sql.Tx, as Tx returns it.
 //
@@ -86,7 +86,82 @@ func Conn(ctx context.Context) Querier {
 		return t.tx
 	}
 	t.connUsed = true
-	return t.conn
+	return t.locked.q
+}
+
+// errTxEnded is what the handler's connection answers once the middleware
+// committed or rolled back the request's transaction.
+var errTxEnded = fmt.Errorf("mysqlstore: the request's transaction has ended (the middleware committed it with the stored response, or rolled it back); a statement now would run outside it, so it is refused: %w", sql.ErrTxDone)
+
+// connQuerier is the Querier Conn returns in the session's own transaction
+// (the single-transaction flow with multiStatements): the request's *sql.Conn,
+// which refuses every call once the transaction ended, as a *sql.Tx would. A
+// statement sent after the commit or the rollback (by a goroutine the handler
+// left running) would otherwise run in autocommit on the connection, before it
+// goes back to the pool, and commit on its own. end waits for the calls in
+// progress.
+type connQuerier struct {
+	mu     sync.RWMutex
+	conn   *sql.Conn
+	closed bool
+}
+
+// end blocks new calls and waits for those in progress; the function it
+// returns marks the transaction ended and lets the calls go on, refused.
+func (q *connQuerier) end() func() {
+	if q == nil {
+		return func() {}
+	}
+	q.mu.Lock()
+	return func() {
+		q.closed = true
+		q.mu.Unlock()
+	}
+}
+
+func (q *connQuerier) enter() bool {
+	q.mu.RLock()
+	if q.closed {
+		q.mu.RUnlock()
+		return false
+	}
+	return true
+}
+
+// ExecContext runs query on the request's connection, in its transaction.
+func (q *connQuerier) ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error) {
+	if !q.enter() {
+		return nil, errTxEnded
+	}
+	defer q.mu.RUnlock()
+	return q.conn.ExecContext(ctx, query, args...)
+}
+
+// QueryContext runs query on the request's connection, in its transaction.
+func (q *connQuerier) QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error) {
+	if !q.enter() {
+		return nil, errTxEnded
+	}
+	defer q.mu.RUnlock()
+	return q.conn.QueryContext(ctx, query, args...)
+}
+
+// QueryRowContext runs query on the request's connection, in its transaction.
+// Once the transaction ended, the connection is back in the pool (closed for
+// this handle) and the row's Scan reports sql.ErrConnDone.
+func (q *connQuerier) QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row {
+	q.mu.RLock()
+	defer q.mu.RUnlock()
+	return q.conn.QueryRowContext(ctx, query, args...)
+}
+
+// PrepareContext prepares query on the request's connection.
+func (q *connQuerier) PrepareContext(ctx context.Context, query string) (*sql.Stmt, error) {
+	if !q.enter() {
+		return nil, errTxEnded
+	}
+	defer q.mu.RUnlock()
+	return q.conn.PrepareContext(ctx, query)
 }
 
 // BeginTx implements idem.TxStore. It begins a READ COMMITTED transaction on a
