@@ -223,13 +223,19 @@
 // a live record it may not take and whose expiry it would not move — a
 // replay of a done step — is the answer, without the gate, a lock or a
 // write. Otherwise it is one INSERT … ON CONFLICT DO UPDATE … RETURNING under
-// the steps gate. With Holder it runs in a transaction of the steps file that first
-// takes that file's write lock, then reads the request record from the records
-// file — a WAL read, which waits for no writer, the handler's transaction
-// included — and writes only when the record is in flight under the owner and
-// live: no other step operation, in this process or another, comes between
-// the check and the write. The others are one statement each. Backups must
-// copy both files.
+// the steps gate. With Holder it runs in a transaction of the steps file that
+// first takes that file's write lock, then reads the request record and
+// writes only when the record is in flight under the owner and live. The
+// fence must hold from that check until the step's commit, so no takeover of
+// the record may commit in between: inside the handler's transaction (the
+// context carries Tx, as idem.Step passes it) none can, since that
+// transaction holds the records file's write lock, and the read is a WAL read
+// that waits for nothing; outside it (a claim-then-complete execution without
+// the store's transaction, a consumer, a direct call) BeginStep takes the
+// records file's write lock itself — its gate, then the steps', always in
+// that order — until the step has committed. So call BeginStep with Holder
+// inside a transaction of the store only with a context that carries it. The
+// others are one statement each. Backups must copy both files.
 //
 // # Limits
 //

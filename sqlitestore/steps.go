@@ -389,6 +389,34 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	if rec, ok, err := s.peekStep(ctx, db, req); err != nil || ok {
 		return rec, false, err
 	}
+	// The Holder fence must hold from its check until the step's commit: a
+	// takeover of the request record committed in between (the fence passed,
+	// the record taken over, a reader of the steps seeing no step, the old
+	// holder's step appearing after) would not be linearizable. A takeover is
+	// a write of the records file: inside the handler's transaction (Tx in
+	// ctx), which holds that file's write lock, none can happen; otherwise the
+	// check runs in a transaction of the records file that takes its write
+	// lock and keeps it until the step has committed (the records' gate, then
+	// the steps', always in that order).
+	var fence interface {
+		QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+	} = s.db
+	if req.Holder && !s.inOwnTx(ctx) {
+		unlockMain, err := s.gate.lock(ctx, s.lockTimeout)
+		if err != nil {
+			return nil, false, wrap("begin step", err)
+		}
+		defer unlockMain()
+		mtx, err := s.db.BeginTx(ctx, nil)
+		if err != nil {
+			return nil, false, wrap("begin step: begin on the records' database", err)
+		}
+		defer func() { _ = mtx.Rollback() }()
+		if _, err := mtx.ExecContext(ctx, s.q[stmtLock]); err != nil {
+			return nil, false, wrap("begin step: take the records' write lock", err)
+		}
+		fence = mtx
+	}
 	unlock, err := g.lock(ctx, s.lockTimeout)
 	if err != nil {
 		return nil, false, wrap("begin step", err)
@@ -407,7 +435,7 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 		if _, err := tx.ExecContext(ctx, s.st.q.lock); err != nil {
 			return nil, false, wrap("begin step: take the steps' write lock", err)
 		}
-		held, err := s.holds(ctx, req)
+		held, err := s.holds(ctx, fence, req)
 		if err != nil {
 			return nil, false, err
 		}
@@ -443,11 +471,13 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 }
 
 // holds reports whether the request record of req is in flight under
-// req.Owner and live at req.Now: a read of the records file, which in WAL
-// mode waits for no writer.
-func (s *Store) holds(ctx context.Context, req idem.BeginStepRequest) (bool, error) {
+// req.Owner and live at req.Now: a read of the records file through q (the
+// *sql.DB: in WAL mode it waits for no writer; or a transaction of it).
+func (s *Store) holds(ctx context.Context, q interface {
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}, req idem.BeginStepRequest) (bool, error) {
 	var held int
-	err := s.db.QueryRowContext(ctx, `SELECT 1 FROM `+quoteIdent(s.table)+` WHERE scope = ? AND key = ? AND state = 1 AND token = ? AND expires_at > ?`,
+	err := q.QueryRowContext(ctx, `SELECT 1 FROM `+quoteIdent(s.table)+` WHERE scope = ? AND key = ? AND state = 1 AND token = ? AND expires_at > ?`,
 		req.Scope, req.Key, req.Owner, nanos(req.Now)).Scan(&held)
 	if errors.Is(err, sql.ErrNoRows) {
 		return false, nil
@@ -481,7 +511,7 @@ func (s *Store) peekStep(ctx context.Context, db *sql.DB, req idem.BeginStepRequ
 		return nil, false, nil
 	}
 	if req.Holder {
-		held, err := s.holds(ctx, req)
+		held, err := s.holds(ctx, s.db, req)
 		if err != nil {
 			return nil, false, err
 		}
@@ -494,6 +524,14 @@ func (s *Store) peekStep(ctx context.Context, db *sql.DB, req idem.BeginStepRequ
 		rec.ExpiresAt = req.ExpiresAt
 	}
 	return rec, true, nil
+}
+
+// inOwnTx reports whether ctx carries an open transaction of a Store on the
+// store's *sql.DB (BeginTx, BeginLocked): it holds the records file's write
+// lock, so no request record of that file can change until it ends.
+func (s *Store) inOwnTx(ctx context.Context) bool {
+	t, _ := ctx.Value(txKey{}).(*storeTx)
+	return t != nil && t.s.db == s.db && !t.ended.Load()
 }
 
 // stepExec runs one write statement on the step records' database under its

@@ -135,11 +135,12 @@ func mainPath(t *testing.T, db *sql.DB) string {
 	return file
 }
 
-// promptly runs fn with a 3-second context and fails the test if it does not
-// succeed within it: a step must not wait for the handler's transaction.
-func promptly(t *testing.T, what string, fn func(ctx context.Context) error) {
+// promptly runs fn with a 3-second context derived from parent and fails the
+// test if it does not succeed within it: a step must not wait for the
+// handler's transaction.
+func promptly(t *testing.T, parent context.Context, what string, fn func(ctx context.Context) error) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	ctx, cancel := context.WithTimeout(parent, 3*time.Second)
 	defer cancel()
 	start := time.Now()
 	if err := fn(ctx); err != nil {
@@ -148,10 +149,11 @@ func promptly(t *testing.T, what string, fn func(ctx context.Context) error) {
 }
 
 // stepInTx begins and finishes a step (fenced on the request record when
-// holder) within promptly.
-func stepInTx(t *testing.T, s *sqlitestore.Store, key, owner string, holder bool, now time.Time) {
+// holder) within promptly, with a context derived from ctx (the handler's,
+// which carries its transaction, as idem.Step passes it).
+func stepInTx(t *testing.T, ctx context.Context, s *sqlitestore.Store, key, owner string, holder bool, now time.Time) {
 	t.Helper()
-	promptly(t, "BeginStep", func(ctx context.Context) error {
+	promptly(t, ctx, "BeginStep", func(ctx context.Context) error {
 		_, began, err := s.BeginStep(ctx, idem.BeginStepRequest{Scope: "s", Key: key, Name: "charge", Owner: owner, Holder: holder,
 			DerivedKey: "idem_" + randomHex(8), Now: now, ExpiresAt: now.Add(time.Hour)})
 		if err == nil && !began {
@@ -159,7 +161,7 @@ func stepInTx(t *testing.T, s *sqlitestore.Store, key, owner string, holder bool
 		}
 		return err
 	})
-	promptly(t, "FinishStep", func(ctx context.Context) error {
+	promptly(t, ctx, "FinishStep", func(ctx context.Context) error {
 		return s.FinishStep(ctx, "s", key, "charge", owner, idem.StepDone, []byte(`{"id":"ch_1"}`), now)
 	})
 }
@@ -198,7 +200,7 @@ func TestStepInsideTransaction(t *testing.T) {
 	if _, err := sqlitestore.Tx(txctx).ExecContext(txctx, "CREATE TABLE orders (id INTEGER)"); err != nil {
 		t.Fatal(err)
 	}
-	stepInTx(t, s, "claim", "tok", true, now)
+	stepInTx(t, txctx, s, "claim", "tok", true, now)
 	if err := tx.Complete(txctx, "s", "claim", "tok", &idem.Response{Status: 201}, now, now.Add(time.Hour)); err != nil {
 		t.Fatal(err)
 	}
@@ -214,7 +216,7 @@ func TestStepInsideTransaction(t *testing.T) {
 	if _, err := sqlitestore.Tx(lctx).ExecContext(lctx, "INSERT INTO orders VALUES (1)"); err != nil {
 		t.Fatal(err)
 	}
-	stepInTx(t, s, "single", "exec-1", false, now)
+	stepInTx(t, lctx, s, "single", "exec-1", false, now)
 	if err := ltx.Rollback(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -326,7 +328,7 @@ func TestStepReplayWritesNothing(t *testing.T) {
 	}
 	req := idem.BeginStepRequest{Scope: "s", Key: "k", Name: "charge", Owner: "tok", Holder: true, Rerun: true,
 		DerivedKey: "idem_1", Now: now, ExpiresAt: now.Add(time.Hour)}
-	stepInTx(t, s, "k", "tok", true, now) // begins and finishes "charge"
+	stepInTx(t, ctx, s, "k", "tok", true, now) // begins and finishes "charge"
 	other, err := embedded.Open(path + sqlitestore.StepsFileSuffix)
 	if err != nil {
 		t.Fatal(err)
@@ -339,7 +341,7 @@ func TestStepReplayWritesNothing(t *testing.T) {
 	defer func() { _ = tx.Rollback() }()
 	for _, holder := range []bool{true, false} {
 		req.Holder = holder
-		promptly(t, "a replay's BeginStep", func(ctx context.Context) error {
+		promptly(t, ctx, "a replay's BeginStep", func(ctx context.Context) error {
 			rec, began, err := s.BeginStep(ctx, req)
 			if err == nil && (began || rec.State != idem.StepDone) {
 				err = fmt.Errorf("replay: %+v began %v", rec, began)
