@@ -4,12 +4,20 @@
 // the commit, with a stable ID that the consumer side deduplicates.
 //
 // The package holds what does not depend on a database or a broker: Message,
-// MessageID, the Source a store's outbox table offers the relay, the
-// Publisher a broker adapter implements, the Relay, and the Observer that
-// sees what the relay does. The tables live in the store modules
-// (pgstore/pgoutbox, sqlitestore/sqliteoutbox, mysqlstore/mysqloutbox); the
-// publishers are modules of their own (outbox/natsjs, outbox/amqp,
-// outbox/watermill).
+// MessageID, Prepare (the checks and defaults every Enqueue applies), the
+// Source a store's outbox table offers the relay, the Publisher a broker
+// adapter implements, the Relay, and the Observer that sees what the relay
+// does. The tables live in the store modules (pgstore/pgoutbox,
+// sqlitestore/sqliteoutbox, mysqlstore/mysqloutbox: New, Migrate, Enqueue,
+// DeadLetters, Redrive); the publishers are modules of their own
+// (outbox/natsjs, outbox/amqp, outbox/watermill); idemprom.NewOutbox and
+// idemotel.NewOutbox are Observers that export the relay's metrics;
+// outbox/outboxtest is the conformance suite of a Source.
+//
+// In a request idem executes, a message's ID defaults to
+// MessageID(scope, key, Message.Name) and its partition to the request's
+// key. Elsewhere (a consumer's handler, a job) give the ID, or a context made
+// with WithKey; Enqueue fails with ErrNoID otherwise.
 //
 // # Guarantees
 //

@@ -369,3 +369,46 @@ func TestWithKey(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestRelayBlackHole: a broker that never answers (a black hole) costs each
+// publication PublishTimeout, Concurrency at a time; the ones the lease
+// cannot cover any more are released unpublished, and no publication runs
+// past the lease.
+func TestRelayBlackHole(t *testing.T) {
+	t.Parallel()
+	src := &memSource{}
+	for i := range 12 {
+		src.add(outbox.Message{ID: string(rune('a' + i)), Subject: "s", PartitionKey: string(rune('a' + i))})
+	}
+	lease := 400 * time.Millisecond
+	start := time.Now()
+	var mu sync.Mutex
+	var ends []time.Duration
+	hole := outbox.PublisherFunc(func(ctx context.Context, m *outbox.Stored) error {
+		<-ctx.Done()
+		mu.Lock()
+		ends = append(ends, time.Since(start))
+		mu.Unlock()
+		return ctx.Err()
+	})
+	rec := &recorder{}
+	r := &outbox.Relay{Source: src, Publisher: hole, Observer: rec, Concurrency: 2, LeaseDuration: lease, PublishTimeout: 100 * time.Millisecond}
+	if _, err := r.PublishBatch(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for _, e := range ends {
+		if e > lease {
+			t.Fatalf("a publication ended %v after the lease began (lease %v)", e, lease)
+		}
+	}
+	// 400 ms lease, 100 ms per publication, 2 at a time, the last ones
+	// starting at least 150 ms before the lease ends: 4 to 6 tried.
+	if len(ends) < 4 || len(ends) > 6 || rec.failed != 12 {
+		t.Fatalf("%d publications tried, %d failures recorded", len(ends), rec.failed)
+	}
+	if st, _ := src.Stats(context.Background()); st.Pending != 12 {
+		t.Fatalf("pending %d", st.Pending)
+	}
+}

@@ -217,14 +217,15 @@ func (r *Relay) PublishBatch(ctx context.Context) (int, error) {
 	sem := make(chan struct{}, c.Concurrency)
 	var wg sync.WaitGroup
 	for i := range batch {
+		sem <- struct{}{}
 		// The lease must outlast the publication by a margin, so that no
 		// other relay publishes the message while this one does.
-		deadline := time.Now().Add(c.PublishTimeout)
 		if time.Until(leaseEnd) < c.PublishTimeout+c.PublishTimeout/2 {
 			errs[i] = errLeaseShort
+			<-sem
 			continue
 		}
-		sem <- struct{}{}
+		deadline := time.Now().Add(c.PublishTimeout)
 		wg.Add(1)
 		go func(i int) {
 			defer func() { <-sem; wg.Done() }()

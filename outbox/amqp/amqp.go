@@ -42,7 +42,7 @@ type Config struct {
 type Publisher struct {
 	cfg Config
 
-	mu     sync.Mutex
+	sem    chan struct{} // guards what follows; a channel, so that waits end with ctx
 	conn   *amqp091.Connection
 	ch     *amqp091.Channel
 	rets   *returns
@@ -119,13 +119,24 @@ func NewPublisher(cfg Config) (*Publisher, error) {
 	if cfg.URL == "" && cfg.Dial == nil {
 		return nil, errors.New("outbox/amqp: Config needs URL (amqp://user:pass@host:5672/) or Dial")
 	}
-	return &Publisher{cfg: cfg}, nil
+	return &Publisher{cfg: cfg, sem: make(chan struct{}, 1)}, nil
 }
+
+func (p *Publisher) lock(ctx context.Context) error {
+	select {
+	case p.sem <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("outbox/amqp: waiting for the connection: %w", context.Cause(ctx))
+	}
+}
+
+func (p *Publisher) unlock() { <-p.sem }
 
 // Close closes the connection.
 func (p *Publisher) Close() error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
+	_ = p.lock(context.Background())
+	defer p.unlock()
 	p.closed = true
 	return p.reset()
 }
@@ -142,10 +153,12 @@ func (p *Publisher) reset() error {
 	return err
 }
 
-// channel returns the confirm-mode channel, dialling if needed.
-func (p *Publisher) channel() (*amqp091.Channel, *returns, error) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
+// channel returns the confirm-mode channel, dialling if needed, within ctx.
+func (p *Publisher) channel(ctx context.Context) (*amqp091.Channel, *returns, error) {
+	if err := p.lock(ctx); err != nil {
+		return nil, nil, err
+	}
+	defer p.unlock()
 	if p.closed {
 		return nil, nil, errors.New("outbox/amqp: Publisher is closed")
 	}
@@ -158,7 +171,13 @@ func (p *Publisher) channel() (*amqp091.Channel, *returns, error) {
 	if p.cfg.Dial != nil {
 		conn, err = p.cfg.Dial()
 	} else {
-		conn, err = amqp091.Dial(p.cfg.URL)
+		// The dial and the handshake end by ctx's deadline (a black-holed
+		// broker must not hold a publication past its lease).
+		timeout := 30 * time.Second
+		if d, ok := ctx.Deadline(); ok {
+			timeout = min(timeout, time.Until(d))
+		}
+		conn, err = amqp091.DialConfig(p.cfg.URL, amqp091.Config{Dial: amqp091.DefaultDial(max(timeout, time.Millisecond)), Heartbeat: 10 * time.Second, Locale: "en_US"})
 	}
 	if err != nil {
 		return nil, nil, fmt.Errorf("outbox/amqp: dial: %w", err)
@@ -182,8 +201,8 @@ func (p *Publisher) channel() (*amqp091.Channel, *returns, error) {
 // drop forgets ch after a failure on it, so that the next Publish opens a
 // new one.
 func (p *Publisher) drop(ch *amqp091.Channel) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
+	_ = p.lock(context.Background())
+	defer p.unlock()
 	if p.ch == ch {
 		_ = p.reset()
 	}
@@ -193,9 +212,12 @@ func (p *Publisher) drop(ch *amqp091.Channel) {
 // configured exchange with routing key m.Subject, and waits for the broker's
 // confirmation.
 func (p *Publisher) Publish(ctx context.Context, m *outbox.Stored) error {
-	ch, rets, err := p.channel()
+	ch, rets, err := p.channel(ctx)
 	if err != nil {
 		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("outbox/amqp: %s not sent: %w", m.ID, err) // never after the deadline
 	}
 	headers := amqp091.Table{}
 	for k, v := range m.Headers {

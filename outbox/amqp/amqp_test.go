@@ -234,3 +234,43 @@ func TestBrokerOutage(t *testing.T) {
 	}
 	t.Logf("%d messages through a 2 s outage (%d cuts, %d failed publications retried): all delivered %v after recovery", n, proxy.Cuts(), obs.n(), drainTime.Round(time.Millisecond))
 }
+
+// TestDeadPort: the publisher first dials a port nothing listens on (the
+// broker is down), then, after a second, the broker: every message arrives,
+// none is dead-lettered.
+func TestDeadPort(t *testing.T) {
+	o, pool := newOutbox(t)
+	ch, q := queue(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := ln.Addr().String()
+	_ = ln.Close() // nothing listens there now
+	up := time.Now().Add(time.Second)
+	var deadDials int
+	p, err := outboxamqp.NewPublisher(outboxamqp.Config{Dial: func() (*amqp091.Connection, error) {
+		if time.Now().Before(up) {
+			deadDials++
+			return amqp091.Dial("amqp://guest:guest@" + dead + "/")
+		}
+		return amqp091.Dial(testenv.AMQPURL(t))
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	var msgs []outbox.Message
+	for i := range 50 {
+		msgs = append(msgs, outbox.Message{ID: fmt.Sprint("d", i), Subject: q, Payload: []byte("x")})
+	}
+	enqueue(t, o, pool, msgs...)
+	drainRelay(t, o, &outbox.Relay{Source: o, Publisher: p, PollInterval: 10 * time.Millisecond, MinBackoff: 10 * time.Millisecond, MaxBackoff: 200 * time.Millisecond}, 20*time.Second)
+	got := drain(t, ch, q)
+	if len(got) != 50 || deadDials == 0 {
+		t.Fatalf("%d of 50 delivered, %d dials of the dead port", len(got), deadDials)
+	}
+	if st, _ := o.Stats(context.Background()); st.DeadLetters != 0 {
+		t.Fatalf("%d dead letters", st.DeadLetters)
+	}
+}

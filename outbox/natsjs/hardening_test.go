@@ -155,6 +155,9 @@ func freshTable(t *testing.T, kind string) string {
 const (
 	envRelayChild = "OUTBOX_NATSJS_RELAY_CHILD"
 	relayLine     = "OUTBOX_RELAY "
+	spanLine      = "OUTBOX_SPAN "
+	envRelayLease = "OUTBOX_NATSJS_RELAY_LEASE"
+	envRelayStart = "OUTBOX_NATSJS_RELAY_START"
 )
 
 // TestRelayChild is the relay process TestRelayKilled SIGKILLs: it
@@ -178,17 +181,30 @@ func TestRelayChild(t *testing.T) {
 	pub := natsjs.NewPublisher(js)
 	var mu sync.Mutex
 	w := bufio.NewWriter(os.Stdout)
+	say := func(line string) {
+		mu.Lock()
+		fmt.Fprintln(w, line)
+		_ = w.Flush()
+		mu.Unlock()
+	}
+	lease := time.Second
+	if v, err := time.ParseDuration(os.Getenv(envRelayLease)); err == nil {
+		lease = v
+	}
+	if at, err := strconv.ParseInt(os.Getenv(envRelayStart), 10, 64); err == nil {
+		time.Sleep(time.Until(time.Unix(0, at))) // all relays start at this moment
+	}
 	r := &outbox.Relay{Source: d.src, Owner: "child-" + strconv.Itoa(os.Getpid()), BatchSize: 25, Concurrency: 4,
-		LeaseDuration: time.Second, PollInterval: 10 * time.Millisecond,
+		LeaseDuration: lease, PollInterval: 10 * time.Millisecond,
 		Publisher: outbox.PublisherFunc(func(ctx context.Context, m *outbox.Stored) error {
+			say(fmt.Sprint(spanLine, "B ", m.ID, " ", time.Now().UnixNano()))
 			time.Sleep(time.Duration(1+rand.IntN(3)) * time.Millisecond)
-			if err := pub.Publish(ctx, m); err != nil {
+			err := pub.Publish(ctx, m)
+			say(fmt.Sprint(spanLine, "E ", m.ID, " ", time.Now().UnixNano()))
+			if err != nil {
 				return err
 			}
-			mu.Lock()
-			fmt.Fprintln(w, relayLine+m.ID)
-			_ = w.Flush()
-			mu.Unlock()
+			say(relayLine + m.ID)
 			return nil
 		})}
 	_ = r.Run(context.Background())
@@ -375,22 +391,18 @@ func TestBrokerOutage(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer proxy.Close()
-	nc, err := nats.Connect("nats://"+proxy.Addr(), nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond), nats.RetryOnFailedConnect(true))
+	pub, err := natsjs.Dial("nats://"+proxy.Addr(), nats.ReconnectWait(20*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	defer pub.Close()
 	const n = 300
 	var msgs []outbox.Message
 	for i := range n {
 		msgs = append(msgs, outbox.Message{ID: fmt.Sprint("m", i), Subject: b.subject + ".x", Payload: []byte("x"), PartitionKey: fmt.Sprint("p", i%10)})
 	}
 	obs := &failures{}
-	r := &outbox.Relay{Source: d.src, Publisher: natsjs.NewPublisher(js), Observer: obs, PollInterval: 10 * time.Millisecond,
+	r := &outbox.Relay{Source: d.src, Publisher: pub, Observer: obs, PollInterval: 10 * time.Millisecond,
 		PublishTimeout: 200 * time.Millisecond, MinBackoff: 10 * time.Millisecond, MaxBackoff: 300 * time.Millisecond}
 	rctx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
@@ -562,4 +574,151 @@ func TestClosedConnection(t *testing.T) {
 	if got["before"] == nil || got["after"] == nil || len(got) != 2 {
 		t.Fatalf("stream %v", got)
 	}
+}
+
+// TestRelayProcessesAtOnce: three relay processes on one outbox, started at
+// the same instant, drain 600 messages in 20 partitions to JetStream. No
+// message is in a Publish call of two processes at overlapping times (each
+// process logs when its Publish begins and ends), every message reaches the
+// stream once, and each partition is on the stream in enqueue order.
+func TestRelayProcessesAtOnce(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts relay processes")
+	}
+	for _, kind := range []string{"postgres", "mysql"} {
+		t.Run(kind, func(t *testing.T) { testRelayProcessesAtOnce(t, kind) })
+	}
+}
+
+type span struct {
+	proc       int
+	begin, end int64
+}
+
+func testRelayProcessesAtOnce(t *testing.T, kind string) {
+	ctx := context.Background()
+	table := freshTable(t, kind)
+	d := openDB(t, kind, table)
+	b := newBroker(t, jetstream.StreamConfig{})
+	const n, partitions, procs = 600, 20, 3
+	var msgs []outbox.Message
+	for i := range n {
+		msgs = append(msgs, outbox.Message{ID: fmt.Sprintf("m%05d", i), Subject: b.subject + ".orders", Payload: []byte(strconv.Itoa(i)), PartitionKey: fmt.Sprint("p", i%partitions)})
+	}
+	for i := 0; i < n; i += 100 {
+		if err := d.enqueue(ctx, msgs[i:i+100]...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	startAt := time.Now().Add(3 * time.Second).UnixNano() // after the processes are up
+	var mu sync.Mutex
+	spans := map[string][]span{}
+	open := map[[2]string]int64{}
+	var wg sync.WaitGroup
+	var cmds []*exec.Cmd
+	for p := range procs {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestRelayChild$", "-test.count=1")
+		cmd.Env = append(os.Environ(), envRelayChild+"="+kind+" "+table, envRelayLease+"=10s", envRelayStart+"="+strconv.FormatInt(startAt, 10))
+		cmd.Stderr = os.Stderr
+		out, err := cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		cmds = append(cmds, cmd)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sc := bufio.NewScanner(out)
+			for sc.Scan() {
+				rest, ok := strings.CutPrefix(sc.Text(), spanLine)
+				if !ok {
+					continue
+				}
+				f := strings.Fields(rest)
+				if len(f) != 3 {
+					continue
+				}
+				ns, _ := strconv.ParseInt(f[2], 10, 64)
+				k := [2]string{strconv.Itoa(p), f[1]}
+				mu.Lock()
+				if f[0] == "B" {
+					open[k] = ns
+				} else {
+					spans[f[1]] = append(spans[f[1]], span{proc: p, begin: open[k], end: ns})
+					delete(open, k)
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	defer func() {
+		for _, c := range cmds {
+			_ = c.Process.Kill()
+			_ = c.Wait()
+		}
+	}()
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		st, err := d.src.Stats(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Pending == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d unpublished", st.Pending)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	for _, c := range cmds {
+		_ = c.Process.Kill()
+	}
+	wg.Wait()
+	mu.Lock()
+	defer mu.Unlock()
+	byProc := map[int]int{}
+	for id, ss := range spans {
+		for i := range ss {
+			byProc[ss[i].proc]++
+			for j := range i {
+				if ss[i].begin < ss[j].end && ss[j].begin < ss[i].end {
+					t.Fatalf("%s was being published by processes %d and %d at once", id, ss[i].proc, ss[j].proc)
+				}
+			}
+		}
+	}
+	if len(spans) != n {
+		t.Fatalf("%d messages were published, want %d", len(spans), n)
+	}
+	if len(byProc) < 2 {
+		t.Fatalf("publications by process: %v; the processes did not share the work, so the test proved nothing", byProc)
+	}
+	s, err := b.js.Stream(ctx, b.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.State.Msgs != n {
+		t.Fatalf("stream holds %d, want %d", info.State.Msgs, n)
+	}
+	last := map[int]int{}
+	for seq := info.State.FirstSeq; seq <= info.State.LastSeq; seq++ {
+		m, err := s.GetMsg(ctx, seq)
+		if err != nil {
+			t.Fatal(err)
+		}
+		i, _ := strconv.Atoi(string(m.Data))
+		if l, ok := last[i%partitions]; ok && i < l {
+			t.Fatalf("partition p%d: %d after %d on the stream", i%partitions, i, l)
+		}
+		last[i%partitions] = i
+	}
+	t.Logf("%s: %d relay processes started at one instant; publications per process %v; no message in two Publish calls at once; stream: %d, partitions in order", kind, procs, byProc, info.State.Msgs)
 }

@@ -35,16 +35,21 @@ type Publisher struct {
 
 // NewPublisher returns a Publisher on js, whose connection the caller owns:
 // let it reconnect forever (nats.MaxReconnects(-1)), or a relay stops
-// publishing once nats.go gives up. Dial makes a Publisher that dials again
-// even then.
+// publishing once nats.go gives up, and give it nats.ReconnectBufSize(-1),
+// or a publication that timed out while the connection was down is still
+// sent, from nats.go's buffer, when it is back (a late duplicate, possibly
+// after the stream's duplicate window). Dial does both, and dials again
+// even after the connection was closed.
 func NewPublisher(js jetstream.JetStream) *Publisher { return &Publisher{js: js} }
 
 // Dial connects to the NATS server at url (with nats.MaxReconnects(-1),
-// nats.RetryOnFailedConnect(true) and opts) and returns a Publisher that owns
+// nats.RetryOnFailedConnect(true), nats.ReconnectBufSize(-1): nothing is
+// buffered while disconnected, a publication then fails at once and the
+// relay retries it; and opts) and returns a Publisher that owns
 // the connection: if it is ever closed, the next Publish dials again. Close
 // it when done.
 func Dial(url string, opts ...nats.Option) (*Publisher, error) {
-	p := &Publisher{own: true, url: url, opt: append([]nats.Option{nats.MaxReconnects(-1), nats.RetryOnFailedConnect(true)}, opts...)}
+	p := &Publisher{own: true, url: url, opt: append([]nats.Option{nats.MaxReconnects(-1), nats.RetryOnFailedConnect(true), nats.ReconnectBufSize(-1)}, opts...)}
 	if _, err := p.jetStream(); err != nil {
 		return nil, err
 	}
