@@ -472,9 +472,10 @@ type pipelineRun struct {
 // committed order has its event on the stream (possibly more than once,
 // always under one ID), no event exists for an order that did not commit,
 // and the worker applied each order's effect exactly once (its fulfilments
-// table). Three set-ups: the demo on PostgreSQL with the worker on SQLite,
-// the demo on SQLite with the worker on PostgreSQL, and the standalone relay
-// on PostgreSQL with the worker on PostgreSQL.
+// table). The set-ups: the demo on PostgreSQL, SQLite or MariaDB, each with
+// the worker on the other kind of database; the standalone relay on
+// PostgreSQL with the worker on PostgreSQL; the standalone relay to
+// RabbitMQ.
 func TestOutboxPipeline(t *testing.T) {
 	natsURL := testenv.NATSURL(t)
 	runs := []func(t *testing.T) pipelineRun{
@@ -491,6 +492,13 @@ func TestOutboxPipeline(t *testing.T) {
 			return pipelineRun{name: "demo-sqlite-worker-postgres", demoDB: "sqlite:" + path, workerDB: wdb,
 				committed: func(t *testing.T) []committedOrder { return sqliteCommitted(t, path) },
 				applied:   func(t *testing.T) map[string]int { return pgApplied(t, wdb) }}
+		},
+		func(t *testing.T) pipelineRun {
+			url, mdb := newMySQLDatabase(t)
+			wdb := filepath.Join(t.TempDir(), "fulfilments.db")
+			return pipelineRun{name: "demo-mariadb-worker-sqlite", demoDB: url, workerDB: wdb,
+				committed: func(t *testing.T) []committedOrder { return sqlCommitted(t, mdb) },
+				applied:   func(t *testing.T) map[string]int { return sqliteApplied(t, wdb) }}
 		},
 		func(t *testing.T) pipelineRun {
 			db := newPostgresDatabase(t)
@@ -875,6 +883,11 @@ func sqliteCommitted(t *testing.T, path string) []committedOrder {
 		t.Fatal(err)
 	}
 	defer db.Close()
+	return sqlCommitted(t, db)
+}
+
+func sqlCommitted(t *testing.T, db *sql.DB) []committedOrder {
+	t.Helper()
 	rows, err := db.Query("SELECT id, tenant, cart_id FROM orders")
 	if err != nil {
 		t.Fatal(err)
