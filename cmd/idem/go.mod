@@ -6,6 +6,8 @@ require (
 	github.com/go-chi/httprate v0.16.1
 	github.com/go-sql-driver/mysql v1.10.1
 	github.com/idemkit/idem v0.0.0-00010101000000-000000000000
+	github.com/idemkit/idem/consumer v0.0.0-00010101000000-000000000000
+	github.com/idemkit/idem/consumer/amqp v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/idemprom v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/internal/bench v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/internal/checker v0.0.0-00010101000000-000000000000
@@ -103,3 +105,9 @@ replace github.com/idemkit/idem/idemgrpc => ../../idemgrpc
 replace github.com/idemkit/idem/outbox/natsjs => ../../outbox/natsjs
 
 replace github.com/idemkit/idem/outbox/amqp => ../../outbox/amqp
+
+replace github.com/idemkit/idem/consumer => ../../consumer
+
+replace github.com/idemkit/idem/consumer/internal/prooftest => ../../consumer/internal/prooftest
+
+replace github.com/idemkit/idem/consumer/amqp => ../../consumer/amqp

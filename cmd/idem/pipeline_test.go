@@ -27,7 +27,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	amqp091 "github.com/rabbitmq/amqp091-go"
 )
 
 // The pipeline proof of the transactional outbox (issue 28): HTTP key →
@@ -458,8 +457,9 @@ type pipelineRun struct {
 	// `idem relay` process, SIGKILLed at random too, publishes.
 	standaloneRelay bool
 	// amqp: the standalone relay publishes to RabbitMQ (a queue named as the
-	// subject, on the default exchange) instead of JetStream; the worker,
-	// a JetStream consumer, does not run, and the checks read the queue.
+	// subject, on the default exchange) instead of JetStream; the consumer is
+	// then amqpWorker (consumer/amqp), in the test process, its connection
+	// cut at random, instead of orders-worker.
 	amqp bool
 }
 
@@ -472,9 +472,10 @@ type pipelineRun struct {
 // committed order has its event on the stream (possibly more than once,
 // always under one ID), no event exists for an order that did not commit,
 // and the worker applied each order's effect exactly once (its fulfilments
-// table). Three set-ups: the demo on PostgreSQL with the worker on SQLite,
-// the demo on SQLite with the worker on PostgreSQL, and the standalone relay
-// on PostgreSQL with the worker on PostgreSQL.
+// table). The set-ups: the demo on PostgreSQL, SQLite or MariaDB, each with
+// the worker on the other kind of database; the standalone relay on
+// PostgreSQL with the worker on PostgreSQL; the standalone relay to
+// RabbitMQ.
 func TestOutboxPipeline(t *testing.T) {
 	natsURL := testenv.NATSURL(t)
 	runs := []func(t *testing.T) pipelineRun{
@@ -491,6 +492,13 @@ func TestOutboxPipeline(t *testing.T) {
 			return pipelineRun{name: "demo-sqlite-worker-postgres", demoDB: "sqlite:" + path, workerDB: wdb,
 				committed: func(t *testing.T) []committedOrder { return sqliteCommitted(t, path) },
 				applied:   func(t *testing.T) map[string]int { return pgApplied(t, wdb) }}
+		},
+		func(t *testing.T) pipelineRun {
+			url, mdb := newMySQLDatabase(t)
+			wdb := filepath.Join(t.TempDir(), "fulfilments.db")
+			return pipelineRun{name: "demo-mariadb-worker-sqlite", demoDB: url, workerDB: wdb,
+				committed: func(t *testing.T) []committedOrder { return sqlCommitted(t, mdb) },
+				applied:   func(t *testing.T) map[string]int { return sqliteApplied(t, wdb) }}
 		},
 		func(t *testing.T) pipelineRun {
 			db := newPostgresDatabase(t)
@@ -527,9 +535,6 @@ func runPipeline(t *testing.T, natsURL string, r pipelineRun) {
 	if demoTags != "" && r.standaloneRelay {
 		t.Skipf("IDEM_PIPELINE_BROKEN=%s breaks the demo's own publishing; this set-up runs the standalone relay", broken)
 	}
-	if workerTags != "" && r.amqp {
-		t.Skipf("IDEM_PIPELINE_BROKEN=%s breaks the worker, which does not run against RabbitMQ", broken)
-	}
 	idem := idemBin
 	if demoTags != "" {
 		idem = buildBinary(t, "idem", ".", demoTags)
@@ -556,10 +561,11 @@ func runPipeline(t *testing.T, natsURL string, r pipelineRun) {
 
 	u, _ := netURLHost(natsURL)
 	var amqpURL string
+	var aw *amqpWorker
 	if r.amqp {
 		amqpURL = testenv.AMQPURL(t)
 		u = amqpHost(t, amqpURL)
-		declareQueue(t, amqpURL, subject)
+		aw = startAMQPWorker(t, amqpURL, subject, broken != "no-dedupe")
 	}
 	fp, err := faults.Listen(u)
 	if err != nil {
@@ -569,7 +575,7 @@ func runPipeline(t *testing.T, natsURL string, r pipelineRun) {
 	brokerURL := "nats://" + fp.Addr()
 	relayBroker := []string{"--nats", brokerURL}
 	if r.amqp {
-		relayBroker = []string{"--amqp", strings.Replace(amqpURL, u, fp.Addr(), 1)}
+		relayBroker = []string{"--amqp", replaceHost(amqpURL, u, fp.Addr())}
 		brokerURL = natsURL // the demo's --events (it runs no relay)
 	}
 
@@ -670,16 +676,29 @@ func runPipeline(t *testing.T, natsURL string, r pipelineRun) {
 	if r.amqp {
 		demo.interrupt(t)
 		relay.interrupt(t)
+		// The consumer catches up: the queue empty, every order applied.
+		deadline := time.Now().Add(2 * time.Minute)
+		for quiet := 0; quiet < 4; {
+			if queueDepth(t, amqpURL, subject) == 0 && len(aw.applied(t)) >= n {
+				quiet++
+			} else {
+				quiet = 0
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the RabbitMQ consumer did not catch up in 2 min (%d in the queue, %d orders applied)", queueDepth(t, amqpURL, subject), len(aw.applied(t)))
+			}
+			time.Sleep(250 * time.Millisecond)
+		}
+		aw.stop()
 		committed := r.committed(t)
-		events := readQueue(t, amqpURL, subject)
+		events := aw.deliveries()
+		applied := aw.applied(t)
 		ids := map[string]bool{}
-		applied := map[string]int{}
 		for _, e := range events {
 			ids[e.msgID] = true
-			applied[e.OrderID] = 1 // no consumer here: checks 1 and 2 only
 		}
-		t.Logf("%d committed orders, %d messages in the queue (%d message IDs: %d republications), outbox drained %v after the first order",
-			len(committed), len(events), len(ids), len(events)-len(ids), drained.Round(time.Millisecond))
+		t.Logf("%d committed orders, %d deliveries to the consumer (%d message IDs: %d republications or redeliveries), %d effects applied; consumer connections cut %d times; outbox drained %v after the first order",
+			len(committed), len(events), len(ids), len(events)-len(ids), sumApplied(applied), aw.cuts.Load(), drained.Round(time.Millisecond))
 		if len(committed) != n {
 			t.Errorf("%d orders committed for %d keys; want one per key", len(committed), n)
 		}
@@ -875,6 +894,11 @@ func sqliteCommitted(t *testing.T, path string) []committedOrder {
 		t.Fatal(err)
 	}
 	defer db.Close()
+	return sqlCommitted(t, db)
+}
+
+func sqlCommitted(t *testing.T, db *sql.DB) []committedOrder {
+	t.Helper()
 	rows, err := db.Query("SELECT id, tenant, cart_id FROM orders")
 	if err != nil {
 		t.Fatal(err)
@@ -905,63 +929,4 @@ func amqpHost(t *testing.T, raw string) string {
 		return u.Host + ":5672"
 	}
 	return u.Host
-}
-
-// declareQueue declares a durable queue named name (the default exchange
-// routes the relay's messages to it by their subject), deleted when the test
-// ends.
-func declareQueue(t *testing.T, raw, name string) {
-	t.Helper()
-	conn, err := amqp091.Dial(raw)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := ch.QueueDeclare(name, true, false, false, false, nil); err != nil {
-		t.Fatal(err)
-	}
-	conn.Close()
-	t.Cleanup(func() {
-		if conn, err := amqp091.Dial(raw); err == nil {
-			if ch, err := conn.Channel(); err == nil {
-				_, _ = ch.QueueDelete(name, false, false, false)
-			}
-			conn.Close()
-		}
-	})
-}
-
-// readQueue takes every message of the queue.
-func readQueue(t *testing.T, raw, name string) []streamEvent {
-	t.Helper()
-	conn, err := amqp091.Dial(raw)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var out []streamEvent
-	for {
-		d, ok, err := ch.Get(name, true)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !ok {
-			return out
-		}
-		e := streamEvent{msgID: d.MessageId}
-		if v, ok := d.Headers[eventTenantHeader].(string); ok {
-			e.header = v
-		}
-		if err := json.Unmarshal(d.Body, &e.orderEvent); err != nil {
-			t.Errorf("queue %s: not an order event: %q", name, d.Body)
-		}
-		out = append(out, e)
-	}
 }
