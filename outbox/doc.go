@@ -33,12 +33,17 @@
 //     one, restarted) publishes it again, with the same ID: delivery is at
 //     least once, and exactly once in effect for a consumer that
 //     deduplicates by ID (idem's consumer package does).
-//   - Order per partition: a relay leases only the oldest unpublished
-//     message of each partition (the head-of-partition rule) and the next
-//     one only after the previous one was marked published or
-//     dead-lettered, so several relays never publish two messages of one
-//     partition out of order. The partition defaults to the idempotency
-//     key's; Message.PartitionKey names another (a customer, an account).
+//   - Order per partition: a relay leases a partition only through its
+//     oldest unpublished message (the head-of-partition rule), possibly with
+//     the messages behind it (a run, on PostgreSQL and MySQL), and publishes
+//     a message only once every earlier one of its partition was marked
+//     published (or refused for good): several relays never publish two
+//     messages of one partition out of order, and the confirmations of a
+//     partition come in enqueue order, a republication after a crash being
+//     of the last confirmed message only. The partition defaults to the
+//     idempotency key's; Message.PartitionKey names another (a customer, an
+//     account), and its Enqueue-to-commit sections then run one at a time,
+//     so that enqueue order is commit order.
 //   - One message is never published by two relays at once while the
 //     leases hold: a relay publishes a message only under a lease it took
 //     and stops (its Publish context ends) before the lease lapses. The
