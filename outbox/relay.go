@@ -213,26 +213,73 @@ func (r *Relay) PublishBatch(ctx context.Context) (int, error) {
 	if len(batch) == 0 {
 		return 0, nil
 	}
+	// The batch by partition, each in seq order: a Source may lease, after
+	// the head of a partition, the messages that follow it (a run). A run is
+	// published in order, one message after the other, each marked before
+	// the next goes, and stops at the first failure that is not permanent;
+	// runs of different partitions are published at once, Concurrency at a
+	// time, and the last (or only) message of each is marked with the rest
+	// of the batch.
+	var runs [][]int
+	pos := map[string]int{}
+	for i := range batch {
+		k, ok := pos[batch[i].PartitionKey]
+		if !ok {
+			k = len(runs)
+			pos[batch[i].PartitionKey] = k
+			runs = append(runs, nil)
+		}
+		runs[k] = append(runs[k], i)
+	}
 	errs := make([]error, len(batch))
+	marked := make([]bool, len(batch))
+	markErrs := make([]error, len(batch))
 	sem := make(chan struct{}, c.Concurrency)
 	var wg sync.WaitGroup
-	for i := range batch {
+	for _, run := range runs {
 		sem <- struct{}{}
-		// The lease must outlast the publication by a margin, so that no
-		// other relay publishes the message while this one does.
-		if time.Until(leaseEnd) < c.PublishTimeout+c.PublishTimeout/2 {
-			errs[i] = errLeaseShort
-			<-sem
-			continue
-		}
-		deadline := time.Now().Add(c.PublishTimeout)
 		wg.Add(1)
-		go func(i int) {
+		go func(run []int) {
 			defer func() { <-sem; wg.Done() }()
-			pctx, cancel := context.WithDeadline(ctx, deadline)
-			defer cancel()
-			errs[i] = safePublish(pctx, c.Publisher, &batch[i])
-		}(i)
+			for j, i := range run {
+				// The lease must outlast the publication by a margin, so
+				// that no other relay publishes the message while this
+				// one does.
+				if time.Until(leaseEnd) < c.PublishTimeout+c.PublishTimeout/2 {
+					errs[i] = errLeaseShort
+					for _, k := range run[j+1:] {
+						errs[k] = errNotTried
+					}
+					return
+				}
+				pctx, cancel := context.WithTimeout(ctx, c.PublishTimeout)
+				errs[i] = safePublish(pctx, c.Publisher, &batch[i])
+				cancel()
+				if errs[i] != nil && !IsPermanent(errs[i]) {
+					for _, k := range run[j+1:] {
+						errs[k] = errNotTried
+					}
+					return
+				}
+				if errs[i] == nil && j < len(run)-1 {
+					// Marked before the next one goes: a crash then
+					// republishes this one message at most, so each
+					// partition's confirmations stay in seq order.
+					n, err := c.Source.MarkPublished(context.WithoutCancel(ctx), c.Owner, batch[i].Seq)
+					if err != nil || n != 1 {
+						if err != nil {
+							c.Observer.SourceFailed(err)
+							markErrs[i] = err
+						}
+						for _, k := range run[j+1:] {
+							errs[k] = errNotTried
+						}
+						return
+					}
+					marked[i] = true
+				}
+			}
+		}(run)
 	}
 	wg.Wait()
 	var done []int64
@@ -240,9 +287,14 @@ func (r *Relay) PublishBatch(ctx context.Context) (int, error) {
 	now := time.Now()
 	for i := range batch {
 		m := &batch[i]
+		if markErrs[i] != nil {
+			srcErr = errors.Join(srcErr, markErrs[i])
+		}
 		switch err := errs[i]; {
 		case err == nil:
-			done = append(done, m.Seq)
+			if !marked[i] {
+				done = append(done, m.Seq)
+			}
 			c.Observer.Published(m, now.Sub(m.EnqueuedAt))
 		case IsPermanent(err):
 			reason := err.Error()
@@ -252,6 +304,12 @@ func (r *Relay) PublishBatch(ctx context.Context) (int, error) {
 				continue
 			}
 			c.Observer.DeadLettered(m, reason)
+		case errors.Is(err, errNotTried):
+			// Behind a failure in its partition: released as it was.
+			if e := c.Source.Retry(context.WithoutCancel(ctx), c.Owner, m.Seq, 0, err.Error()); e != nil {
+				c.Observer.SourceFailed(e)
+				srcErr = errors.Join(srcErr, e)
+			}
 		default:
 			in := r.backoff(m.Attempts + 1)
 			if errors.Is(err, errLeaseShort) {
@@ -275,7 +333,10 @@ func (r *Relay) PublishBatch(ctx context.Context) (int, error) {
 	return len(batch), srcErr
 }
 
-var errLeaseShort = errors.New("outbox: the lease would lapse before the publication could end; released")
+var (
+	errLeaseShort = errors.New("outbox: the lease would lapse before the publication could end; released")
+	errNotTried   = errors.New("outbox: not tried: an earlier message of its partition failed; released")
+)
 
 // safePublish turns a panicking Publisher into an error.
 func safePublish(ctx context.Context, p Publisher, m *Stored) (err error) {

@@ -13,9 +13,12 @@ type Source interface {
 	// Lease leases to owner, for d, up to n messages that are ready: not
 	// published, not dead-lettered, not leased (or whose lease lapsed), whose
 	// retry time has come, and that are the oldest unpublished message of
-	// their partition (so a batch holds at most one message per partition).
-	// Each lease counts as an attempt. Two concurrent Lease calls never
-	// return the same message while its lease holds.
+	// their partition (the head). After a head it may also lease the
+	// messages that follow it in its partition, in order and without a gap
+	// (a run): no other relay can lease those while the head is unpublished.
+	// The result is in seq order. Each lease counts as an attempt. Two
+	// concurrent Lease calls never return the same message while its lease
+	// holds.
 	Lease(ctx context.Context, owner string, n int, d time.Duration) ([]Stored, error)
 	// MarkPublished marks the messages published, those of seqs that owner
 	// still leases; it returns how many it marked. A message whose lease

@@ -3,7 +3,9 @@
 // transaction (the handler's, mysqlstore.Tx), and the Outbox is the
 // outbox.Source an outbox.Relay publishes from. Several relays may share one
 // table: the heads of the partitions are locked with FOR UPDATE SKIP LOCKED at
-// READ COMMITTED, so the order per partition holds.
+// READ COMMITTED, each with, behind it, up to 63 of the messages that follow
+// it in its partition (a run, which the relay publishes in order), so the
+// order per partition holds.
 //
 // Times are the database's (NOW(6)); the columns are TIMESTAMP(6), so the
 // session time zone does not matter. The DSN needs no parseTime.
@@ -29,6 +31,9 @@ import (
 // to Table + "_dead", and the partition locks of Enqueue to Table + "_locks".
 const DefaultTable = "idem_outbox"
 
+// maxRun is the most messages Lease takes behind a head in its partition.
+const maxRun = 63
+
 // lockBuckets is how many rows the partition locks hash onto.
 const lockBuckets = 4096
 
@@ -53,7 +58,7 @@ type Outbox struct {
 	table, dead, lock string
 	maxPayload        int
 
-	insertSQL, lockSQL, candSQL, lockHeadsSQL, leaseSQL, readSQL, markSQL, retrySQL, deadInsertSQL, deadDeleteSQL, deleteSQL, statsSQL string
+	insertSQL, lockSQL, candSQL, lockHeadsSQL, runSQL, leaseSQL, readSQL, markSQL, retrySQL, deadInsertSQL, deadDeleteSQL, deleteSQL, statsSQL string
 }
 
 var identRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,57}$`)
@@ -116,8 +121,16 @@ WHERE o.published_at IS NULL AND (o.next_attempt_at IS NULL OR o.next_attempt_at
   AND NOT EXISTS (SELECT 1 FROM ` + t + ` p WHERE p.partition_key = o.partition_key AND p.published_at IS NULL AND p.seq < o.seq)
 ORDER BY o.seq LIMIT ?`
 	o.lockHeadsSQL = "SELECT seq FROM " + t + " WHERE seq IN (%s) AND published_at IS NULL AND (next_attempt_at IS NULL OR next_attempt_at <= NOW(6)) AND (lease_until IS NULL OR lease_until <= NOW(6)) FOR UPDATE SKIP LOCKED"
-	o.leaseSQL = "UPDATE " + t + " SET lease_owner = ?, lease_until = NOW(6) + INTERVAL ? MICROSECOND, attempts = attempts + 1 WHERE seq IN (%s)"
-	o.readSQL = "SELECT seq, id, subject, payload, headers, partition_key, CAST(ROUND(UNIX_TIMESTAMP(enqueued_at) * 1000000) AS SIGNED), attempts - 1 FROM " + t + " WHERE seq IN (%s) ORDER BY seq"
+	// Behind each locked head, the messages that follow it in its partition
+	// while they are free (a run), up to ? per partition.
+	o.runSQL = `SELECT seq FROM (
+  SELECT p.seq,
+    SUM(CASE WHEN p.lease_until IS NULL OR p.lease_until <= NOW(6) THEN 0 ELSE 1 END) OVER (PARTITION BY p.partition_key ORDER BY p.seq) AS blocked,
+    ROW_NUMBER() OVER (PARTITION BY p.partition_key ORDER BY p.seq) AS rn
+  FROM ` + t + ` p WHERE p.partition_key IN (SELECT h.partition_key FROM ` + t + ` h WHERE h.seq IN (%s)) AND p.published_at IS NULL) x
+WHERE blocked = 0 AND rn <= ? ORDER BY seq`
+	o.leaseSQL = "UPDATE " + t + " SET lease_owner = ?, lease_until = NOW(6) + INTERVAL ? MICROSECOND, attempts = attempts + 1 WHERE seq IN (%s) AND published_at IS NULL"
+	o.readSQL = "SELECT seq, id, subject, payload, headers, partition_key, CAST(ROUND(UNIX_TIMESTAMP(enqueued_at) * 1000000) AS SIGNED), attempts - 1 FROM " + t + " WHERE seq IN (%s) AND lease_owner = ? AND published_at IS NULL ORDER BY seq"
 	o.markSQL = "UPDATE " + t + " SET published_at = NOW(6), lease_owner = NULL, lease_until = NULL WHERE seq IN (%s) AND lease_owner = ? AND published_at IS NULL"
 	o.retrySQL = "UPDATE " + t + " SET lease_owner = NULL, lease_until = NULL, next_attempt_at = NOW(6) + INTERVAL ? MICROSECOND, last_error = ? WHERE seq = ? AND lease_owner = ? AND published_at IS NULL"
 	o.deadInsertSQL = "INSERT INTO " + d + " (" + cols + ", reason) SELECT " + cols + ", ? FROM " + t + " WHERE seq = ? AND lease_owner = ? AND published_at IS NULL"
@@ -250,11 +263,34 @@ func (o *Outbox) lease(ctx context.Context, owner string, n int, d time.Duration
 	if err != nil || len(heads) == 0 {
 		return nil, err
 	}
-	args := append([]any{owner, d.Microseconds()}, seqArgs(heads)...)
-	if _, err := tx.ExecContext(ctx, fmt.Sprintf(o.leaseSQL, placeholders(len(heads))), args...); err != nil {
+	pick := heads
+	if run := min(n, maxRun+1); run > 1 {
+		// The heads with the runs behind them (each head is the first row
+		// of its partition's window), oldest first, at most n in all.
+		all, err := querySeqs(ctx, tx, fmt.Sprintf(o.runSQL, placeholders(len(heads))), append(seqArgs(heads), run)...)
+		if err != nil {
+			return nil, err
+		}
+		isHead := map[int64]bool{}
+		for _, h := range heads {
+			isHead[h] = true
+		}
+		// Keep every head; fill up to n with run rows in seq order.
+		pick = append([]int64(nil), heads...)
+		for _, s := range all {
+			if len(pick) >= n {
+				break
+			}
+			if !isHead[s] {
+				pick = append(pick, s)
+			}
+		}
+	}
+	args := append([]any{owner, d.Microseconds()}, seqArgs(pick)...)
+	if _, err := tx.ExecContext(ctx, fmt.Sprintf(o.leaseSQL, placeholders(len(pick))), args...); err != nil {
 		return nil, err
 	}
-	rows, err := tx.QueryContext(ctx, fmt.Sprintf(o.readSQL, placeholders(len(heads))), seqArgs(heads)...)
+	rows, err := tx.QueryContext(ctx, fmt.Sprintf(o.readSQL, placeholders(len(pick))), append(seqArgs(pick), owner)...)
 	if err != nil {
 		return nil, err
 	}

@@ -71,3 +71,40 @@ func TestDrainRate(t *testing.T) {
 		})
 	}
 }
+
+// TestHotPartitionDrain measures one relay draining IDEM_OUTBOX_DRAIN
+// messages of ONE partition (published strictly one after the other). By
+// hand only, like TestDrainRate.
+func TestHotPartitionDrain(t *testing.T) {
+	n, _ := strconv.Atoi(os.Getenv("IDEM_OUTBOX_DRAIN"))
+	if n <= 0 {
+		t.Skip("set IDEM_OUTBOX_DRAIN=1000 to measure")
+	}
+	for _, kind := range []string{"postgres", "mysql"} {
+		t.Run(kind, func(t *testing.T) {
+			ctx := context.Background()
+			d := openDB(t, kind, freshTable(t, kind))
+			b := newBroker(t, jetstream.StreamConfig{})
+			var msgs []outbox.Message
+			for i := range n {
+				msgs = append(msgs, outbox.Message{ID: fmt.Sprint("m", i), Subject: b.subject + ".x", PartitionKey: "hot"})
+			}
+			if err := d.enqueue(ctx, msgs...); err != nil {
+				t.Fatal(err)
+			}
+			r := &outbox.Relay{Source: d.src, Publisher: natsjs.NewPublisher(b.js)}
+			start := time.Now()
+			for {
+				k, err := r.PublishBatch(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if k == 0 {
+					break
+				}
+			}
+			took := time.Since(start)
+			t.Logf("%s: %d messages of one partition in %v = %.0f messages/s", kind, n, took.Round(time.Millisecond), float64(n)/took.Seconds())
+		})
+	}
+}

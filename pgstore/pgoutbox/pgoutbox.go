@@ -1,9 +1,11 @@
 // Package pgoutbox is the transactional outbox on PostgreSQL: Enqueue writes a
 // message into the outbox table in the caller's transaction (the handler's,
 // pgstore.Tx), and the Outbox is the outbox.Source an outbox.Relay
-// publishes from. Several relays may share one table: a batch is leased with
-// FOR UPDATE SKIP LOCKED, and only the oldest unpublished message of each
-// partition is ever leased, so the order per partition holds.
+// publishes from. Several relays may share one table: the oldest unpublished
+// message of each partition (its head) is leased with FOR UPDATE SKIP LOCKED,
+// with, behind it, up to 63 of the messages that follow it in the partition
+// (a run, which the relay publishes in order), so the order per partition
+// holds and a busy partition drains in batches, not one message a round trip.
 package pgoutbox
 
 import (
@@ -96,15 +98,29 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Outbox, error) {
 	o := &Outbox{pool: pool, table: t, dead: d, lockNS: c.Table, maxPayload: c.MaxPayload}
 	cols := "seq, id, subject, payload, headers, partition_key, enqueued_at"
 	o.insertSQL = "INSERT INTO " + t + " (id, subject, payload, headers, partition_key) VALUES ($1, $2, $3, $4, $5)"
-	o.leaseSQL = `WITH ready AS (
-  SELECT o.seq FROM ` + t + ` o
+	// The heads of the partitions that are ready, locked (SKIP LOCKED: a
+	// head another relay is leasing right now is its); then, behind each
+	// head, the messages that follow it in its partition while they are
+	// free (a run, up to $4), all in seq order, at most $3 in all.
+	o.leaseSQL = `WITH heads AS (
+  SELECT o.seq, o.partition_key FROM ` + t + ` o
   WHERE o.published_at IS NULL AND o.next_attempt_at <= now()
     AND (o.lease_until IS NULL OR o.lease_until <= now())
     AND NOT EXISTS (SELECT 1 FROM ` + t + ` p WHERE p.partition_key = o.partition_key AND p.published_at IS NULL AND p.seq < o.seq)
   ORDER BY o.seq LIMIT $3
-  FOR UPDATE OF o SKIP LOCKED)
+  FOR UPDATE OF o SKIP LOCKED),
+runs AS (
+  SELECT h.seq AS head, r.seq, r.free FROM heads h CROSS JOIN LATERAL (
+    SELECT p.seq, (p.lease_until IS NULL OR p.lease_until <= now()) AS free FROM ` + t + ` p
+    WHERE p.partition_key = h.partition_key AND p.published_at IS NULL AND p.seq > h.seq
+    ORDER BY p.seq LIMIT $4) r),
+pick AS (
+  SELECT seq FROM heads
+  UNION ALL
+  SELECT seq FROM (SELECT seq, bool_and(free) OVER (PARTITION BY head ORDER BY seq) AS ok FROM runs) x WHERE ok
+  ORDER BY seq LIMIT $3)
 UPDATE ` + t + ` t SET lease_owner = $1, lease_until = now() + $2 * interval '1 millisecond', attempts = t.attempts + 1
-FROM ready WHERE t.seq = ready.seq
+FROM pick WHERE t.seq = pick.seq AND t.published_at IS NULL
 RETURNING t.seq, t.id, t.subject, t.payload, t.headers, t.partition_key, t.enqueued_at, t.attempts - 1`
 	o.markSQL = "UPDATE " + t + " SET published_at = now(), lease_owner = NULL, lease_until = NULL WHERE seq = ANY($2) AND lease_owner = $1 AND published_at IS NULL"
 	o.retrySQL = "UPDATE " + t + " SET lease_owner = NULL, lease_until = NULL, next_attempt_at = now() + $3 * interval '1 millisecond', last_error = $4 WHERE seq = $2 AND lease_owner = $1 AND published_at IS NULL"
@@ -232,9 +248,12 @@ func (o *Outbox) partitionLock(partition string) int64 {
 
 func ms(d time.Duration) int64 { return d.Milliseconds() }
 
+// maxRun is the most messages Lease takes behind a head in its partition.
+const maxRun = 63
+
 // Lease implements outbox.Source.
 func (o *Outbox) Lease(ctx context.Context, owner string, n int, d time.Duration) ([]outbox.Stored, error) {
-	rows, err := o.pool.Query(ctx, o.leaseSQL, owner, ms(d), n)
+	rows, err := o.pool.Query(ctx, o.leaseSQL, owner, ms(d), n, max(0, min(n-1, maxRun)))
 	if err != nil {
 		return nil, fmt.Errorf("pgoutbox: lease: %w", err)
 	}
