@@ -167,7 +167,7 @@ var walPages = os.Getenv("IDEM_BENCH_WALPAGES") == "1"
 func walFrames(b *testing.B, db *sql.DB, mode string) int64 {
 	b.Helper()
 	var busy, log, done int64
-	if err := db.QueryRow("PRAGMA wal_checkpoint(" + mode + ")").Scan(&busy, &log, &done); err != nil {
+	if err := db.QueryRow("PRAGMA wal_checkpoint("+mode+")").Scan(&busy, &log, &done); err != nil {
 		b.Fatal(err)
 	}
 	return log

@@ -92,7 +92,9 @@ func TestTakeoverAfterCrash(t *testing.T) {
 	if err := store.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _, _ = db.Exec("DROP TABLE IF EXISTS " + records + ", " + records + "_migrations, " + records + "_steps") })
+	t.Cleanup(func() {
+		_, _ = db.Exec("DROP TABLE IF EXISTS " + records + ", " + records + "_migrations, " + records + "_steps")
+	})
 	obTable := strings.Trim(ob.Table(), "`")
 	key := "crash-" + randHex(6)
 	cmd := exec.Command(os.Args[0], "-test.run=^TestCrashChild$", "-test.count=1")

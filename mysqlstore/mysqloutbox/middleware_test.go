@@ -48,7 +48,9 @@ func TestEnqueueWithTheAnswer(t *testing.T) {
 	if _, err := db.Exec("CREATE TABLE " + orders + " (k VARCHAR(255) PRIMARY KEY)"); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _, _ = db.Exec("DROP TABLE IF EXISTS " + table + ", " + table + "_migrations, " + table + "_steps, " + orders) })
+	t.Cleanup(func() {
+		_, _ = db.Exec("DROP TABLE IF EXISTS " + table + ", " + table + "_migrations, " + table + "_steps, " + orders)
+	})
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		tx := mysqlstore.Tx(r.Context())
 		_, key, _ := idem.KeyFrom(r.Context())
