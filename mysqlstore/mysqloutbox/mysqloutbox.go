@@ -176,7 +176,8 @@ func (o *Outbox) Migrate(ctx context.Context) error {
 }
 
 // Enqueue writes m into the outbox in tx; a nil tx means the transaction of
-// the request idem is executing under ctx (mysqlstore.Tx(ctx)). It fills in
+// the request idem is executing under ctx (mysqlstore.Tx(ctx), or
+// mysqlstore.Conn(ctx) when the handler wrote through that). It fills in
 // m's defaults and checks it (outbox.Prepare).
 //
 // A message with an explicit PartitionKey locks its partition (one of 4096
@@ -184,9 +185,17 @@ func (o *Outbox) Migrate(ctx context.Context) error {
 // are numbered in commit order; the default partition, the request's key, is
 // one request's at a time already and takes no lock.
 func (o *Outbox) Enqueue(ctx context.Context, tx *sql.Tx, m outbox.Message) error {
+	var q mysqlstore.Querier = tx
 	if tx == nil {
-		tx = mysqlstore.Tx(ctx)
-		if tx == nil {
+		// The request's *sql.Tx, or, when the handler already wrote through
+		// mysqlstore.Conn (the connection-scoped transaction of the
+		// single-transaction flow, on which Tx can no longer begin one),
+		// that connection: either way the request's transaction.
+		if t := mysqlstore.Tx(ctx); t != nil {
+			q = t
+		} else if c := mysqlstore.Conn(ctx); c != nil && !isNilTx(c) {
+			q = c
+		} else {
 			return outbox.ErrNoTx
 		}
 	}
@@ -205,14 +214,21 @@ func (o *Outbox) Enqueue(ctx context.Context, tx *sql.Tx, m outbox.Message) erro
 	}
 	if explicit {
 		sum := sha256.Sum256([]byte(m.PartitionKey))
-		if _, err := tx.ExecContext(ctx, o.lockSQL, binary.BigEndian.Uint32(sum[:])%lockBuckets); err != nil {
+		if _, err := q.ExecContext(ctx, o.lockSQL, binary.BigEndian.Uint32(sum[:])%lockBuckets); err != nil {
 			return fmt.Errorf("mysqloutbox: enqueue: lock partition: %w", err)
 		}
 	}
-	if _, err := tx.ExecContext(ctx, o.insertSQL, m.ID, m.Subject, m.Payload, headers, m.PartitionKey); err != nil {
+	if _, err := q.ExecContext(ctx, o.insertSQL, m.ID, m.Subject, m.Payload, headers, m.PartitionKey); err != nil {
 		return fmt.Errorf("mysqloutbox: enqueue into %s: %w", o.table, err)
 	}
 	return nil
+}
+
+// isNilTx reports whether q is a nil *sql.Tx (what Conn returns when Tx
+// failed to begin one).
+func isNilTx(q mysqlstore.Querier) bool {
+	t, ok := q.(*sql.Tx)
+	return ok && t == nil
 }
 
 func placeholders(n int) string {
