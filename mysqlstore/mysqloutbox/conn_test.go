@@ -18,14 +18,20 @@ import (
 // mysqlstore.Conn (the documented, fastest handle, on the connection-scoped
 // transaction of the single-transaction flow) and then enqueues with a nil
 // tx: the event commits with the order, a replay enqueues nothing, and a
-// request whose handler panics leaves neither. With and without multiStatements (the fast path is the former).
+// request whose handler panics, or whose outcome KeepFunc refuses, leaves
+// neither; in both flows. With and without multiStatements (the fast path is the former).
 func TestEnqueueAfterConn(t *testing.T) {
-	for _, multi := range []bool{true, false} {
-		name := "multiStatements"
-		if !multi {
-			name = "plain"
-		}
-		t.Run(name, func(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		multi bool
+		flow  idem.Flow
+	}{
+		{"SingleTx/multiStatements", true, idem.FlowSingleTx},
+		{"SingleTx/plain", false, idem.FlowSingleTx},
+		{"ClaimComplete/multiStatements", true, idem.FlowClaimComplete},
+	} {
+		multi := c.multi
+		t.Run(c.name, func(t *testing.T) {
 			ctx := context.Background()
 			dsn := testenv.MySQLDSN(testenv.MySQLURL(t))
 			if multi {
@@ -64,9 +70,13 @@ func TestEnqueueAfterConn(t *testing.T) {
 				if strings.HasPrefix(key, "fail-") {
 					panic("refused") // rolls the transaction back
 				}
+				if strings.HasPrefix(key, "unkept-") {
+					http.Error(w, "upstream down", http.StatusBadGateway) // KeepFunc refuses it
+					return
+				}
 				w.WriteHeader(http.StatusCreated)
 			})
-			mw, err := idem.New(store, nil)
+			mw, err := idem.New(store, &idem.Config{Flow: c.flow, KeepFunc: func(status int) bool { return status < 500 }})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -78,9 +88,9 @@ func TestEnqueueAfterConn(t *testing.T) {
 			go func() { _ = srv.Serve(ln) }()
 			defer srv.Close()
 			url := "http://" + ln.Addr().String()
-			for _, key := range []string{"ok-1", "fail-1"} {
+			for _, key := range []string{"ok-1", "fail-1", "unkept-1"} {
 				code, err := post(url, key)
-				if strings.HasPrefix(key, "fail-") {
+				if !strings.HasPrefix(key, "ok-") {
 					continue // whatever the answer, nothing may commit
 				}
 				if err != nil {
