@@ -156,6 +156,28 @@ func orderEventMessage(ctx context.Context, subject, tenant string, o orders.Ord
 	return m, nil
 }
 
+// publishableSubject reports whether s is a NATS subject one can publish
+// on: dot-separated tokens, none empty, none a wildcard, no white space or
+// control character. The demo checks --events-subject with it, for the relay
+// could publish nothing else (each event would be dead-lettered, and
+// ensureEventsStream would wait for ever, JetStream refusing the subject).
+func publishableSubject(s string) bool {
+	if s == "" || strings.ContainsAny(s, "*>") {
+		return false
+	}
+	for _, r := range s {
+		if r <= ' ' || r == 0x7f {
+			return false
+		}
+	}
+	for _, tok := range strings.Split(s, ".") {
+		if tok == "" {
+			return false
+		}
+	}
+	return true
+}
+
 // natsDisplay is a NATS URL without its password, for messages.
 func natsDisplay(raw string) string {
 	u, err := url.Parse(raw)

@@ -278,3 +278,18 @@ func TestRelayMetrics(t *testing.T) {
 		t.Errorf("after SIGINT: exit %d, output:\n%s", code, out)
 	}
 }
+
+// TestDemoEventsSubjectUsage: an --events-subject the relay could never
+// publish to (an empty token, a wildcard, a control character) is a usage
+// error, not a demo whose every event is dead-lettered, or whose every order
+// fails at Enqueue.
+func TestDemoEventsSubjectUsage(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	for _, subject := range []string{"", "orders.", ".orders", "orders..created", "orders.*", "orders.>", "orders created", "orders\ncreated", "orders\x7fcreated"} {
+		code, _, stderr := runIdem(t, dir, nil, "demo", "--events", "nats://127.0.0.1:4222", "--events-subject", subject)
+		if code != 2 || !strings.Contains(stderr, "--events-subject") {
+			t.Errorf("--events-subject %q: exit %d, stderr %q; want a usage error (2)", subject, code, stderr)
+		}
+	}
+}
