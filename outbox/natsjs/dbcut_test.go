@@ -1,0 +1,163 @@
+package natsjs_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"net/url"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/idemkit/idem/internal/faults"
+	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/mysqlstore/mysqloutbox"
+	"github.com/idemkit/idem/outbox"
+	"github.com/idemkit/idem/outbox/natsjs"
+	"github.com/idemkit/idem/pgstore/pgoutbox"
+)
+
+// TestDatabaseCut: two relays whose database connections (through a fault
+// proxy on loopback) are cut every 40 ms, mid-lease, mid-publication and
+// mid-mark: every message reaches the stream exactly once (the marks lost
+// with a connection are made good by a republication under the same ID,
+// which the stream's duplicate window drops), each partition in enqueue
+// order, and the outbox ends empty, with no dead letter and no operator.
+func TestDatabaseCut(t *testing.T) {
+	for _, kind := range []string{"postgres", "mysql"} {
+		t.Run(kind, func(t *testing.T) { testDatabaseCut(t, kind) })
+	}
+}
+
+func testDatabaseCut(t *testing.T, kind string) {
+	ctx := context.Background()
+	table := freshTable(t, kind)
+	d := openDB(t, kind, table) // direct: enqueue and watch
+	b := newBroker(t, jetstream.StreamConfig{})
+	var target string
+	switch kind {
+	case "postgres":
+		u, _ := url.Parse(testenv.PostgresURL(t))
+		target = u.Host
+	default:
+		u, _ := url.Parse(testenv.MySQLURL(t))
+		target = u.Host
+	}
+	proxy, err := faults.Listen(target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer proxy.Close()
+	var src outbox.Source
+	switch kind {
+	case "postgres":
+		u, _ := url.Parse(testenv.PostgresURL(t))
+		u.Host = proxy.Addr()
+		cfg, err := pgxpool.ParseConfig(u.String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.ConnConfig.ConnectTimeout = 2 * time.Second
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer pool.Close()
+		o, err := pgoutbox.New(pool, &pgoutbox.Config{Table: table})
+		if err != nil {
+			t.Fatal(err)
+		}
+		src = o
+	default:
+		u, _ := url.Parse(testenv.MySQLURL(t))
+		u.Host = proxy.Addr()
+		sdb, err := sql.Open("mysql", testenv.MySQLDSN(u.String())+"&timeout=2s")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer sdb.Close()
+		o, err := mysqloutbox.New(sdb, &mysqloutbox.Config{Table: table})
+		if err != nil {
+			t.Fatal(err)
+		}
+		src = o
+	}
+	const n, partitions = 300, 10
+	var msgs []outbox.Message
+	for i := range n {
+		msgs = append(msgs, outbox.Message{ID: fmt.Sprintf("c%05d", i), Subject: b.subject + ".orders", Payload: []byte(strconv.Itoa(i)), PartitionKey: fmt.Sprint("p", i%partitions)})
+	}
+	for i := 0; i < n; i += 50 {
+		if err := d.enqueue(ctx, msgs[i:i+50]...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	stop := proxy.CutEvery(40 * time.Millisecond)
+	rctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	for i := range 2 {
+		r := &outbox.Relay{Source: src, Publisher: natsjs.NewPublisher(b.js), Owner: fmt.Sprint("cut-", i), BatchSize: 10, Concurrency: 4,
+			LeaseDuration: time.Second, PollInterval: 5 * time.Millisecond, MinBackoff: 5 * time.Millisecond, MaxBackoff: 50 * time.Millisecond,
+			StatsInterval: -1, Retention: -1}
+		wg.Add(1)
+		go func() { defer wg.Done(); _ = r.Run(rctx) }()
+	}
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		st, err := d.src.Stats(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Pending == 0 {
+			if st.DeadLetters != 0 {
+				t.Fatalf("%d dead letters", st.DeadLetters)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d unpublished after 90 s", st.Pending, n)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	stop()
+	cancel()
+	wg.Wait()
+	if proxy.Cuts() < 5 {
+		t.Fatalf("only %d cuts: the test proved nothing", proxy.Cuts())
+	}
+	got, count := b.messages(t)
+	if len(got) != n {
+		t.Fatalf("%d distinct messages on the stream, want %d", len(got), n)
+	}
+	for id, c := range count {
+		if c != 1 {
+			t.Errorf("%s is %d times on the stream", id, c)
+		}
+	}
+	// Stream order per partition.
+	s, err := b.js.Stream(ctx, b.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	last := map[int]int{}
+	for seq := info.State.FirstSeq; seq <= info.State.LastSeq; seq++ {
+		m, err := s.GetMsg(ctx, seq)
+		if err != nil {
+			t.Fatal(err)
+		}
+		i, _ := strconv.Atoi(string(m.Data))
+		if l, ok := last[i%partitions]; ok && i < l {
+			t.Fatalf("partition p%d: %d after %d on the stream", i%partitions, i, l)
+		}
+		last[i%partitions] = i
+	}
+	t.Logf("%s: %d cuts; %d messages on the stream once each, partitions in order", kind, proxy.Cuts(), n)
+}
