@@ -201,12 +201,16 @@ func checkNATSURL(flag, raw string) string {
 
 // connectNATS connects to a NATS server and keeps reconnecting for ever: a
 // broker outage is waited out, never fatal. It does not wait for the first
-// connection.
+// connection, and buffers nothing while disconnected.
 func connectNATS(raw, name string, logger *slog.Logger) (*nats.Conn, jetstream.JetStream, error) {
 	nc, err := nats.Connect(raw,
 		nats.Name(name),
 		nats.RetryOnFailedConnect(true),
 		nats.MaxReconnects(-1),
+		// Nothing buffered while disconnected (as natsjs.NewPublisher asks):
+		// a publication fails at once and the relay retries it, rather than
+		// one that timed out being sent late from the buffer.
+		nats.ReconnectBufSize(-1),
 		nats.ReconnectWait(250*time.Millisecond),
 		nats.ReconnectJitter(100*time.Millisecond, time.Second),
 		nats.Timeout(2*time.Second),
@@ -271,8 +275,7 @@ func ensureEventsStream(ctx context.Context, js jetstream.JetStream, subject str
 	}
 }
 
-// tryEventsStream is one try of ensureEventsStream, bounded in time (while
-// the connection is down a request waits in the client's buffer); fatal
+// tryEventsStream is one try of ensureEventsStream, bounded in time; fatal
 // says that trying again will not help.
 func tryEventsStream(ctx context.Context, js jetstream.JetStream, subject string, logger *slog.Logger) (name string, err error, fatal bool) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
