@@ -35,6 +35,12 @@ const defaultEventsSubject = "orders.created"
 // request's scope and key it makes the message ID.
 const eventName = "order.created"
 
+// unkeyedEventName is the Name an order's event ID derives from, with the
+// order's id as the key, when the ID cannot derive from the request's key
+// (orderEventMessage): never eventName, so that no keyed order's event
+// shares it.
+const unkeyedEventName = "order.created/by-order-id"
+
 // eventsOutbox is an outbox table, whatever the database.
 type eventsOutbox struct {
 	table   string
@@ -150,7 +156,9 @@ func orderEventMessage(ctx context.Context, subject, tenant string, o orders.Ord
 	}
 	m := outbox.Message{Name: eventName, Subject: subject, Payload: payload, Headers: map[string]string{eventTenantHeader: tenant}}
 	if _, _, ok := idem.KeyFrom(ctx); !ok || !keyedTx {
-		m.ID = outbox.MessageID(tenant, "order:"+o.ID, eventName)
+		// Under a Name of its own: a key is the client's to choose, so a key
+		// of the order id's form must not give a keyed order this ID.
+		m.ID = outbox.MessageID(tenant, o.ID, unkeyedEventName)
 		m.PartitionKey = m.ID
 	}
 	return m, nil
