@@ -243,9 +243,14 @@ func seqArgs(seqs []int64) []any {
 	return a
 }
 
-// Lease implements outbox.Source.
+// maxBatch bounds the sequence numbers one statement names: the server
+// refuses a statement of more than 65,535 placeholders (error 1390).
+const maxBatch = 10000
+
+// Lease implements outbox.Source. It leases at most 10,000 messages at a
+// time, whatever n.
 func (o *Outbox) Lease(ctx context.Context, owner string, n int, d time.Duration) ([]outbox.Stored, error) {
-	out, err := o.lease(ctx, owner, n, d)
+	out, err := o.lease(ctx, owner, min(n, maxBatch), d)
 	if err != nil {
 		return nil, fmt.Errorf("mysqloutbox: lease: %w", err)
 	}
@@ -326,16 +331,19 @@ func querySeqs(ctx context.Context, q querier, query string, args ...any) ([]int
 
 // MarkPublished implements outbox.Source.
 func (o *Outbox) MarkPublished(ctx context.Context, owner string, seqs ...int64) (int, error) {
-	if len(seqs) == 0 {
-		return 0, nil
+	total := 0
+	for len(seqs) > 0 {
+		chunk := seqs[:min(len(seqs), maxBatch)]
+		seqs = seqs[len(chunk):]
+		args := append(seqArgs(chunk), owner)
+		res, err := o.db.ExecContext(ctx, fmt.Sprintf(o.markSQL, placeholders(len(chunk))), args...)
+		if err != nil {
+			return total, fmt.Errorf("mysqloutbox: mark published: %w", err)
+		}
+		n, _ := res.RowsAffected()
+		total += int(n)
 	}
-	args := append(seqArgs(seqs), owner)
-	res, err := o.db.ExecContext(ctx, fmt.Sprintf(o.markSQL, placeholders(len(seqs))), args...)
-	if err != nil {
-		return 0, fmt.Errorf("mysqloutbox: mark published: %w", err)
-	}
-	n, _ := res.RowsAffected()
-	return int(n), nil
+	return total, nil
 }
 
 // Retry implements outbox.Source.
