@@ -3,10 +3,13 @@ package mysqloutbox_test
 import (
 	"context"
 	"database/sql"
+	"fmt"
 	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/internal/testenv"
@@ -121,5 +124,98 @@ func TestEnqueueAfterConn(t *testing.T) {
 				t.Fatalf("%d orders, want 1", n)
 			}
 		})
+	}
+}
+
+// TestEnqueueAfterConnConcurrent: the fast path (single-transaction flow,
+// multiStatements, the handler on mysqlstore.Conn) under concurrent sends of
+// each key: one order and one event per key, whichever send ran it.
+func TestEnqueueAfterConnConcurrent(t *testing.T) {
+	ctx := context.Background()
+	db, err := sql.Open("mysql", testenv.MySQLDSN(testenv.MySQLURL(t))+"&multiStatements=true&interpolateParams=true")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	db.SetMaxOpenConns(12)
+	ob := newOutbox(t, db)
+	table := "records_" + randHex(5)
+	store, err := mysqlstore.New(db, &mysqlstore.Config{Table: table})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	orders := "orders_" + randHex(5)
+	if _, err := db.Exec("CREATE TABLE " + orders + " (k VARCHAR(255) PRIMARY KEY)"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = db.Exec("DROP TABLE IF EXISTS " + table + ", " + table + "_migrations, " + orders) })
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		q := mysqlstore.Conn(r.Context())
+		_, key, _ := idem.KeyFrom(r.Context())
+		if _, err := q.ExecContext(r.Context(), "INSERT INTO "+orders+" (k) VALUES (?)", key); err != nil {
+			http.Error(w, err.Error(), 500)
+			return
+		}
+		if err := ob.Enqueue(r.Context(), nil, outbox.Message{Name: "order.created", Subject: "orders.created", Payload: []byte(key)}); err != nil {
+			http.Error(w, err.Error(), 500)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
+	mw, err := idem.New(store, &idem.Config{Flow: idem.FlowSingleTx})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: mw(h)}
+	go func() { _ = srv.Serve(ln) }()
+	defer srv.Close()
+	url := "http://" + ln.Addr().String()
+	const keys, sends = 10, 3
+	start := make(chan struct{})
+	errs := make(chan error, keys*sends)
+	for k := range keys {
+		key := "c-" + strconv.Itoa(k)
+		for range sends {
+			go func() {
+				<-start
+				deadline := time.Now().Add(30 * time.Second)
+				for {
+					code, err := post(url, key)
+					if err == nil && (code == http.StatusConflict || code == http.StatusServiceUnavailable) && time.Now().Before(deadline) {
+						time.Sleep(10 * time.Millisecond)
+						continue
+					}
+					if err == nil && code != http.StatusCreated {
+						err = fmt.Errorf("%s: %d", key, code)
+					}
+					errs <- err
+					return
+				}
+			}()
+		}
+	}
+	close(start)
+	for range keys * sends {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	for k := range keys {
+		key := "c-" + strconv.Itoa(k)
+		var n int
+		if err := db.QueryRow("SELECT COUNT(*) FROM "+ob.Table()+" WHERE id = ?", outbox.MessageID("", key, "order.created")).Scan(&n); err != nil || n != 1 {
+			t.Fatalf("%s: %d events (%v), want 1", key, n, err)
+		}
+	}
+	var n int
+	if err := db.QueryRow("SELECT COUNT(*) FROM " + ob.Table()).Scan(&n); err != nil || n != keys {
+		t.Fatalf("%d events (%v), want %d", n, err, keys)
 	}
 }
