@@ -282,6 +282,12 @@ func (r *Relay) PublishBatch(ctx context.Context) (int, error) {
 		}(run)
 	}
 	wg.Wait()
+	// The outcomes are recorded even after ctx ended (a publication the
+	// broker confirmed should be marked), but within PublishTimeout: a
+	// database that stopped answering must not hold the relay, or its
+	// shutdown, for ever (what is not marked is published again later).
+	fctx, fcancel := context.WithTimeout(context.WithoutCancel(ctx), c.PublishTimeout)
+	defer fcancel()
 	var done []int64
 	var srcErr error
 	now := time.Now()
@@ -298,7 +304,7 @@ func (r *Relay) PublishBatch(ctx context.Context) (int, error) {
 			c.Observer.Published(m, now.Sub(m.EnqueuedAt))
 		case IsPermanent(err):
 			reason := err.Error()
-			if e := c.Source.DeadLetter(context.WithoutCancel(ctx), c.Owner, m.Seq, reason); e != nil {
+			if e := c.Source.DeadLetter(fctx, c.Owner, m.Seq, reason); e != nil {
 				c.Observer.SourceFailed(e)
 				srcErr = errors.Join(srcErr, e)
 				continue
@@ -315,7 +321,7 @@ func (r *Relay) PublishBatch(ctx context.Context) (int, error) {
 			if errors.Is(err, errLeaseShort) {
 				in = 0
 			}
-			if e := c.Source.Retry(context.WithoutCancel(ctx), c.Owner, m.Seq, in, err.Error()); e != nil {
+			if e := c.Source.Retry(fctx, c.Owner, m.Seq, in, err.Error()); e != nil {
 				c.Observer.SourceFailed(e)
 				srcErr = errors.Join(srcErr, e)
 				continue
@@ -324,7 +330,7 @@ func (r *Relay) PublishBatch(ctx context.Context) (int, error) {
 		}
 	}
 	if len(done) > 0 {
-		if _, err := c.Source.MarkPublished(context.WithoutCancel(ctx), c.Owner, done...); err != nil {
+		if _, err := c.Source.MarkPublished(fctx, c.Owner, done...); err != nil {
 			c.Observer.SourceFailed(err)
 			srcErr = errors.Join(srcErr, err)
 		}

@@ -35,6 +35,12 @@ const defaultEventsSubject = "orders.created"
 // request's scope and key it makes the message ID.
 const eventName = "order.created"
 
+// unkeyedEventName is the Name an order's event ID derives from, with the
+// order's id as the key, when the ID cannot derive from the request's key
+// (orderEventMessage): never eventName, so that no keyed order's event
+// shares it.
+const unkeyedEventName = "order.created/by-order-id"
+
 // eventsOutbox is an outbox table, whatever the database.
 type eventsOutbox struct {
 	table   string
@@ -150,10 +156,34 @@ func orderEventMessage(ctx context.Context, subject, tenant string, o orders.Ord
 	}
 	m := outbox.Message{Name: eventName, Subject: subject, Payload: payload, Headers: map[string]string{eventTenantHeader: tenant}}
 	if _, _, ok := idem.KeyFrom(ctx); !ok || !keyedTx {
-		m.ID = outbox.MessageID(tenant, "order:"+o.ID, eventName)
+		// Under a Name of its own: a key is the client's to choose, so a key
+		// of the order id's form must not give a keyed order this ID.
+		m.ID = outbox.MessageID(tenant, o.ID, unkeyedEventName)
 		m.PartitionKey = m.ID
 	}
 	return m, nil
+}
+
+// publishableSubject reports whether s is a NATS subject one can publish
+// on: dot-separated tokens, none empty, none a wildcard, no white space or
+// control character. The demo checks --events-subject with it, for the relay
+// could publish nothing else (each event would be dead-lettered, and
+// ensureEventsStream would wait for ever, JetStream refusing the subject).
+func publishableSubject(s string) bool {
+	if s == "" || strings.ContainsAny(s, "*>") {
+		return false
+	}
+	for _, r := range s {
+		if r <= ' ' || r == 0x7f {
+			return false
+		}
+	}
+	for _, tok := range strings.Split(s, ".") {
+		if tok == "" {
+			return false
+		}
+	}
+	return true
 }
 
 // natsDisplay is a NATS URL without its password, for messages.
@@ -179,12 +209,16 @@ func checkNATSURL(flag, raw string) string {
 
 // connectNATS connects to a NATS server and keeps reconnecting for ever: a
 // broker outage is waited out, never fatal. It does not wait for the first
-// connection.
+// connection, and buffers nothing while disconnected.
 func connectNATS(raw, name string, logger *slog.Logger) (*nats.Conn, jetstream.JetStream, error) {
 	nc, err := nats.Connect(raw,
 		nats.Name(name),
 		nats.RetryOnFailedConnect(true),
 		nats.MaxReconnects(-1),
+		// Nothing buffered while disconnected (as natsjs.NewPublisher asks):
+		// a publication fails at once and the relay retries it, rather than
+		// one that timed out being sent late from the buffer.
+		nats.ReconnectBufSize(-1),
 		nats.ReconnectWait(250*time.Millisecond),
 		nats.ReconnectJitter(100*time.Millisecond, time.Second),
 		nats.Timeout(2*time.Second),
@@ -249,8 +283,7 @@ func ensureEventsStream(ctx context.Context, js jetstream.JetStream, subject str
 	}
 }
 
-// tryEventsStream is one try of ensureEventsStream, bounded in time (while
-// the connection is down a request waits in the client's buffer); fatal
+// tryEventsStream is one try of ensureEventsStream, bounded in time; fatal
 // says that trying again will not help.
 func tryEventsStream(ctx context.Context, js jetstream.JetStream, subject string, logger *slog.Logger) (name string, err error, fatal bool) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)

@@ -99,18 +99,18 @@ func TestDemoEvents(t *testing.T) {
 			if len(events) != 3 || len(want) != 3 {
 				t.Fatalf("%d events for %d orders: %+v", len(events), len(want), events)
 			}
-			// Events of different orders (partitions) may be published in any
-			// order: match them by order_id.
+			// Each order's event, in any order: the orders are of different
+			// keys (partitions), which the relay may publish at once.
 			byID := map[string]orderJSON{}
 			for _, o := range want {
 				byID[o.ID] = o
 			}
 			ids := map[string]bool{}
 			for i, e := range events {
-				o, ok := byID[e.OrderID]
+				o, found := byID[e.OrderID]
 				delete(byID, e.OrderID)
-				if !ok || e.CartID != o.CartID || e.Tenant != "t1" || e.header != "t1" || e.TotalCents != o.TotalCents {
-					t.Errorf("event %d: %+v; want one of the orders %+v of tenant t1, once", i, e, want)
+				if !found || e.OrderID != o.ID || e.CartID != o.CartID || e.Tenant != "t1" || e.header != "t1" || e.TotalCents != o.TotalCents {
+					t.Errorf("event %d: %+v; want order %+v of tenant t1", i, e, o)
 				}
 				if len(e.msgID) != 64 || ids[e.msgID] {
 					t.Errorf("event %d: Nats-Msg-Id %q (seen before: %v)", i, e.msgID, ids[e.msgID])
@@ -283,5 +283,69 @@ func TestRelayMetrics(t *testing.T) {
 	p.interrupt(t)
 	if code := p.cmd.ProcessState.ExitCode(); code != 0 || !strings.Contains(out.String(), "interrupted (SIGINT or SIGTERM); stopped") {
 		t.Errorf("after SIGINT: exit %d, output:\n%s", code, out)
+	}
+}
+
+// TestDemoEventsSubjectUsage: an --events-subject the relay could never
+// publish to (an empty token, a wildcard, a control character) is a usage
+// error, not a demo whose every event is dead-lettered, or whose every order
+// fails at Enqueue.
+func TestDemoEventsSubjectUsage(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	for _, subject := range []string{"", "orders.", ".orders", "orders..created", "orders.*", "orders.>", "orders created", "orders\ncreated", "orders\x7fcreated"} {
+		code, _, stderr := runIdem(t, dir, nil, "demo", "--events", "nats://127.0.0.1:4222", "--events-subject", subject)
+		if code != 2 || !strings.Contains(stderr, "--events-subject") {
+			t.Errorf("--events-subject %q: exit %d, stderr %q; want a usage error (2)", subject, code, stderr)
+		}
+	}
+}
+
+// TestDemoEventIDsKeyedAndUnkeyed: with --require-key=false, an order made
+// without a key has an event ID derived from its order id; one made with a
+// key, from the key. A client whose key happens to be "order:" and the id
+// of an earlier un-keyed order must not get that order's event ID: the
+// stream's duplicate window (and the worker's dedupe) would drop its event.
+func TestDemoEventIDsKeyedAndUnkeyed(t *testing.T) {
+	natsURL := testenv.NATSURL(t)
+	nc, err := nats.Connect(natsURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	js, _ := jetstream.New(nc)
+	subject := "demo." + cliRandHex(4) + ".created"
+	stream := eventsStreamName(subject)
+	defer func() { _ = js.DeleteStream(context.Background(), stream) }()
+	dir := t.TempDir()
+	d := startDemo(t, dir, nil, "--db", "sqlite:"+filepath.Join(dir, "demo.db"), "--metrics-addr", "", "--require-key=false", "--events", natsURL, "--events-subject", subject)
+	a := sendHTTP(t, "POST", d.URL+"/orders", "t1", "", `{"cart_id":"c_unkeyed","total_cents":1}`)
+	if a.Status != 201 {
+		t.Fatalf("un-keyed POST: %d %s", a.Status, a.Body)
+	}
+	first := a.order(t)
+	b := sendHTTP(t, "POST", d.URL+"/orders", "t1", "order:"+first.ID, `{"cart_id":"c_keyed","total_cents":2}`)
+	if b.Status != 201 || b.order(t).ID == first.ID {
+		t.Fatalf("keyed POST: %d %s", b.Status, b.Body)
+	}
+	ctx := context.Background()
+	var info *jetstream.StreamInfo
+	for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		s, err := js.Stream(ctx, stream)
+		if err == nil {
+			if info, err = s.Info(ctx); err == nil && info.State.Msgs >= 2 {
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the stream holds %+v after 15 s, want the 2 orders' events (one was dropped as a duplicate of the other?)", info)
+		}
+	}
+	if code := d.stop(t); code != 0 {
+		t.Errorf("the demo exited %d", code)
+	}
+	events := readStream(t, js, stream)
+	if len(events) != 2 || events[0].msgID == events[1].msgID {
+		t.Fatalf("events %+v: want two, under two IDs", events)
 	}
 }

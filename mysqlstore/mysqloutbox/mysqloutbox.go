@@ -189,7 +189,8 @@ func (o *Outbox) Migrate(ctx context.Context) error {
 }
 
 // Enqueue writes m into the outbox in tx; a nil tx means the transaction of
-// the request idem is executing under ctx (mysqlstore.Tx(ctx)). It fills in
+// the request idem is executing under ctx (mysqlstore.Tx(ctx), or
+// mysqlstore.Conn(ctx) when the handler wrote through that). It fills in
 // m's defaults and checks it (outbox.Prepare).
 //
 // A message with an explicit PartitionKey locks its partition (one of 4096
@@ -197,9 +198,17 @@ func (o *Outbox) Migrate(ctx context.Context) error {
 // are numbered in commit order; the default partition, the request's key, is
 // one request's at a time already and takes no lock.
 func (o *Outbox) Enqueue(ctx context.Context, tx *sql.Tx, m outbox.Message) error {
+	var q mysqlstore.Querier = tx
 	if tx == nil {
-		tx = mysqlstore.Tx(ctx)
-		if tx == nil {
+		// The request's *sql.Tx, or, when the handler already wrote through
+		// mysqlstore.Conn (the connection-scoped transaction of the
+		// single-transaction flow, on which Tx can no longer begin one),
+		// that connection: either way the request's transaction.
+		if t := mysqlstore.Tx(ctx); t != nil {
+			q = t
+		} else if c := mysqlstore.Conn(ctx); c != nil && !isNilTx(c) {
+			q = c
+		} else {
 			return outbox.ErrNoTx
 		}
 	}
@@ -218,14 +227,21 @@ func (o *Outbox) Enqueue(ctx context.Context, tx *sql.Tx, m outbox.Message) erro
 	}
 	if explicit {
 		sum := sha256.Sum256([]byte(m.PartitionKey))
-		if _, err := tx.ExecContext(ctx, o.lockSQL, binary.BigEndian.Uint32(sum[:])%lockBuckets); err != nil {
+		if _, err := q.ExecContext(ctx, o.lockSQL, binary.BigEndian.Uint32(sum[:])%lockBuckets); err != nil {
 			return fmt.Errorf("mysqloutbox: enqueue: lock partition: %w", err)
 		}
 	}
-	if _, err := tx.ExecContext(ctx, o.insertSQL, m.ID, m.Subject, m.Payload, headers, m.PartitionKey); err != nil {
+	if _, err := q.ExecContext(ctx, o.insertSQL, m.ID, m.Subject, m.Payload, headers, m.PartitionKey); err != nil {
 		return fmt.Errorf("mysqloutbox: enqueue into %s: %w", o.table, err)
 	}
 	return nil
+}
+
+// isNilTx reports whether q is a nil *sql.Tx (what Conn returns when Tx
+// failed to begin one).
+func isNilTx(q mysqlstore.Querier) bool {
+	t, ok := q.(*sql.Tx)
+	return ok && t == nil
 }
 
 func placeholders(n int) string {
@@ -240,9 +256,14 @@ func seqArgs(seqs []int64) []any {
 	return a
 }
 
-// Lease implements outbox.Source.
+// maxBatch bounds the sequence numbers one statement names: the server
+// refuses a statement of more than 65,535 placeholders (error 1390).
+const maxBatch = 10000
+
+// Lease implements outbox.Source. It leases at most 10,000 messages at a
+// time, whatever n.
 func (o *Outbox) Lease(ctx context.Context, owner string, n int, d time.Duration) ([]outbox.Stored, error) {
-	out, err := o.lease(ctx, owner, n, d)
+	out, err := o.lease(ctx, owner, min(n, maxBatch), d)
 	if err != nil {
 		return nil, fmt.Errorf("mysqloutbox: lease: %w", err)
 	}
@@ -346,16 +367,19 @@ func querySeqs(ctx context.Context, q querier, query string, args ...any) ([]int
 
 // MarkPublished implements outbox.Source.
 func (o *Outbox) MarkPublished(ctx context.Context, owner string, seqs ...int64) (int, error) {
-	if len(seqs) == 0 {
-		return 0, nil
+	total := 0
+	for len(seqs) > 0 {
+		chunk := seqs[:min(len(seqs), maxBatch)]
+		seqs = seqs[len(chunk):]
+		args := append(seqArgs(chunk), owner)
+		res, err := o.db.ExecContext(ctx, fmt.Sprintf(o.markSQL, placeholders(len(chunk))), args...)
+		if err != nil {
+			return total, fmt.Errorf("mysqloutbox: mark published: %w", err)
+		}
+		n, _ := res.RowsAffected()
+		total += int(n)
 	}
-	args := append(seqArgs(seqs), owner)
-	res, err := o.db.ExecContext(ctx, fmt.Sprintf(o.markSQL, placeholders(len(seqs))), args...)
-	if err != nil {
-		return 0, fmt.Errorf("mysqloutbox: mark published: %w", err)
-	}
-	n, _ := res.RowsAffected()
-	return int(n), nil
+	return total, nil
 }
 
 // Retry implements outbox.Source.

@@ -5,6 +5,13 @@
 // Publish returns only once the broker has the message (the Kafka, AMQP and
 // NATS publishers do, in their synchronous modes).
 //
+// Watermill's Publish takes no context: when the relay's publication
+// deadline passes, Publish returns an error, but Watermill's call goes on in
+// the background and may still deliver the message, even after the lease
+// lapsed and another relay (or this one) published it again: a duplicate,
+// under the same UUID, that the consumer must absorb. Give the Watermill
+// publisher timeouts of its own shorter than the relay's PublishTimeout.
+//
 // Watermill's errors say nothing portable about permanence: Config.Permanent
 // decides which are, none by default.
 package watermill
