@@ -124,6 +124,9 @@ func (h *handler) refuseUnknown(w http.ResponseWriter, req *request, err error) 
 func (h *handler) execute(w http.ResponseWriter, req *request, token string, takenOver bool) {
 	r := req.r
 	rw := req.recorder(w)
+	if takenOver {
+		h.keepSteps(req, token)
+	}
 	if h.reuseResponses {
 		rw.usePooled()
 		defer rw.releasePooled()

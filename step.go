@@ -443,6 +443,49 @@ func (req *request) stepRun() (*stepRun, error) {
 	return run, nil
 }
 
+// keepSteps moves the expiry of every live step record of an operation this
+// execution took over (claim-then-complete, under token) to this execution's
+// (its start plus TTL), before its handler runs. The takeover's claim moved
+// the record's expiry to now plus TTL; a step recorded by an earlier
+// execution, which this one does not reach before that execution's step
+// expiry, would otherwise count as absent while the operation lives and run
+// again with a new derived key. Best effort, and only on takeovers: a store
+// that fails here leaves the expiries as they were.
+func (h *handler) keepSteps(req *request, token string) {
+	ss, ok := h.store.(StepStore)
+	if !ok {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(req.r.Context()), h.CleanupTimeout)
+	defer cancel()
+	now := h.NowFunc()
+	recs, err := ss.GetSteps(ctx, req.scope, req.key, now)
+	if err != nil {
+		return
+	}
+	exp := req.start.Add(h.TTL)
+	for _, rec := range recs {
+		if !rec.ExpiresAt.Before(exp) {
+			continue
+		}
+		// Rerun unset: a step another execution began stays its (and
+		// unknown); a done or failed one only has its expiry moved.
+		_, began, err := ss.BeginStep(ctx, BeginStepRequest{
+			Scope: req.scope, Key: req.key, Name: rec.Name, Owner: token, Holder: true,
+			DerivedKey: deriveStepKey(req.scope, req.key, rec.Name), Now: now, ExpiresAt: exp,
+		})
+		if err != nil {
+			return
+		}
+		if began {
+			// An abandoned step (or one that expired meanwhile) was begun:
+			// abandon it again, keeping its derived key, for the handler's
+			// Step to begin it.
+			_ = ss.AbandonStep(ctx, req.scope, req.key, rec.Name, token, now)
+		}
+	}
+}
+
 // StepOperation is the operation steps belong to, for code that runs an
 // operation under a Store outside the HTTP middleware (the consumer package
 // does, for message handlers): WithSteps puts it in a context, and Step
