@@ -445,25 +445,27 @@ func (req *request) stepRun() (*stepRun, error) {
 
 // keepSteps moves the expiry of every live step record of an operation this
 // execution took over (claim-then-complete, under token) to this execution's
-// (its start plus TTL), before its handler runs. The takeover's claim moved
-// the record's expiry to now plus TTL; a step recorded by an earlier
-// execution, which this one does not reach before that execution's step
-// expiry, would otherwise count as absent while the operation lives and run
-// again with a new derived key. Best effort, and only on takeovers: a store
-// that fails here leaves the expiries as they were.
+// (its start plus TTL), before its handler runs.
 func (h *handler) keepSteps(req *request, token string) {
-	ss, ok := h.store.(StepStore)
-	if !ok {
-		return
+	if ss, ok := h.store.(StepStore); ok {
+		keepSteps(req.r.Context(), ss, req.scope, req.key, token, h.NowFunc(), req.start.Add(h.TTL), h.CleanupTimeout)
 	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(req.r.Context()), h.CleanupTimeout)
+}
+
+// keepSteps moves the expiry of every live step record of (scope, key) to
+// exp, fenced on the request record held under owner. A takeover's claim
+// moved the record's expiry to now plus TTL; a step recorded by an earlier
+// execution, which the taking one does not reach before that execution's
+// step expiry, would otherwise count as absent while the operation lives and
+// run again with a new derived key. Best effort, and only on takeovers: a
+// store that fails here leaves the expiries as they were.
+func keepSteps(ctx context.Context, ss StepStore, scope, key, owner string, now, exp time.Time, timeout time.Duration) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
 	defer cancel()
-	now := h.NowFunc()
-	recs, err := ss.GetSteps(ctx, req.scope, req.key, now)
+	recs, err := ss.GetSteps(ctx, scope, key, now)
 	if err != nil {
 		return
 	}
-	exp := req.start.Add(h.TTL)
 	for _, rec := range recs {
 		if !rec.ExpiresAt.Before(exp) {
 			continue
@@ -471,8 +473,8 @@ func (h *handler) keepSteps(req *request, token string) {
 		// Rerun unset: a step another execution began stays its (and
 		// unknown); a done or failed one only has its expiry moved.
 		_, began, err := ss.BeginStep(ctx, BeginStepRequest{
-			Scope: req.scope, Key: req.key, Name: rec.Name, Owner: token, Holder: true,
-			DerivedKey: deriveStepKey(req.scope, req.key, rec.Name), Now: now, ExpiresAt: exp,
+			Scope: scope, Key: key, Name: rec.Name, Owner: owner, Holder: true,
+			DerivedKey: deriveStepKey(scope, key, rec.Name), Now: now, ExpiresAt: exp,
 		})
 		if err != nil {
 			return
@@ -481,7 +483,7 @@ func (h *handler) keepSteps(req *request, token string) {
 			// An abandoned step (or one that expired meanwhile) was begun:
 			// abandon it again, keeping its derived key, for the handler's
 			// Step to begin it.
-			_ = ss.AbandonStep(ctx, req.scope, req.key, rec.Name, token, now)
+			_ = ss.AbandonStep(ctx, scope, key, rec.Name, owner, now)
 		}
 	}
 }
@@ -513,6 +515,12 @@ type StepOperation struct {
 	// OnUnknown, when set, is called when a step is refused as unknown
 	// (ErrStepUnknown), before Step returns.
 	OnUnknown func()
+	// TakenOver says the operation's claim took a lapsed one over (with
+	// Holder): WithSteps then first moves the expiry of every live step
+	// record of the operation to ExpiresAt, as the HTTP middleware does on a
+	// takeover, so that steps earlier executions recorded live as long as
+	// the operation's record.
+	TakenOver bool
 }
 
 // WithSteps returns a context, derived from ctx, in which Step records the
@@ -531,6 +539,9 @@ func WithSteps(ctx context.Context, op StepOperation) context.Context {
 	}
 	if run.owner == "" {
 		run.owner = newToken()
+	}
+	if op.TakenOver && op.Holder && ss != nil {
+		keepSteps(ctx, ss, run.scope, run.key, run.owner, run.now(), run.expiresAt, run.cleanup)
 	}
 	return context.WithValue(ctx, stepsKey{}, run)
 }
