@@ -40,7 +40,7 @@ func newPGStore(t *testing.T) *pgstore.Store {
 	if err := s.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP TABLE IF EXISTS "+table) })
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP TABLE IF EXISTS "+table+", "+s.StepsTable()) })
 	return s
 }
 
