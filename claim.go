@@ -184,6 +184,7 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string, tak
 	}
 	h.claimed(req)
 	h.next.ServeHTTP(rw, r.WithContext(ctx))
+	rw.returned.Store(true)
 	settled = true
 	req.stopRenewal()
 

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -210,6 +211,9 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 	if ctx.Err() != nil {
 		return zero, fmt.Errorf("idem: step %q was not begun, and not run: the handler's context has ended: %w", name, context.Cause(ctx))
 	}
+	if run.returned != nil && run.returned.Load() {
+		return zero, fmt.Errorf("idem: step %q was not begun, and not run: the request's handler has returned, and its answer is stored or sent without this step; run every step inside the handler, before it answers", name)
+	}
 	if err := checkEncodable(zero); err != nil {
 		return zero, fmt.Errorf("idem: step %q was not begun, and not run: its result type %T cannot be encoded with encoding/json (%v), so its outcome could never be recorded", name, zero, err)
 	}
@@ -376,7 +380,8 @@ type stepRun struct {
 	expiresAt  time.Time
 	now        func() time.Time
 	cleanup    time.Duration
-	unknown    func() // marks the operation's outcome unknown
+	unknown    func()       // marks the operation's outcome unknown
+	returned   *atomic.Bool // set when the request's handler returned (nil outside HTTP)
 
 	mu   sync.Mutex
 	keys map[string]string // derived keys by name, for StepKey
@@ -435,7 +440,7 @@ func (req *request) stepRun() (*stepRun, error) {
 	run := &stepRun{
 		store: ss, scope: rw.scope, key: rw.key, owner: owner, holder: holder,
 		expiresAt: req.start.Add(req.h.TTL), now: req.h.NowFunc, cleanup: req.h.CleanupTimeout,
-		unknown: func() { rw.unknown = true },
+		unknown: func() { rw.unknown = true }, returned: &rw.returned,
 	}
 	if !req.rw.steps.CompareAndSwap(nil, run) {
 		return req.rw.steps.Load(), nil

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/memstore"
 )
 
 // TestStepRecordsOutliveTakeovers: an operation whose record stays in flight
@@ -80,5 +81,54 @@ func TestStepRecordsOutliveTakeovers(t *testing.T) {
 				t.Fatalf("handler runs %d; the steps ran with derived keys %v; want 3 runs and each step run once", run, runs)
 			}
 		})
+	}
+}
+
+// completeGate is memstore whose Complete waits, once, for proceed after
+// telling completing: the moment after the handler returned and before its
+// outcome is stored.
+type completeGate struct {
+	*memstore.Store
+	completing chan struct{}
+	proceed    chan struct{}
+	once       sync.Once
+}
+
+func (g *completeGate) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, now, exp time.Time) error {
+	g.once.Do(func() {
+		close(g.completing)
+		<-g.proceed
+	})
+	return g.Store.Complete(ctx, scope, key, token, resp, now, exp)
+}
+
+// TestStepFromGoroutineWhileCompleting: a goroutine the handler started calls
+// Step after the handler returned, while the middleware stores the outcome.
+// The step must be refused (fn not run): its effect would belong to no
+// answer — the stored answer was written without it, and a retry replays
+// that answer and never runs the step. Failed before the fix: the step began
+// and its function ran (the claim was still held until Complete).
+func TestStepFromGoroutineWhileCompleting(t *testing.T) {
+	g := &completeGate{Store: stepMem(t), completing: make(chan struct{}), proceed: make(chan struct{})}
+	ran := false
+	done := make(chan error, 1)
+	srv := stepServer(t, g, idem.Config{}, func(w http.ResponseWriter, r *http.Request) {
+		ctx := r.Context()
+		go func() {
+			<-g.completing
+			_, err := idem.Step(ctx, "late", func(context.Context, string) (int, error) { ran = true; return 1, nil })
+			done <- err
+			close(g.proceed)
+		}()
+		w.WriteHeader(http.StatusCreated)
+	})
+	if a := srv.post(t, "k"); a.status != http.StatusCreated {
+		t.Fatalf("%d %s", a.status, a.body)
+	}
+	if err := <-done; err == nil || ran {
+		t.Fatalf("Step after the handler returned, while its outcome was stored: %v (ran %v), want refused", err, ran)
+	}
+	if steps := stepsOf(t, g.Store, "k", time.Now()); len(steps) != 0 {
+		t.Fatalf("a step was recorded after the handler returned: %v", steps)
 	}
 }
