@@ -124,6 +124,9 @@ func (h *handler) refuseUnknown(w http.ResponseWriter, req *request, err error) 
 func (h *handler) execute(w http.ResponseWriter, req *request, token string, takenOver bool) {
 	r := req.r
 	rw := req.recorder(w)
+	if takenOver {
+		h.keepSteps(req, token)
+	}
 	if h.reuseResponses {
 		rw.usePooled()
 		defer rw.releasePooled()
@@ -181,6 +184,7 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string, tak
 	}
 	h.claimed(req)
 	h.next.ServeHTTP(rw, r.WithContext(ctx))
+	rw.returned.Store(true)
 	settled = true
 	req.stopRenewal()
 

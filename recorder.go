@@ -43,6 +43,10 @@ type recorder struct {
 	pooled  *storedResponse         // whose storage body uses (usePooled); nil: its own
 	req     *request                // the request the recorder belongs to (for Step)
 	steps   atomic.Pointer[stepRun] // made by the first Step (step.go)
+	// returned is set when the handler returned: a Step from then on (a
+	// goroutine the handler left running) is refused, since its effect
+	// would belong to no answer.
+	returned atomic.Bool
 }
 
 type recorderMode uint8

@@ -66,6 +66,7 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 	}()
 	h.claimed(req) // after the rollback above is in place: an Observer may panic
 	h.next.ServeHTTP(rw, r.WithContext(ctx))
+	rw.returned.Store(true)
 	settled = true
 	req.stopRenewal()
 

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -210,6 +211,9 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 	if ctx.Err() != nil {
 		return zero, fmt.Errorf("idem: step %q was not begun, and not run: the handler's context has ended: %w", name, context.Cause(ctx))
 	}
+	if run.returned != nil && run.returned.Load() {
+		return zero, fmt.Errorf("idem: step %q was not begun, and not run: the request's handler has returned, and its answer is stored or sent without this step; run every step inside the handler, before it answers", name)
+	}
 	if err := checkEncodable(zero); err != nil {
 		return zero, fmt.Errorf("idem: step %q was not begun, and not run: its result type %T cannot be encoded with encoding/json (%v), so its outcome could never be recorded", name, zero, err)
 	}
@@ -376,7 +380,8 @@ type stepRun struct {
 	expiresAt  time.Time
 	now        func() time.Time
 	cleanup    time.Duration
-	unknown    func() // marks the operation's outcome unknown
+	unknown    func()       // marks the operation's outcome unknown
+	returned   *atomic.Bool // set when the request's handler returned (nil outside HTTP)
 
 	mu   sync.Mutex
 	keys map[string]string // derived keys by name, for StepKey
@@ -435,12 +440,57 @@ func (req *request) stepRun() (*stepRun, error) {
 	run := &stepRun{
 		store: ss, scope: rw.scope, key: rw.key, owner: owner, holder: holder,
 		expiresAt: req.start.Add(req.h.TTL), now: req.h.NowFunc, cleanup: req.h.CleanupTimeout,
-		unknown: func() { rw.unknown = true },
+		unknown: func() { rw.unknown = true }, returned: &rw.returned,
 	}
 	if !req.rw.steps.CompareAndSwap(nil, run) {
 		return req.rw.steps.Load(), nil
 	}
 	return run, nil
+}
+
+// keepSteps moves the expiry of every live step record of an operation this
+// execution took over (claim-then-complete, under token) to this execution's
+// (its start plus TTL), before its handler runs.
+func (h *handler) keepSteps(req *request, token string) {
+	if ss, ok := h.store.(StepStore); ok {
+		keepSteps(req.r.Context(), ss, req.scope, req.key, token, h.NowFunc(), req.start.Add(h.TTL), h.CleanupTimeout)
+	}
+}
+
+// keepSteps moves the expiry of every live step record of (scope, key) to
+// exp, fenced on the request record held under owner. A takeover's claim
+// moved the record's expiry to now plus TTL; a step recorded by an earlier
+// execution, which the taking one does not reach before that execution's
+// step expiry, would otherwise count as absent while the operation lives and
+// run again with a new derived key. Best effort, and only on takeovers: a
+// store that fails here leaves the expiries as they were.
+func keepSteps(ctx context.Context, ss StepStore, scope, key, owner string, now, exp time.Time, timeout time.Duration) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
+	defer cancel()
+	recs, err := ss.GetSteps(ctx, scope, key, now)
+	if err != nil {
+		return
+	}
+	for _, rec := range recs {
+		if !rec.ExpiresAt.Before(exp) {
+			continue
+		}
+		// Rerun unset: a step another execution began stays its (and
+		// unknown); a done or failed one only has its expiry moved.
+		_, began, err := ss.BeginStep(ctx, BeginStepRequest{
+			Scope: scope, Key: key, Name: rec.Name, Owner: owner, Holder: true,
+			DerivedKey: deriveStepKey(scope, key, rec.Name), Now: now, ExpiresAt: exp,
+		})
+		if err != nil {
+			return
+		}
+		if began {
+			// An abandoned step (or one that expired meanwhile) was begun:
+			// abandon it again, keeping its derived key, for the handler's
+			// Step to begin it.
+			_ = ss.AbandonStep(ctx, scope, key, rec.Name, owner, now)
+		}
+	}
 }
 
 // StepOperation is the operation steps belong to, for code that runs an
@@ -470,6 +520,12 @@ type StepOperation struct {
 	// OnUnknown, when set, is called when a step is refused as unknown
 	// (ErrStepUnknown), before Step returns.
 	OnUnknown func()
+	// TakenOver says the operation's claim took a lapsed one over (with
+	// Holder): WithSteps then first moves the expiry of every live step
+	// record of the operation to ExpiresAt, as the HTTP middleware does on a
+	// takeover, so that steps earlier executions recorded live as long as
+	// the operation's record.
+	TakenOver bool
 }
 
 // WithSteps returns a context, derived from ctx, in which Step records the
@@ -488,6 +544,9 @@ func WithSteps(ctx context.Context, op StepOperation) context.Context {
 	}
 	if run.owner == "" {
 		run.owner = newToken()
+	}
+	if op.TakenOver && op.Holder && ss != nil {
+		keepSteps(ctx, ss, run.scope, run.key, run.owner, run.now(), run.expiresAt, run.cleanup)
 	}
 	return context.WithValue(ctx, stepsKey{}, run)
 }

@@ -531,6 +531,7 @@ type run struct {
 	attempt           int
 	tenant            string
 	expires           time.Time // the claim's expiry: the steps' (idem.Step)
+	takeover          bool      // the claim took a lapsed one over
 }
 
 func (p *Processor) process(ctx context.Context, msg *Message, h Handler) Outcome {
@@ -587,6 +588,7 @@ func (p *Processor) process(ctx context.Context, msg *Message, h Handler) Outcom
 	// Stores keep CreatedAt across a takeover, to their precision (a
 	// microsecond, a millisecond); a lease lapses at least Lease after it.
 	takeover := rec != nil && rec.CreatedAt.Before(now.Add(-p.cfg.Lease/2))
+	r.takeover = takeover
 	var n int
 	switch {
 	case takeover:
@@ -911,6 +913,7 @@ func (p *Processor) execute(ctx context.Context, msg *Message, r run, h Handler)
 	runCtx = idem.WithSteps(runCtx, idem.StepOperation{
 		Store: p.store, Scope: r.scope, Key: r.key, Owner: r.token, Holder: true,
 		ExpiresAt: r.expires, NowFunc: p.cfg.NowFunc, CleanupTimeout: p.cfg.CleanupTimeout,
+		TakenOver: r.takeover,
 	})
 	renew := p.renew(hctx, cancel, r)
 	settled := false

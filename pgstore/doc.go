@@ -258,6 +258,11 @@
 //     but its handler ran). Keep the concurrent claim-then-complete requests
 //     below MaxConns — MaxConns of twice the concurrency leaves every handler a
 //     connection for its claim and renewals — or limit the concurrency in front.
+//     A step (idem.Step) needs one more connection, briefly, beside its
+//     handler's transaction: with every connection held by handlers that wait
+//     for one, the step's statement gives up after 5 s with an error that says
+//     to raise MaxConns (the step is not begun, or its outcome not recorded),
+//     rather than every such request waiting for the others for ever.
 //     At REPEATABLE READ and SERIALIZABLE the lock proves the holder alive and a
 //     starved renewal costs nothing.
 //   - At REPEATABLE READ or SERIALIZABLE, the single transaction's lookup reads

@@ -12,6 +12,8 @@ import (
 
 	"github.com/idemkit/idem"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 var _ idem.StepStore = (*Store)(nil)
@@ -152,11 +154,16 @@ func stepNonce() string {
 // with its BEGIN and COMMIT, and scans its row into dest; found is false when
 // it returned no row.
 func (s *Store) queryStep(ctx context.Context, sql string, args []any, dest ...any) (found bool, err error) {
+	c, err := s.stepConn(ctx)
+	if err != nil {
+		return false, err
+	}
+	defer c.Release()
 	b := &pgx.Batch{}
 	b.Queue(beginRC)
 	b.Queue(sql, args...)
 	b.Queue("commit")
-	br := s.pool.SendBatch(ctx, b)
+	br := c.SendBatch(ctx, b)
 	_, err = br.Exec()
 	if err == nil {
 		err = br.QueryRow().Scan(dest...)
@@ -172,6 +179,51 @@ func (s *Store) queryStep(ctx context.Context, sql string, args []any, dest ...a
 		err = cerr
 	}
 	return found, err
+}
+
+// stepAcquireTimeout bounds a step statement's wait for a pool connection.
+// A step runs while its handler's transaction holds a connection of the same
+// pool: with every connection held by handlers that each wait for a step, no
+// wait ends, so it is cut short with an error that says what to do.
+const stepAcquireTimeout = 5 * time.Second
+
+// stepConn acquires a pool connection for a step statement, waiting at most
+// stepAcquireTimeout.
+func (s *Store) stepConn(ctx context.Context) (*pgxpool.Conn, error) {
+	actx, cancel := context.WithTimeout(ctx, stepAcquireTimeout)
+	defer cancel()
+	c, err := s.pool.Acquire(actx)
+	if err != nil && ctx.Err() == nil && actx.Err() != nil {
+		st := s.pool.Stat()
+		return nil, fmt.Errorf("no pool connection came free for the step's statement within %v (%d of MaxConns %d in use, most likely by running handlers' transactions, each waiting for a step): a step needs a connection beside its handler's transaction, so size pgxpool's MaxConns above the requests that run steps at once: %w", stepAcquireTimeout, st.AcquiredConns(), st.MaxConns(), err)
+	}
+	return c, err
+}
+
+// execStep is execRC on a connection from stepConn.
+func (s *Store) execStep(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	c, err := s.stepConn(ctx)
+	if err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	defer c.Release()
+	b := &pgx.Batch{}
+	b.Queue(beginRC)
+	b.Queue(sql, args...)
+	b.Queue("commit")
+	br := c.SendBatch(ctx, b)
+	_, err = br.Exec()
+	var tag pgconn.CommandTag
+	if err == nil {
+		tag, err = br.Exec()
+	}
+	if err == nil {
+		_, err = br.Exec()
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return tag, err
 }
 
 // BeginStep implements idem.StepStore in one statement and one round trip
@@ -227,7 +279,7 @@ func (s *Store) FinishStep(ctx context.Context, scope, key, name, owner string, 
 	if result == nil {
 		result = []byte{}
 	}
-	tag, err := s.execRC(ctx, s.steps.finishSQL, []byte(scope), []byte(key), name, now, owner, int16(state), result)
+	tag, err := s.execStep(ctx, s.steps.finishSQL, []byte(scope), []byte(key), name, now, owner, int16(state), result)
 	if err != nil {
 		return s.wrapStep("finish step", err)
 	}
@@ -242,7 +294,7 @@ func (s *Store) AbandonStep(ctx context.Context, scope, key, name, owner string,
 	if err := checkStepIDs(scope, key, name, owner); err != nil {
 		return err
 	}
-	tag, err := s.execRC(ctx, s.steps.abandonSQL, []byte(scope), []byte(key), name, now, owner)
+	tag, err := s.execStep(ctx, s.steps.abandonSQL, []byte(scope), []byte(key), name, now, owner)
 	if err != nil {
 		return s.wrapStep("abandon step", err)
 	}
@@ -258,6 +310,9 @@ func (s *Store) GetSteps(ctx context.Context, scope, key string, now time.Time) 
 		return nil, err
 	}
 	rows, err := s.pool.Query(ctx, s.steps.getSQL, []byte(scope), []byte(key), now)
+	if isUndefinedTable(err) {
+		return nil, nil // a database not migrated since step records came: none was written
+	}
 	if err != nil {
 		return nil, s.wrapStep("get steps", err)
 	}
@@ -300,7 +355,7 @@ func (s *Store) SettleStep(ctx context.Context, scope, key, name string, state i
 	default:
 		return fmt.Errorf("pgstore: settle step: state %v; settle a step as done or failed, or 0 to forget it", state)
 	}
-	tag, err := s.execRC(ctx, sql, args...)
+	tag, err := s.execStep(ctx, sql, args...)
 	if err != nil {
 		return s.wrapStep("settle step", err)
 	}
@@ -317,6 +372,11 @@ func (s *Store) DeleteExpiredSteps(ctx context.Context, now time.Time, limit int
 		return 0, nil
 	}
 	tag, err := s.pool.Exec(ctx, s.steps.deleteSQL, now, limit)
+	if isUndefinedTable(err) {
+		// A database not migrated since step records came, under a service
+		// that records none: nothing to delete, and its janitor sweeps on.
+		return 0, nil
+	}
 	if err != nil {
 		return 0, s.wrapStep("delete expired steps", err)
 	}

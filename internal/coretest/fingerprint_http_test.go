@@ -22,10 +22,24 @@ import (
 // when PostgreSQL is not reachable (unless IDEM_REQUIRE_SERVICES=1).
 func newPGStore(t *testing.T) *pgstore.Store {
 	t.Helper()
+	return newPGStoreConns(t, 0)
+}
+
+// newPGStoreConns is newPGStore with a pool of maxConns connections (0:
+// pgxpool's default).
+func newPGStoreConns(t *testing.T, maxConns int32) *pgstore.Store {
+	t.Helper()
 	raw := testenv.PostgresURL(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	pool, err := pgxpool.New(ctx, raw)
+	pcfg, err := pgxpool.ParseConfig(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if maxConns > 0 {
+		pcfg.MaxConns = maxConns
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -40,7 +54,7 @@ func newPGStore(t *testing.T) *pgstore.Store {
 	if err := s.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP TABLE IF EXISTS "+table) })
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP TABLE IF EXISTS "+table+", "+s.StepsTable()) })
 	return s
 }
 

@@ -392,9 +392,17 @@ func (h *smHarness) admit(now time.Time) (want smWant, run bool, exe int) {
 			return smWant{status: http.StatusConflict}, false, 0
 		}
 	}
+	takeover := h.rec.state == "inflight" // its lease lapsed
 	h.nextExe++
 	exe = h.nextExe
 	h.rec = smRec{state: "inflight", holder: exe, lease: now.Add(modelLease), expires: now.Add(h.ttl)}
+	if takeover {
+		// A takeover moves the expiry of every live step record to its own,
+		// before its handler runs (the steps live as long as the operation).
+		for _, st := range h.steps {
+			st.expires = maxTime(st.expires, h.opExpiry(exe))
+		}
+	}
 	return smWant{}, true, exe
 }
 

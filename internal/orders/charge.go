@@ -45,9 +45,10 @@ func (s *Service) charge(ctx context.Context, cartID string, total int64) (strin
 		switch {
 		case errors.As(err, &declined):
 			return chargeResult{}, idem.StepFinal(err) // recorded: the retry hears the same decline
-		case errors.As(err, &perr) && perr.Sent && perr.Status == 0:
-			// Sent, and no answer (a timeout, a dropped connection): the
-			// provider may have charged. The step stays begun, as after a
+		case errors.As(err, &perr) && perr.mayHaveCharged():
+			// Sent, and no answer (a timeout, a dropped connection), or a
+			// success answer that cannot be read: the provider may have
+			// charged. The step stays begun, as after a
 			// crash: the next attempt asks again with the same key, or
 			// refuses (RefuseUnknown).
 			return chargeResult{}, idem.StepAmbiguous(err)
@@ -57,7 +58,7 @@ func (s *Service) charge(ctx context.Context, cartID string, total int64) (strin
 		return chargeResult{ID: id}, nil
 	}, idem.OnUnknown(policy))
 	var perr *ProviderError
-	if p.RefuseUnknown && errors.As(err, &perr) && perr.Sent && perr.Status == 0 {
+	if p.RefuseUnknown && errors.As(err, &perr) && perr.mayHaveCharged() {
 		// This attempt does not know either: the outcome is unknown now.
 		idem.MarkOutcomeUnknown(ctx)
 		return "", errors.Join(errChargeUnknown, err)
@@ -98,4 +99,13 @@ func (s *Service) writeChargeError(w http.ResponseWriter, ctx context.Context, e
 	default:
 		WriteProblem(w, http.StatusInternalServerError, "order_not_saved", "the order could not be saved: "+err.Error()+"; retry with the same Idempotency-Key")
 	}
+}
+
+// mayHaveCharged reports whether the provider may have charged although the
+// charge failed: the request was sent and no answer came (a timeout, a
+// connection cut), or a success answer came that could not be read (a body
+// that is no charge, cut short). Such a step's outcome is unknown, not a
+// transient failure that every policy runs again.
+func (e *ProviderError) mayHaveCharged() bool {
+	return e.Sent && (e.Status == 0 || e.Status >= 200 && e.Status < 300)
 }
