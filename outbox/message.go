@@ -186,6 +186,9 @@ func check(m Message, maxPayload int) error {
 	if len(m.Subject) > MaxSubjectLength || !subjectOK(m.Subject) {
 		return fmt.Errorf("%w: Subject %q: it must be 1 to %d bytes of printable UTF-8 without spaces", ErrInvalid, clip(m.Subject), MaxSubjectLength)
 	}
+	if ReservedSubject(m.Subject) {
+		return fmt.Errorf("%w: Subject %q is reserved: subjects starting with $ ($JS., $SYS., $KV., $O.…) or _INBOX. belong to the NATS server and JetStream's API, and the relay would publish into them; name an application subject such as orders.created", ErrInvalid, clip(m.Subject))
+	}
 	if len(m.PartitionKey) > MaxPartitionKeyLength || !utf8.ValidString(m.PartitionKey) || strings.ContainsRune(m.PartitionKey, 0) {
 		return fmt.Errorf("%w: PartitionKey %q: it must be at most %d bytes of UTF-8 without NUL", ErrInvalid, clip(m.PartitionKey), MaxPartitionKeyLength)
 	}
@@ -212,6 +215,14 @@ func check(m Message, maxPayload int) error {
 		return fmt.Errorf("%w: headers of %d bytes, at most %d (names and values together)", ErrInvalid, size, MaxHeaderBytes)
 	}
 	return nil
+}
+
+// ReservedSubject reports whether s starts with $ (the NATS server's and
+// JetStream's own subjects: $JS.API…, $SYS…, $KV…, $O…) or with _INBOX.
+// (request replies). Prepare refuses such a subject with ErrInvalid: a
+// relay publishing $JS.API.STREAM.DELETE.X would call the JetStream API.
+func ReservedSubject(s string) bool {
+	return strings.HasPrefix(s, "$") || strings.HasPrefix(s, "_INBOX.")
 }
 
 func clip(s string) string {

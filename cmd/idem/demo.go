@@ -217,7 +217,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return storeUsageError(stderr, fs, msg)
 		}
 		if !publishableSubject(*eventsSubject) {
-			return storeUsageError(stderr, fs, fmt.Sprintf("--events-subject %q is not a subject to publish on; use a NATS subject of dot-separated tokens without spaces, empty tokens or wildcards, such as orders.created", *eventsSubject))
+			return storeUsageError(stderr, fs, fmt.Sprintf("--events-subject %q is not a subject to publish on; use a NATS subject of dot-separated tokens without spaces, empty tokens or wildcards, not starting with $ or _INBOX. (reserved by NATS), such as orders.created", *eventsSubject))
 		}
 		if *eventsLease < time.Second {
 			return storeUsageError(stderr, fs, fmt.Sprintf("--events-lease %v is too short; use 1s or more (a publication may take up to half of it)", *eventsLease))

@@ -166,11 +166,12 @@ func orderEventMessage(ctx context.Context, subject, tenant string, o orders.Ord
 
 // publishableSubject reports whether s is a NATS subject one can publish
 // on: dot-separated tokens, none empty, none a wildcard, no white space or
-// control character. The demo checks --events-subject with it, for the relay
+// control character, not reserved (outbox.ReservedSubject: $JS., $SYS.,
+// _INBOX.…). The demo checks --events-subject with it, for the relay
 // could publish nothing else (each event would be dead-lettered, and
 // ensureEventsStream would wait for ever, JetStream refusing the subject).
 func publishableSubject(s string) bool {
-	if s == "" || strings.ContainsAny(s, "*>") {
+	if s == "" || strings.ContainsAny(s, "*>") || outbox.ReservedSubject(s) {
 		return false
 	}
 	for _, r := range s {

@@ -287,13 +287,14 @@ func TestRelayMetrics(t *testing.T) {
 }
 
 // TestDemoEventsSubjectUsage: an --events-subject the relay could never
-// publish to (an empty token, a wildcard, a control character) is a usage
+// publish to (an empty token, a wildcard, a control character, a reserved
+// $JS./$SYS./$KV./$O./_INBOX. subject) is a usage
 // error, not a demo whose every event is dead-lettered, or whose every order
 // fails at Enqueue.
 func TestDemoEventsSubjectUsage(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
-	for _, subject := range []string{"", "orders.", ".orders", "orders..created", "orders.*", "orders.>", "orders created", "orders\ncreated", "orders\x7fcreated"} {
+	for _, subject := range []string{"", "orders.", ".orders", "orders..created", "orders.*", "orders.>", "orders created", "orders\ncreated", "orders\x7fcreated", "$JS.API.STREAM.DELETE.ORDERS", "$SYS.REQ.SERVER.PING", "$KV.b.k", "$O.b.C.x", "_INBOX.abc"} {
 		code, _, stderr := runIdem(t, dir, nil, "demo", "--events", "nats://127.0.0.1:4222", "--events-subject", subject)
 		if code != 2 || !strings.Contains(stderr, "--events-subject") {
 			t.Errorf("--events-subject %q: exit %d, stderr %q; want a usage error (2)", subject, code, stderr)
