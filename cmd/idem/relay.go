@@ -14,8 +14,10 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/internal/dbopen"
+	"github.com/idemkit/idem/internal/orders"
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/outbox/natsjs"
+	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -181,7 +183,14 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		fmt.Fprintf(stderr, "idem relay: %v\n", err)
 		return exitFailure
 	}
-	if err := ob.migrate(ctx); err != nil {
+	if *stats || *deadLetters {
+		// Read-only: create nothing, so a wrong --prefix is an error, not
+		// an empty outbox reported as "0 pending".
+		if err := outboxTableExists(ctx, h, ob.table); err != nil {
+			fmt.Fprintf(stderr, "idem relay: the outbox table %s cannot be read (%v): check --prefix, --schema and --outbox-table, or run the relay once with --nats or --amqp to create it\n", ob.table, err)
+			return exitFailure
+		}
+	} else if err := ob.migrate(ctx); err != nil {
 		fmt.Fprintf(stderr, "idem relay: create the outbox table %s: %v\n", ob.table, err)
 		return exitFailure
 	}
@@ -417,4 +426,27 @@ func (m multiObserver) Deleted(n int) {
 	for _, o := range m {
 		o.Deleted(n)
 	}
+}
+
+// outboxTableExists reads nothing from table, but fails when it does not
+// exist (or cannot be read). The name was checked by openOutbox (letters,
+// digits, underscores, one optional dot), so quoting its parts is enough.
+func outboxTableExists(ctx context.Context, h *dbopen.Handle, table string) error {
+	parts := strings.Split(table, ".")
+	if h.Pool != nil {
+		_, err := h.Pool.Exec(ctx, "SELECT 1 FROM "+pgx.Identifier(parts).Sanitize()+" WHERE 1 = 0")
+		return err
+	}
+	q := `"`
+	if h.Target.Dialect == orders.MySQL {
+		q = "`"
+	}
+	for i, p := range parts {
+		parts[i] = q + p + q
+	}
+	rows, err := h.SQL.QueryContext(ctx, "SELECT 1 FROM "+strings.Join(parts, ".")+" WHERE 1 = 0")
+	if err != nil {
+		return err
+	}
+	return rows.Close()
 }
