@@ -59,6 +59,16 @@ type Stored struct {
 	Attempts int
 }
 
+// DeadLetter is a dead-lettered message as a store's DeadLetters reads it:
+// the message, why the relay gave up on it, and when.
+type DeadLetter struct {
+	Stored
+	// Reason is the error that made the message unpublishable.
+	Reason string
+	// DeadAt is when the relay dead-lettered it.
+	DeadAt time.Time
+}
+
 // Limits on what Enqueue accepts.
 const (
 	// DefaultMaxPayload is the largest payload a store's outbox accepts

@@ -66,6 +66,15 @@ type deadLetter struct {
 	Payload    string    `json:"payload"`
 }
 
+// deadLetters converts a store's dead letters for listing.
+func deadLetters(list []outbox.DeadLetter, err error) ([]deadLetter, error) {
+	out := make([]deadLetter, 0, len(list))
+	for _, d := range list {
+		out = append(out, deadLetter{d.Seq, d.ID, d.Subject, d.Attempts, d.EnqueuedAt, d.DeadAt, d.Reason, string(d.Payload)})
+	}
+	return out, err
+}
+
 // openOutbox returns the outbox table of h's database, named table.
 func openOutbox(h *dbopen.Handle, table string) (*eventsOutbox, error) {
 	switch h.Target.Dialect {
@@ -80,12 +89,7 @@ func openOutbox(h *dbopen.Handle, table string) (*eventsOutbox, error) {
 				return ob.Enqueue(ctx, tx.Pgx, m)
 			},
 			dead: func(ctx context.Context, limit int) ([]deadLetter, error) {
-				list, err := ob.DeadLetters(ctx, limit)
-				out := make([]deadLetter, 0, len(list))
-				for _, d := range list {
-					out = append(out, deadLetter{d.Seq, d.ID, d.Subject, d.Attempts, d.EnqueuedAt, d.DeadAt, d.Reason, string(d.Payload)})
-				}
-				return out, err
+				return deadLetters(ob.DeadLetters(ctx, limit))
 			},
 		}, nil
 	case orders.SQLite:
@@ -99,12 +103,7 @@ func openOutbox(h *dbopen.Handle, table string) (*eventsOutbox, error) {
 				return ob.Enqueue(ctx, tx.SQL, m)
 			},
 			dead: func(ctx context.Context, limit int) ([]deadLetter, error) {
-				list, err := ob.DeadLetters(ctx, limit)
-				out := make([]deadLetter, 0, len(list))
-				for _, d := range list {
-					out = append(out, deadLetter{d.Seq, d.ID, d.Subject, d.Attempts, d.EnqueuedAt, d.DeadAt, d.Reason, string(d.Payload)})
-				}
-				return out, err
+				return deadLetters(ob.DeadLetters(ctx, limit))
 			},
 		}, nil
 	case orders.MySQL:
@@ -118,12 +117,7 @@ func openOutbox(h *dbopen.Handle, table string) (*eventsOutbox, error) {
 				return ob.Enqueue(ctx, tx.SQL, m)
 			},
 			dead: func(ctx context.Context, limit int) ([]deadLetter, error) {
-				list, err := ob.DeadLetters(ctx, limit)
-				out := make([]deadLetter, 0, len(list))
-				for _, d := range list {
-					out = append(out, deadLetter{d.Seq, d.ID, d.Subject, d.Attempts, d.EnqueuedAt, d.DeadAt, d.Reason, string(d.Payload)})
-				}
-				return out, err
+				return deadLetters(ob.DeadLetters(ctx, limit))
 			},
 		}, nil
 	}

@@ -335,12 +335,9 @@ func (o *Outbox) Stats(ctx context.Context) (outbox.Stats, error) {
 	return s, nil
 }
 
-// DeadLetter is a dead-lettered message as DeadLetters reads it.
-type DeadLetter struct {
-	outbox.Stored
-	Reason string
-	DeadAt time.Time
-}
+// DeadLetter is a dead-lettered message as DeadLetters reads it
+// (outbox.DeadLetter, the same for every store).
+type DeadLetter = outbox.DeadLetter
 
 // DeadLetters returns up to limit dead-lettered messages, oldest first.
 func (o *Outbox) DeadLetters(ctx context.Context, limit int) ([]DeadLetter, error) {
