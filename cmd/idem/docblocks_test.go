@@ -244,6 +244,14 @@ var blockPortRE = regexp.MustCompile(`(127\.0\.0\.1:|localhost:|--port )([0-9]{2
 func freePorts(t *testing.T, text string) (string, map[string]string) {
 	t.Helper()
 	ports := map[string]string{}
+	// Every listener stays open until all ports are chosen: one closed at once
+	// could be handed out again, and two of the block's ports would become one.
+	var held []net.Listener
+	defer func() {
+		for _, ln := range held {
+			ln.Close()
+		}
+	}()
 	for _, m := range blockPortRE.FindAllStringSubmatch(text, -1) {
 		p := m[2]
 		if servicePorts[p] || ports[p] != "" {
@@ -253,8 +261,8 @@ func freePorts(t *testing.T, text string) (string, map[string]string) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		held = append(held, ln)
 		_, free, _ := net.SplitHostPort(ln.Addr().String())
-		ln.Close()
 		ports[p] = free
 	}
 	out := blockPortRE.ReplaceAllStringFunc(text, func(s string) string {
