@@ -27,7 +27,7 @@ func proxyGoroutines(t *testing.T) []string {
 	buf = buf[:runtime.Stack(buf, true)]
 	var out []string
 	for _, g := range strings.Split(string(buf), "\n\n") {
-		if !strings.Contains(g, "clienttest.(*Proxy)") {
+		if !runsProxyCode(g) {
 			continue
 		}
 		if !atWaitGroupDone(t, g) {
@@ -37,13 +37,26 @@ func proxyGoroutines(t *testing.T) []string {
 	return out
 }
 
+// runsProxyCode reports whether one of the frames of the goroutine stack g is
+// in the proxy's code. The "created by" line names the function that started
+// the goroutine, not one it runs: a goroutine in runtime.goexit, past its
+// deferred calls, has nothing but that line.
+func runsProxyCode(g string) bool {
+	for _, l := range strings.Split(g, "\n") {
+		if strings.Contains(l, "clienttest.(*Proxy)") && !strings.HasPrefix(strings.TrimSpace(l), "created by ") {
+			return true
+		}
+	}
+	return false
+}
+
 // atWaitGroupDone reports whether the innermost proxy frame of the goroutine
 // stack g is at a "defer p.wg.Done()" line or at the closing brace of the
 // function (returning through its deferred calls).
 func atWaitGroupDone(t *testing.T, g string) bool {
 	lines := strings.Split(g, "\n")
 	for i, l := range lines {
-		if !strings.Contains(l, "clienttest.(*Proxy)") || i+1 >= len(lines) {
+		if !strings.Contains(l, "clienttest.(*Proxy)") || strings.HasPrefix(strings.TrimSpace(l), "created by ") || i+1 >= len(lines) {
 			continue
 		}
 		loc := strings.Fields(strings.TrimSpace(lines[i+1]))[0] // /path/proxy.go:166
