@@ -170,6 +170,35 @@ func (p *Proxy) CutOneOlderThan(age time.Duration) bool {
 	return false
 }
 
+// cutOlderThan closes every connection made at least age ago, both of its
+// ends, and counts one cut if it closed any.
+func (p *Proxy) cutOlderThan(age time.Duration) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	cutoff := time.Now().Add(-age)
+	n := 0
+	for c, made := range p.conns {
+		if made.After(cutoff) {
+			continue
+		}
+		for _, e := range []net.Conn{c, p.peers[c]} {
+			if e == nil {
+				continue
+			}
+			if tc, ok := e.(*net.TCPConn); ok {
+				_ = tc.SetLinger(0)
+			}
+			_ = e.Close()
+			delete(p.conns, e)
+			delete(p.peers, e)
+		}
+		n++
+	}
+	if n > 0 {
+		p.cuts++
+	}
+}
+
 // Cuts reports how many times Cut or CutOne cut something (Cut counts once
 // per call).
 func (p *Proxy) Cuts() int {
@@ -180,6 +209,15 @@ func (p *Proxy) Cuts() int {
 
 // CutEvery calls Cut every interval until stop is called.
 func (p *Proxy) CutEvery(interval time.Duration) (stop func()) {
+	return p.CutEveryOlderThan(interval, 0)
+}
+
+// CutEveryOlderThan closes, every interval until stop is called, every
+// connection made at least age ago (both of its ends). A client whose
+// connections take longer to set up and use than interval (a database pool on
+// a loaded machine: connect, authenticate, then the statements) is still cut
+// mid-call, but not cut off from the server altogether.
+func (p *Proxy) CutEveryOlderThan(interval, age time.Duration) (stop func()) {
 	done := make(chan struct{})
 	var once sync.Once
 	var wg sync.WaitGroup
@@ -193,7 +231,11 @@ func (p *Proxy) CutEvery(interval time.Duration) (stop func()) {
 			case <-done:
 				return
 			case <-t.C:
-				p.Cut()
+				if age <= 0 {
+					p.Cut()
+				} else {
+					p.cutOlderThan(age)
+				}
 			}
 		}
 	}()

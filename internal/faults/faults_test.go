@@ -211,3 +211,39 @@ func TestHoldRelease(t *testing.T) {
 		t.Fatal("a connection cut while held still works")
 	}
 }
+
+// CutEveryOlderThan spares a connection younger than the age and cuts it once
+// it is older.
+func TestCutEveryOlderThan(t *testing.T) {
+	t.Parallel()
+	p, err := Listen(echoServer(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	stop := p.CutEveryOlderThan(5*time.Millisecond, time.Hour)
+	c, r := dial(t, p)
+	time.Sleep(30 * time.Millisecond) // six ticks
+	if _, err := roundTrip(c, r, "young"); err != nil {
+		t.Fatalf("a connection younger than the age was cut: %v", err)
+	}
+	stop()
+	if p.Cuts() != 0 {
+		t.Fatalf("Cuts = %d, want 0", p.Cuts())
+	}
+	stop = p.CutEveryOlderThan(5*time.Millisecond, time.Millisecond)
+	defer stop()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, err := roundTrip(c, r, "old"); err != nil {
+			break // cut, as it should be
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("a connection older than the age was never cut")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if p.Cuts() == 0 {
+		t.Error("Cuts = 0 after a cut")
+	}
+}
