@@ -11,6 +11,8 @@ import (
 	"net/http"
 	"strconv"
 	"sync/atomic"
+
+	"github.com/idemkit/idem/internal/eventseq"
 )
 
 // recorder is the ResponseWriter the handler of a claimed request writes to. It
@@ -47,6 +49,23 @@ type recorder struct {
 	// goroutine the handler left running) is refused, since its effect
 	// would belong to no answer.
 	returned atomic.Bool
+	// events numbers the request's outbox messages by name (package outbox,
+	// through internal/eventseq); made by the first message.
+	events atomic.Pointer[eventseq.Counter]
+}
+
+func init() {
+	eventseq.Lookup = func(ctx context.Context) *eventseq.Counter {
+		rw, ok := ctx.Value(recorderKey{}).(*recorder)
+		if !ok {
+			return nil
+		}
+		if c := rw.events.Load(); c != nil {
+			return c
+		}
+		rw.events.CompareAndSwap(nil, new(eventseq.Counter))
+		return rw.events.Load()
+	}
 }
 
 type recorderMode uint8

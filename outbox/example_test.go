@@ -15,6 +15,21 @@ func ExampleMessageID() {
 	// Output: 4100b7836331a13637c53341f52bfe88b2e56aad1237ff59397de5ca81a3d6c1
 }
 
+// The second message of one request with the same Name gets an ID of its
+// own; the first keeps MessageID's.
+func ExampleNthMessageID() {
+	ctx := outbox.WithKey(context.Background(), "tenant-1", "order-42")
+	first, _ := outbox.Prepare(ctx, outbox.Message{Name: "item.added", Subject: "orders.items"}, 0)
+	second, _ := outbox.Prepare(ctx, outbox.Message{Name: "item.added", Subject: "orders.items"}, 0)
+	fmt.Println(first.ID == outbox.MessageID("tenant-1", "order-42", "item.added"))
+	fmt.Println(second.ID == outbox.NthMessageID("tenant-1", "order-42", "item.added", 2))
+	fmt.Println(first.ID == second.ID)
+	// Output:
+	// true
+	// true
+	// false
+}
+
 // Outside a request idem executes (a batch job, a script), a message needs an
 // explicit ID, and the error says so.
 func ExamplePrepare() {

@@ -7,11 +7,13 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 	"unicode/utf8"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/eventseq"
 )
 
 // Message is an event to publish, as a handler enqueues it.
@@ -19,12 +21,16 @@ type Message struct {
 	// ID is the message's identity, the same for every publication of it: the
 	// broker's and the consumer's dedupe key (Nats-Msg-Id, AMQP message-id,
 	// Watermill UUID). Leave it empty in a handler that idem is executing:
-	// Enqueue sets it to MessageID(scope, key, Name). Outside one (a job, a
+	// Enqueue sets it to MessageID(scope, key, Name) (see Name for a second
+	// message of the same Name). Outside one (a job, a
 	// script) it must be given. It is 1 to 255 bytes of visible ASCII.
 	ID string
 	// Name tells the events of one request apart ("order.created",
 	// "invoice.issued"); with the request's scope and key it makes the default
-	// ID. Two messages of one request with the same Name get the same ID.
+	// ID. Messages of one request that share a Name are numbered in the order
+	// they are enqueued: the first gets MessageID(scope, key, Name), the n-th
+	// NthMessageID(scope, key, Name, n), the same on every attempt that
+	// enqueues them in the same order.
 	Name string
 	// Subject is where the publisher sends it: the NATS subject, the AMQP
 	// routing key, the Watermill topic. 1 to 255 bytes of printable UTF-8
@@ -113,6 +119,19 @@ func MessageID(scope, key, name string) string {
 	return digest("idem/outbox/message-id/v1", scope, key, name)
 }
 
+// NthMessageID returns the ID of the n-th event called name of the request
+// with scope and key (n counts from 1): MessageID(scope, key, name) for the
+// first, and for a later one the hex SHA-256 of the three and n, under the
+// same domain separator. Enqueue gives a request's second "item.added" the
+// ID NthMessageID(scope, key, "item.added", 2), so that the broker's and the
+// consumer's dedupe do not take it for the first. 64 characters.
+func NthMessageID(scope, key, name string, n int) string {
+	if n <= 1 {
+		return MessageID(scope, key, name)
+	}
+	return digest("idem/outbox/message-id/v1", scope, key, name, strconv.Itoa(n))
+}
+
 // PartitionOf returns the default partition key of the request with scope and
 // key (a digest, so that the table does not hold the key in clear).
 func PartitionOf(scope, key string) string {
@@ -131,7 +150,10 @@ func digest(domain string, parts ...string) string {
 	return hex.EncodeToString(h.Sum(nil))
 }
 
-type keyCtx struct{ scope, key string }
+type keyCtx struct {
+	scope, key string
+	events     *eventseq.Counter
+}
 
 type keyCtxKey struct{}
 
@@ -141,34 +163,38 @@ type keyCtxKey struct{}
 // request, such as a consumer's handler (the delivered message's ID as the
 // key) or a job (its run's name). idem's own request, if ctx has one, wins.
 func WithKey(ctx context.Context, scope, key string) context.Context {
-	return context.WithValue(ctx, keyCtxKey{}, keyCtx{scope, key})
+	return context.WithValue(ctx, keyCtxKey{}, keyCtx{scope, key, new(eventseq.Counter)})
 }
 
-// keyOf returns the scope and key the defaults derive from.
-func keyOf(ctx context.Context) (scope, key string, ok bool) {
+// keyOf returns the scope and key the defaults derive from, and the counter
+// that numbers the messages enqueued under them.
+func keyOf(ctx context.Context) (scope, key string, events *eventseq.Counter, ok bool) {
 	if scope, key, ok = idem.KeyFrom(ctx); ok {
-		return scope, key, true
+		return scope, key, eventseq.Lookup(ctx), true
 	}
 	if v, found := ctx.Value(keyCtxKey{}).(keyCtx); found {
-		return v.scope, v.key, true
+		return v.scope, v.key, v.events, true
 	}
-	return "", "", false
+	return "", "", nil, false
 }
 
 // Prepare checks m and fills in its defaults (ID, PartitionKey) from ctx, the
 // way every store's Enqueue does before it writes: maxPayload bounds the
 // payload (0 means DefaultMaxPayload). A store's Enqueue calls it; a caller
-// may, to check a message early.
+// may, to check a message early, and should then enqueue the message Prepare
+// returned: a message without an ID is numbered among the request's messages
+// of its Name (see Message.Name) each time it goes through Prepare.
 func Prepare(ctx context.Context, m Message, maxPayload int) (Message, error) {
 	if maxPayload <= 0 {
 		maxPayload = DefaultMaxPayload
 	}
-	scope, key, inRequest := keyOf(ctx)
+	scope, key, events, inRequest := keyOf(ctx)
+	numbered := m.ID == ""
 	if m.ID == "" {
 		if !inRequest {
 			return m, ErrNoID
 		}
-		m.ID = MessageID(scope, key, m.Name)
+		m.ID = MessageID(scope, key, m.Name) // numbered below, once m passes the checks
 	}
 	if m.PartitionKey == "" {
 		if inRequest {
@@ -179,6 +205,11 @@ func Prepare(ctx context.Context, m Message, maxPayload int) (Message, error) {
 	}
 	if err := check(m, maxPayload); err != nil {
 		return m, err
+	}
+	if numbered && events != nil {
+		if n := events.Next(m.Name); n > 1 {
+			m.ID = NthMessageID(scope, key, m.Name, n)
+		}
 	}
 	if m.Payload == nil {
 		m.Payload = []byte{}

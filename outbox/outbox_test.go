@@ -418,3 +418,127 @@ func TestRelayBlackHole(t *testing.T) {
 		t.Fatalf("pending %d", st.Pending)
 	}
 }
+
+// TestSameNameTwiceInARequest: two messages of one request with the same Name
+// (an "item.added" per line item) get IDs of their own, the first the plain
+// MessageID, numbered in the order they are enqueued, and a retry that runs
+// the handler again gets the same IDs. Before, both got one ID, and the
+// broker's duplicate window dropped the second.
+func TestSameNameTwiceInARequest(t *testing.T) {
+	t.Parallel()
+	store := memstore.New(nil)
+	defer store.Close()
+	mw, err := idem.New(store, &idem.Config{KeepFunc: func(status int) bool { return status < 500 }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var ids [][]string
+	fail := true
+	h := mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var got []string
+		for _, name := range []string{"item.added", "item.added", "order.created", "item.added"} {
+			m, err := outbox.Prepare(r.Context(), outbox.Message{Name: name, Subject: "orders"}, 0)
+			if err != nil {
+				t.Error(err)
+			}
+			got = append(got, m.ID)
+		}
+		// A message refused by the checks takes no number.
+		if _, err := outbox.Prepare(r.Context(), outbox.Message{Name: "item.added", Subject: "$JS.API.x"}, 0); err == nil {
+			t.Error("a reserved subject was accepted")
+		}
+		m, _ := outbox.Prepare(r.Context(), outbox.Message{Name: "item.added", Subject: "orders"}, 0)
+		got = append(got, m.ID)
+		// A message with an ID of its own takes no number either.
+		_, _ = outbox.Prepare(r.Context(), outbox.Message{ID: "own", Name: "item.added", Subject: "orders"}, 0)
+		mu.Lock()
+		ids = append(ids, got)
+		retry := fail
+		fail = false
+		mu.Unlock()
+		if retry {
+			w.WriteHeader(503) // not kept (KeepFunc): the retry runs the handler again
+			return
+		}
+		w.WriteHeader(201)
+	}))
+	for range 2 {
+		req := httptest.NewRequest("POST", "/orders", strings.NewReader("{}"))
+		req.Header.Set("Idempotency-Key", "k-twice")
+		req = req.WithContext(idem.WithScope(req.Context(), "tenant-a"))
+		h.ServeHTTP(httptest.NewRecorder(), req)
+	}
+	if len(ids) != 2 {
+		t.Fatalf("the handler ran %d times, want 2", len(ids))
+	}
+	want := []string{
+		outbox.MessageID("tenant-a", "k-twice", "item.added"),
+		outbox.NthMessageID("tenant-a", "k-twice", "item.added", 2),
+		outbox.MessageID("tenant-a", "k-twice", "order.created"),
+		outbox.NthMessageID("tenant-a", "k-twice", "item.added", 3),
+		outbox.NthMessageID("tenant-a", "k-twice", "item.added", 4),
+	}
+	for attempt, got := range ids {
+		for i := range want {
+			if got[i] != want[i] {
+				t.Errorf("attempt %d, message %d: ID %s, want %s", attempt+1, i+1, got[i], want[i])
+			}
+		}
+	}
+	seen := map[string]bool{}
+	for _, id := range want {
+		if seen[id] {
+			t.Fatalf("ID %s given twice", id)
+		}
+		seen[id] = true
+	}
+	if outbox.NthMessageID("s", "k", "n", 1) != outbox.MessageID("s", "k", "n") || outbox.NthMessageID("s", "k", "n", 0) != outbox.MessageID("s", "k", "n") {
+		t.Error("NthMessageID(…, 1) is not MessageID")
+	}
+	if outbox.NthMessageID("s", "k", "n", 2) == outbox.MessageID("s", "k", "n2") || outbox.NthMessageID("s", "k", "n2", 2) == outbox.NthMessageID("s", "k2", "n", 2) {
+		t.Error("NthMessageID collides with another name's ID")
+	}
+}
+
+// TestSameNameConcurrently: messages of one name enqueued from many
+// goroutines of one handler at once get distinct IDs; under WithKey too.
+func TestSameNameConcurrently(t *testing.T) {
+	t.Parallel()
+	ctx := outbox.WithKey(context.Background(), "consumer/orders", "msg-9")
+	const n = 64
+	ids := make([]string, n)
+	var start, done sync.WaitGroup
+	start.Add(1)
+	for i := range n {
+		done.Add(1)
+		go func() {
+			defer done.Done()
+			start.Wait()
+			m, err := outbox.Prepare(ctx, outbox.Message{Name: "line", Subject: "s"}, 0)
+			if err != nil {
+				t.Error(err)
+			}
+			ids[i] = m.ID
+		}()
+	}
+	start.Done()
+	done.Wait()
+	seen := map[string]bool{}
+	for _, id := range ids {
+		if seen[id] {
+			t.Fatalf("ID %s given twice", id)
+		}
+		seen[id] = true
+	}
+	for i := 1; i <= n; i++ {
+		if !seen[outbox.NthMessageID("consumer/orders", "msg-9", "line", i)] {
+			t.Fatalf("the %d-th message's ID is missing", i)
+		}
+	}
+	// A new WithKey context numbers from 1 again.
+	m, _ := outbox.Prepare(outbox.WithKey(context.Background(), "consumer/orders", "msg-9"), outbox.Message{Name: "line", Subject: "s"}, 0)
+	if m.ID != outbox.MessageID("consumer/orders", "msg-9", "line") {
+		t.Fatalf("a new WithKey context does not start from 1: %s", m.ID)
+	}
+}
