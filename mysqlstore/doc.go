@@ -178,6 +178,14 @@
 // transaction begins, so a pool fully held by transactions never stalls a
 // completion.
 //
+// A step (idem.Step) needs one more connection, briefly, beside its handler's
+// transaction. With the pool full when a step's statement starts, it runs on
+// a connection it waits at most 5 s for, and then fails with an error that
+// says to raise SetMaxOpenConns (the step is not begun, or its outcome not
+// recorded): otherwise, with every connection held by handlers whose steps
+// wait for one, every such request would wait for the others for ever. Size
+// SetMaxOpenConns at twice the requests that run steps at once.
+//
 // # Single transaction
 //
 // The store also implements idem.SingleTxStore (idem.FlowSingleTx): BeginLocked
