@@ -47,6 +47,10 @@ type recorder struct {
 	// goroutine the handler left running) is refused, since its effect
 	// would belong to no answer.
 	returned atomic.Bool
+	// otherRequest is set by a Step that found the step recorded for another
+	// request with this key (ErrStepOtherRequest): the middleware answers 422
+	// instead of the handler, stores nothing and releases the key.
+	otherRequest atomic.Bool
 }
 
 type recorderMode uint8

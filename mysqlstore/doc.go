@@ -282,7 +282,9 @@
 // # Step records
 //
 // The Store is an idem.StepStore: the records of idem.Step live in
-// Table+"_steps" (StepsTable), created by migration 002_create_steps:
+// Table+"_steps" (StepsTable), created by migration 002_create_steps
+// (migration 003_steps_fingerprint adds the fingerprint of the request that
+// wrote each row):
 //
 //	CREATE TABLE IF NOT EXISTS `idem_records_steps` (
 //	  `scope`       VARBINARY(255)   NOT NULL,
@@ -296,6 +298,7 @@
 //	  `expires_at`  BIGINT           NOT NULL,
 //	  `attempt`     VARBINARY(32)    NOT NULL,  -- nonce of the BeginStep that last began it
 //	  `seq`         BIGINT UNSIGNED  NOT NULL DEFAULT 0,
+//	  `fingerprint` VARBINARY(512)   NOT NULL DEFAULT '',  -- the request's (migration 003)
 //	  PRIMARY KEY (`scope`, `key`, `name`),
 //	  KEY `expires_at_idx` (`expires_at`)
 //	) ENGINE=InnoDB

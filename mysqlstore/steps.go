@@ -37,8 +37,8 @@ func (s *Store) StepsTable() string { return s.table + stepsSuffix }
 // of another owner with Rerun). Parameters: now, rerun, owner.
 func (s *Store) stepQueries() (insert, insertHolder, upsert, upsertHolder, read string) {
 	t := quote(s.StepsTable())
-	cols := "(`scope`, `key`, `name`, `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `attempt`)"
-	vals := " SELECT ?, ?, ?, 1, ?, ?, NULL, ?, ?, ?"
+	cols := "(`scope`, `key`, `name`, `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `attempt`, `fingerprint`)"
+	vals := " SELECT ?, ?, ?, 1, ?, ?, NULL, ?, ?, ?, ?"
 	// The Holder fence is the SELECT's condition on the request record, read
 	// with a shared lock that holds until the statement's transaction ends: no
 	// takeover of the record commits between the check and the write. With
@@ -47,7 +47,12 @@ func (s *Store) stepQueries() (insert, insertHolder, upsert, upsertHolder, read 
 	// Columns of the step row, qualified: the SELECT's table (the records
 	// table) has columns of the same names.
 	c := func(col string) string { return t + ".`" + col + "`" }
-	take := "(" + c("expires_at") + " <= ? OR (" + c("state") + " = 1 AND (" + c("owner") + " = '' OR (? AND " + c("owner") + " <> ?))))"
+	// other: a live row of another request (both fingerprints set, and
+	// different: the key released and reused), left as it is. Parameters:
+	// fingerprint, fingerprint.
+	other := "(" + c("fingerprint") + " <> '' AND ? <> '' AND " + c("fingerprint") + " <> ?)"
+	// Parameters of take: now, fingerprint, fingerprint, rerun, owner.
+	take := "(" + c("expires_at") + " <= ? OR (NOT " + other + " AND " + c("state") + " = 1 AND (" + c("owner") + " = '' OR (? AND " + c("owner") + " <> ?))))"
 	// ours is true, in each assignment after attempt's, exactly when this
 	// statement takes the row, whatever the server's assignment semantics
 	// (left to right, or MariaDB's SIMULTANEOUS_ASSIGNMENT): attempt is
@@ -63,13 +68,14 @@ func (s *Store) stepQueries() (insert, insertHolder, upsert, upsertHolder, read 
 		" `derived_key` = IF(" + expired + ", ?, " + c("derived_key") + ")," +
 		" `result` = IF(" + expired + ", NULL, " + c("result") + ")," +
 		" `started_at` = IF(" + expired + ", ?, " + c("started_at") + ")," +
+		" `fingerprint` = IF(" + expired + ", ?, " + c("fingerprint") + ")," +
 		" `seq` = " + c("seq") + " + 1," + // always changes: the affected-rows count says updated (2)
-		" `expires_at` = IF(" + expired + ", ?, GREATEST(" + c("expires_at") + ", ?))"
+		" `expires_at` = IF(" + expired + ", ?, IF(" + other + ", " + c("expires_at") + ", GREATEST(" + c("expires_at") + ", ?)))"
 	insert = "INSERT INTO " + t + " " + cols + vals
 	insertHolder = insert + holder
 	upsert = insert + odku
 	upsertHolder = insertHolder + odku
-	read = "SELECT `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `attempt` = ? FROM " + t +
+	read = "SELECT `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `fingerprint`, `attempt` = ? FROM " + t +
 		" WHERE `scope` = ? AND `key` = ? AND `name` = ?"
 	return
 }
@@ -281,17 +287,20 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	if err := idem.CheckFieldSize("mysqlstore", "step derived key", int64(len(req.DerivedKey)), MaxDerivedKeyLength); err != nil {
 		return nil, false, err
 	}
+	if err := idem.CheckFieldSize("mysqlstore", "step fingerprint", int64(len(req.Fingerprint)), MaxFingerprintLength); err != nil {
+		return nil, false, err
+	}
 	insert, insertHolder, upsert, upsertHolder, read := s.stepQueries()
-	scope, key, name, owner, dk := []byte(req.Scope), []byte(req.Key), []byte(req.Name), []byte(req.Owner), []byte(req.DerivedKey)
+	scope, key, name, owner, dk, fp := []byte(req.Scope), []byte(req.Key), []byte(req.Name), []byte(req.Owner), []byte(req.DerivedKey), []byte(req.Fingerprint)
 	now, exp := req.Now.UnixMicro(), req.ExpiresAt.UnixMicro()
 	nonce := stepNonce()
-	args := []any{scope, key, name, owner, dk, now, exp, nonce}
+	args := []any{scope, key, name, owner, dk, now, exp, nonce, fp}
 	if req.Holder {
 		insert, upsert = insertHolder, upsertHolder
 		args = append(args, scope, key, owner, now)
 	}
 	mine := &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name, State: idem.StepStarted, Owner: req.Owner,
-		DerivedKey: req.DerivedKey, StartedAt: req.Now, ExpiresAt: req.ExpiresAt}
+		DerivedKey: req.DerivedKey, Fingerprint: req.Fingerprint, StartedAt: req.Now, ExpiresAt: req.ExpiresAt}
 
 	d, err := s.stepConn(ctx)
 	if err != nil {
@@ -321,7 +330,7 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	}
 
 	rerun := req.Rerun
-	take := []any{now, rerun, owner}
+	take := []any{now, fp, fp, rerun, owner}
 	ours := append([]any{nonce}, take...)
 	uargs := append([]any{}, args...)
 	uargs = append(append(uargs, take...), nonce) // attempt
@@ -330,7 +339,8 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	uargs = append(uargs, now, dk)                // derived_key
 	uargs = append(uargs, now)                    // result
 	uargs = append(uargs, now, now)               // started_at
-	uargs = append(uargs, now, exp, exp)          // expires_at
+	uargs = append(uargs, now, fp)                // fingerprint
+	uargs = append(uargs, now, exp, fp, fp, exp)  // expires_at
 	var rec *idem.StepRecord
 	var began bool
 	err = retry(ctx, func() error {
@@ -358,18 +368,18 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 		r := &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name}
 		var state uint8
 		var started, expires int64
-		var owner, dk []byte
+		var owner, dk, rfp []byte
 		row, err := d.txQueryRow(ctx, tx, read, nonce, scope, key, name)
 		if err != nil {
 			return err
 		}
-		if err := row.Scan(&state, &owner, &dk, &r.Result, &started, &expires, &began); err != nil {
+		if err := row.Scan(&state, &owner, &dk, &r.Result, &started, &expires, &rfp, &began); err != nil {
 			return err
 		}
 		if err := tx.Commit(); err != nil {
 			return err
 		}
-		r.State, r.Owner, r.DerivedKey = idem.StepState(state), string(owner), string(dk)
+		r.State, r.Owner, r.DerivedKey, r.Fingerprint = idem.StepState(state), string(owner), string(dk), string(rfp)
 		r.StartedAt, r.ExpiresAt = time.UnixMicro(started), time.UnixMicro(expires)
 		if started == now {
 			r.StartedAt = req.Now
@@ -414,7 +424,7 @@ func (s *Store) casStep(ctx context.Context, d *stepDB, req idem.BeginStepReques
 		hargs = []any{[]byte(req.Scope), []byte(req.Key), []byte(req.Owner), req.Now.UnixMicro()}
 	}
 	pkArgs := []any{[]byte(req.Scope), []byte(req.Key), []byte(req.Name)}
-	read := "SELECT " + held + ", `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `seq`, `attempt` FROM " + t + pk
+	read := "SELECT " + held + ", `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `seq`, `attempt`, `fingerprint` FROM " + t + pk
 	now, exp := req.Now.UnixMicro(), req.ExpiresAt.UnixMicro()
 	rounds := maxCASRounds
 	if s.noStepCAS.Load() {
@@ -426,13 +436,13 @@ func (s *Store) casStep(ctx context.Context, d *stepDB, req idem.BeginStepReques
 		var owner, dk []byte
 		var started, expires int64
 		var seq uint64
-		var attempt []byte
+		var attempt, rfp []byte
 		r := &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name}
 		row, err := d.queryRow(ctx, read, append(append([]any{}, hargs...), pkArgs...)...)
 		if err != nil {
 			return nil, false, false, s.wrapSteps(err)
 		}
-		err = row.Scan(&h, &state, &owner, &dk, &r.Result, &started, &expires, &seq, &attempt)
+		err = row.Scan(&h, &state, &owner, &dk, &r.Result, &started, &expires, &seq, &attempt, &rfp)
 		if errors.Is(err, sql.ErrNoRows) {
 			return nil, false, false, nil
 		}
@@ -442,17 +452,20 @@ func (s *Store) casStep(ctx context.Context, d *stepDB, req idem.BeginStepReques
 		if !h {
 			return nil, false, false, idem.ErrLockLost
 		}
-		r.State, r.Owner, r.DerivedKey = idem.StepState(state), string(owner), string(dk)
+		r.State, r.Owner, r.DerivedKey, r.Fingerprint = idem.StepState(state), string(owner), string(dk), string(rfp)
 		r.StartedAt, r.ExpiresAt = time.UnixMicro(started), time.UnixMicro(expires)
+		other := r.Fingerprint != "" && req.Fingerprint != "" && r.Fingerprint != req.Fingerprint
 		var q string
 		var args []any
 		switch {
 		case expires <= now: // expired: a new record
-			q = "UPDATE " + t + " SET `state` = 1, `owner` = ?, `derived_key` = ?, `result` = NULL, `started_at` = ?, `expires_at` = ?, `attempt` = ?, `seq` = `seq` + 1"
-			args = []any{[]byte(req.Owner), []byte(req.DerivedKey), now, exp, nonce}
+			q = "UPDATE " + t + " SET `state` = 1, `owner` = ?, `derived_key` = ?, `result` = NULL, `started_at` = ?, `expires_at` = ?, `attempt` = ?, `fingerprint` = ?, `seq` = `seq` + 1"
+			args = []any{[]byte(req.Owner), []byte(req.DerivedKey), now, exp, nonce, []byte(req.Fingerprint)}
 			r = &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name, State: idem.StepStarted, Owner: req.Owner,
-				DerivedKey: req.DerivedKey, StartedAt: req.Now, ExpiresAt: req.ExpiresAt}
+				DerivedKey: req.DerivedKey, Fingerprint: req.Fingerprint, StartedAt: req.Now, ExpiresAt: req.ExpiresAt}
 			began = true
+		case other: // another request's: left as it is
+			return r, false, true, nil
 		case r.State == idem.StepStarted && (r.Owner == "" || (req.Rerun && r.Owner != req.Owner)): // taken
 			q = "UPDATE " + t + " SET `owner` = ?, `attempt` = ?, `expires_at` = GREATEST(`expires_at`, ?), `seq` = `seq` + 1"
 			args = []any{[]byte(req.Owner), nonce, exp}
@@ -578,7 +591,7 @@ func (s *Store) GetSteps(ctx context.Context, scope, key string, now time.Time) 
 		return nil, err
 	}
 	defer d.close()
-	rows, err := d.query(ctx, "SELECT `name`, `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at` FROM "+quote(s.StepsTable())+
+	rows, err := d.query(ctx, "SELECT `name`, `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `fingerprint` FROM "+quote(s.StepsTable())+
 		" WHERE `scope` = ? AND `key` = ? AND `expires_at` > ? ORDER BY `started_at`, `name`",
 		[]byte(scope), []byte(key), now.UnixMicro())
 	if noStepsTable(err) {
@@ -591,13 +604,13 @@ func (s *Store) GetSteps(ctx context.Context, scope, key string, now time.Time) 
 	var out []idem.StepRecord
 	for rows.Next() {
 		r := idem.StepRecord{Scope: scope, Key: key}
-		var name, owner, dk []byte
+		var name, owner, dk, fp []byte
 		var state uint8
 		var started, expires int64
-		if err := rows.Scan(&name, &state, &owner, &dk, &r.Result, &started, &expires); err != nil {
+		if err := rows.Scan(&name, &state, &owner, &dk, &r.Result, &started, &expires, &fp); err != nil {
 			return nil, s.wrapSteps(err)
 		}
-		r.Name, r.State, r.Owner, r.DerivedKey = string(name), idem.StepState(state), string(owner), string(dk)
+		r.Name, r.State, r.Owner, r.DerivedKey, r.Fingerprint = string(name), idem.StepState(state), string(owner), string(dk), string(fp)
 		r.StartedAt, r.ExpiresAt = time.UnixMicro(started), time.UnixMicro(expires)
 		out = append(out, r)
 	}
@@ -678,6 +691,9 @@ func (s *Store) wrapSteps(err error) error {
 	}
 	if code, ok := errorNumber(err); ok && code == 1146 {
 		return fmt.Errorf("mysqlstore: table %s does not exist; run (*mysqlstore.Store).Migrate or `idem migrate` first: %w", quote(s.StepsTable()), err)
+	}
+	if code, ok := errorNumber(err); ok && code == 1054 {
+		return fmt.Errorf("mysqlstore: table %s lacks a column this release writes (fingerprint, from migration 003_steps_fingerprint); run (*mysqlstore.Store).Migrate or `idem migrate` first: %w", quote(s.StepsTable()), err)
 	}
 	if strings.HasPrefix(err.Error(), "mysqlstore: ") {
 		return err

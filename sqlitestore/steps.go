@@ -38,7 +38,7 @@ type stepsState struct {
 }
 
 type stepQueries struct {
-	begin, peek, finish, abandon, settle, forget, get, deleteExpired, lock, schema string
+	begin, peek, finish, abandon, settle, forget, get, deleteExpired, lock, schema, columns, addFingerprint string
 }
 
 // stepsHandles holds the step database sqlitestore opened for each records
@@ -73,7 +73,10 @@ func stepsHandleFor(db *sql.DB) *stepsHandle {
 func newStepQueries(table string) stepQueries {
 	t := quoteIdent(table + "_steps")
 	idx := quoteIdent(table + "_steps_expires_at_idx")
-	take := `(s.expires_at <= ?6 OR (s.state = 1 AND (s.owner = '' OR (?9 AND s.owner <> excluded.owner))))`
+	// other: a live row of another request (both fingerprints set, and
+	// different), which BeginStep leaves as it is.
+	other := `(s.expires_at > ?6 AND s.fingerprint <> '' AND ?10 <> '' AND s.fingerprint <> ?10)`
+	take := `(s.expires_at <= ?6 OR (NOT ` + other + ` AND s.state = 1 AND (s.owner = '' OR (?9 AND s.owner <> excluded.owner))))`
 	expired := `s.expires_at <= ?6`
 	live := `scope = ? AND key = ? AND name = ? AND expires_at > ?`
 	return stepQueries{
@@ -88,13 +91,18 @@ func newStepQueries(table string) stepQueries {
     started_at  INTEGER NOT NULL,                            -- Unix nanoseconds
     expires_at  INTEGER NOT NULL,
     attempt     TEXT    NOT NULL,                            -- nonce of the BeginStep that last began it
+    fingerprint TEXT    NOT NULL DEFAULT '',                 -- the request's that wrote it ('' for none)
     PRIMARY KEY (scope, key, name)
 );
 CREATE INDEX IF NOT EXISTS ` + idx + ` ON ` + t + ` (expires_at)`,
 		// One statement decides BeginStep (the gate and SQLite's write lock
 		// serialize it); attempt = ?8, this call's nonce, says whether it began.
-		begin: `INSERT INTO ` + t + ` AS s (scope, key, name, state, owner, derived_key, result, started_at, expires_at, attempt)
-VALUES (?1, ?2, ?3, 1, ?4, ?5, NULL, ?6, ?7, ?8)
+		// A steps file made before step records carried the fingerprint
+		// gets the column (every row's '': not told apart).
+		columns:        `SELECT name FROM pragma_table_info('` + table + `_steps')`,
+		addFingerprint: `ALTER TABLE ` + t + ` ADD COLUMN fingerprint TEXT NOT NULL DEFAULT ''`,
+		begin: `INSERT INTO ` + t + ` AS s (scope, key, name, state, owner, derived_key, result, started_at, expires_at, attempt, fingerprint)
+VALUES (?1, ?2, ?3, 1, ?4, ?5, NULL, ?6, ?7, ?8, ?10)
 ON CONFLICT (scope, key, name) DO UPDATE SET
     attempt = CASE WHEN ` + take + ` THEN excluded.attempt ELSE s.attempt END,
     owner = CASE WHEN ` + take + ` THEN excluded.owner ELSE s.owner END,
@@ -102,14 +110,15 @@ ON CONFLICT (scope, key, name) DO UPDATE SET
     derived_key = CASE WHEN ` + expired + ` THEN excluded.derived_key ELSE s.derived_key END,
     result = CASE WHEN ` + expired + ` THEN NULL ELSE s.result END,
     started_at = CASE WHEN ` + expired + ` THEN excluded.started_at ELSE s.started_at END,
-    expires_at = CASE WHEN ` + expired + ` THEN excluded.expires_at ELSE MAX(s.expires_at, excluded.expires_at) END
-RETURNING attempt = ?8, state, owner, derived_key, result, started_at, expires_at`,
-		peek:          `SELECT state, owner, derived_key, result, started_at, expires_at FROM ` + t + ` WHERE scope = ? AND key = ? AND name = ?`,
+    fingerprint = CASE WHEN ` + expired + ` THEN excluded.fingerprint ELSE s.fingerprint END,
+    expires_at = CASE WHEN ` + expired + ` THEN excluded.expires_at WHEN ` + other + ` THEN s.expires_at ELSE MAX(s.expires_at, excluded.expires_at) END
+RETURNING attempt = ?8, state, owner, derived_key, result, started_at, expires_at, fingerprint`,
+		peek:          `SELECT state, owner, derived_key, result, started_at, expires_at, fingerprint FROM ` + t + ` WHERE scope = ? AND key = ? AND name = ?`,
 		finish:        `UPDATE ` + t + ` SET state = ?, result = ? WHERE ` + live + ` AND state = 1 AND owner = ? AND owner <> ''`,
 		abandon:       `UPDATE ` + t + ` SET owner = '' WHERE ` + live + ` AND state = 1 AND owner = ? AND owner <> ''`,
 		settle:        `UPDATE ` + t + ` SET state = ?, result = ? WHERE ` + live,
 		forget:        `DELETE FROM ` + t + ` WHERE ` + live,
-		get:           `SELECT name, state, owner, derived_key, result, started_at, expires_at FROM ` + t + ` WHERE scope = ? AND key = ? AND expires_at > ? ORDER BY started_at, name`,
+		get:           `SELECT name, state, owner, derived_key, result, started_at, expires_at, fingerprint FROM ` + t + ` WHERE scope = ? AND key = ? AND expires_at > ? ORDER BY started_at, name`,
 		deleteExpired: `DELETE FROM ` + t + ` WHERE rowid IN (SELECT rowid FROM ` + t + ` WHERE expires_at <= ? LIMIT ?)`,
 		lock:          `UPDATE ` + t + ` SET state = state WHERE 0`,
 	}
@@ -156,8 +165,39 @@ func (s *Store) steps(ctx context.Context, create bool) (*sql.DB, gate, error) {
 	if _, err := st.db.ExecContext(ctx, st.q.schema); err != nil {
 		return nil, nil, wrap("steps: create the table", err)
 	}
+	if err := s.addFingerprint(ctx, st.db); err != nil {
+		return nil, nil, err
+	}
 	st.ready = true
 	return st.db, st.gate, nil
+}
+
+// addFingerprint adds the fingerprint column to a steps table made before
+// step records carried it.
+func (s *Store) addFingerprint(ctx context.Context, db *sql.DB) error {
+	rows, err := db.QueryContext(ctx, s.st.q.columns)
+	if err != nil {
+		return wrap("steps: read the table's columns", err)
+	}
+	has := false
+	for rows.Next() {
+		var name string
+		if err := rows.Scan(&name); err != nil {
+			_ = rows.Close()
+			return wrap("steps: read the table's columns", err)
+		}
+		has = has || name == "fingerprint"
+	}
+	if err := rows.Close(); err != nil {
+		return wrap("steps: read the table's columns", err)
+	}
+	if has {
+		return nil
+	}
+	if _, err := db.ExecContext(ctx, s.st.q.addFingerprint); err != nil && !strings.Contains(err.Error(), "duplicate column") {
+		return wrap("steps: add the fingerprint column", err)
+	}
+	return nil
 }
 
 // mainFile returns the file of db's main database ("" in memory).
@@ -449,8 +489,8 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	var state, started, expires int64
 	var result []byte
 	err = q.QueryRowContext(ctx, s.st.q.begin, req.Scope, req.Key, req.Name, req.Owner, req.DerivedKey,
-		nanos(req.Now), nanos(req.ExpiresAt), stepNonce(), req.Rerun).
-		Scan(&began, &state, &rec.Owner, &rec.DerivedKey, &result, &started, &expires)
+		nanos(req.Now), nanos(req.ExpiresAt), stepNonce(), req.Rerun, req.Fingerprint).
+		Scan(&began, &state, &rec.Owner, &rec.DerivedKey, &result, &started, &expires, &rec.Fingerprint)
 	if err != nil {
 		return nil, false, wrap("begin step", err)
 	}
@@ -498,7 +538,7 @@ func (s *Store) peekStep(ctx context.Context, db *sql.DB, req idem.BeginStepRequ
 	rec := &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name}
 	var state, started, expires int64
 	err := db.QueryRowContext(ctx, s.st.q.peek, req.Scope, req.Key, req.Name).
-		Scan(&state, &rec.Owner, &rec.DerivedKey, &rec.Result, &started, &expires)
+		Scan(&state, &rec.Owner, &rec.DerivedKey, &rec.Result, &started, &expires, &rec.Fingerprint)
 	if errors.Is(err, sql.ErrNoRows) {
 		return nil, false, nil
 	}
@@ -506,8 +546,9 @@ func (s *Store) peekStep(ctx context.Context, db *sql.DB, req idem.BeginStepRequ
 		return nil, false, wrap("begin step: read the step", err)
 	}
 	rec.State = idem.StepState(state)
+	other := rec.Fingerprint != "" && req.Fingerprint != "" && rec.Fingerprint != req.Fingerprint
 	takeable := rec.State == idem.StepStarted && (rec.Owner == "" || (req.Rerun && rec.Owner != req.Owner))
-	if expires <= nanos(req.Now) || takeable || nanos(req.ExpiresAt) > expires {
+	if expires <= nanos(req.Now) || (!other && (takeable || nanos(req.ExpiresAt) > expires)) {
 		return nil, false, nil
 	}
 	if req.Holder {
@@ -520,7 +561,7 @@ func (s *Store) peekStep(ctx context.Context, db *sql.DB, req idem.BeginStepRequ
 		}
 	}
 	rec.StartedAt, rec.ExpiresAt = fromNanos(started), fromNanos(expires)
-	if expires == nanos(req.ExpiresAt) {
+	if expires == nanos(req.ExpiresAt) && !other {
 		rec.ExpiresAt = req.ExpiresAt
 	}
 	return rec, true, nil
@@ -609,7 +650,7 @@ func (s *Store) GetSteps(ctx context.Context, scope, key string, now time.Time) 
 	for rows.Next() {
 		rec := idem.StepRecord{Scope: scope, Key: key}
 		var state, started, expires int64
-		if err := rows.Scan(&rec.Name, &state, &rec.Owner, &rec.DerivedKey, &rec.Result, &started, &expires); err != nil {
+		if err := rows.Scan(&rec.Name, &state, &rec.Owner, &rec.DerivedKey, &rec.Result, &started, &expires, &rec.Fingerprint); err != nil {
 			return nil, wrap("get steps", err)
 		}
 		rec.State, rec.StartedAt, rec.ExpiresAt = idem.StepState(state), fromNanos(started), fromNanos(expires)

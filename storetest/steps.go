@@ -64,6 +64,7 @@ func stepCases() []stepCase {
 		{"Abandon", testStepAbandon},
 		{"Rerun", testStepRerun},
 		{"Refuse", testStepRefuse},
+		{"OtherRequest", testStepOtherRequest},
 		{"HolderFence", testStepHolderFence},
 		{"Expiry", testStepExpiry},
 		{"ExpiryMovedLater", testStepExpiryMovedLater},
@@ -324,6 +325,130 @@ func testStepRefuse(t *testing.T, _ idem.Store, ss idem.StepStore) {
 	}
 	got := mustStep(t, ss, st, now)
 	checkStep(t, "finished", &got, idem.StepFailed, "", a.DerivedKey, []byte(`{"message":"declined"}`))
+}
+
+// testStepOtherRequest: a live step record keeps the fingerprint of the
+// request that wrote it, and a BeginStep with another fingerprint (the key
+// released and reused for a different request) writes nothing — it does not
+// take an abandoned or started record, nor move its expiry — and returns the
+// record with its own fingerprint, began false, with and without Holder. The
+// first request (its fingerprint) still begins and finishes it; a request
+// without a fingerprint (a consumer's) is not told apart; a record that
+// expired is a new one, with the new fingerprint.
+func testStepOtherRequest(t *testing.T, s idem.Store, ss idem.StepStore) {
+	const fpA = "v3:aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+	const fpB = "v3:bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"
+	for _, holder := range []bool{false, true} {
+		t.Run(fmt.Sprintf("holder=%v", holder), func(t *testing.T) {
+			st := newStep(t, "charge")
+			now := time.Now()
+			// The owner of an execution: with Holder, the token of a claim of
+			// the request record (released before the next request claims
+			// it, as after an answer that was not kept).
+			owner := func(fp string) string {
+				if !holder {
+					return "own-" + randToken()
+				}
+				c := st.claim(fp, now, time.Minute, longTTL)
+				mustClaim(t, s, c)
+				return c.Token
+			}
+			release := func(token string) {
+				if holder {
+					if err := s.Release(ctxFor(t), st.scope, st.key, token); err != nil {
+						t.Fatalf("Release: %v", err)
+					}
+				}
+			}
+			begin := func(own, fp string, rerun bool, ttl time.Duration) idem.BeginStepRequest {
+				r := st.begin(own, now, ttl)
+				r.Holder, r.Rerun, r.Fingerprint = holder, rerun, fp
+				return r
+			}
+			ownA := owner(fpA)
+			a := begin(ownA, fpA, true, longTTL)
+			rec := mustBegin(t, ss, a)
+			if rec.Fingerprint != fpA {
+				t.Errorf("BeginStep of a new step returned Fingerprint %q, want %q", rec.Fingerprint, fpA)
+			}
+			first := mustStep(t, ss, st, now)
+			if first.Fingerprint != fpA {
+				t.Errorf("GetSteps: Fingerprint %q, want the first request's %q", first.Fingerprint, fpA)
+			}
+			if err := ss.AbandonStep(ctxFor(t), st.scope, st.key, st.name, ownA, now); err != nil {
+				t.Fatalf("AbandonStep: %v", err)
+			}
+			release(ownA)
+
+			// Another request with the key (fpB, Rerun, a later expiry): the
+			// record is never taken, nor its expiry moved.
+			other := func(what string, state idem.StepState, stOwner string, result []byte) {
+				t.Helper()
+				ownB := owner(fpB)
+				defer release(ownB)
+				rec, began := beginStep(t, ss, begin(ownB, fpB, true, 2*longTTL))
+				if began {
+					t.Fatalf("%s: BeginStep by another request (fingerprint %s) began the first request's step (%+v)", what, fpB, rec)
+				}
+				checkStep(t, what, rec, state, stOwner, a.DerivedKey, result)
+				if rec.Fingerprint != fpA {
+					t.Errorf("%s: BeginStep by another request returned Fingerprint %q, want the first request's %q", what, rec.Fingerprint, fpA)
+				}
+				got := mustStep(t, ss, st, now)
+				checkStep(t, what+" (GetSteps)", &got, state, stOwner, a.DerivedKey, result)
+				if got.Fingerprint != fpA || !sameTime(got.ExpiresAt, first.ExpiresAt) {
+					t.Errorf("%s: after another request's BeginStep the record has Fingerprint %q and ExpiresAt %v, want %q and %v (nothing written)", what, got.Fingerprint, got.ExpiresAt, fpA, first.ExpiresAt)
+				}
+				if !holder {
+					// No fingerprint (a consumer's operation): not told apart.
+					n := begin("own-"+randToken(), "", false, longTTL)
+					if rec, began := beginStep(t, ss, n); (state == idem.StepStarted && stOwner == "") != began || rec.DerivedKey != a.DerivedKey {
+						t.Errorf("%s: BeginStep without a fingerprint: began %v, record %+v", what, began, rec)
+					} else if began {
+						if err := ss.AbandonStep(ctxFor(t), st.scope, st.key, st.name, n.Owner, now); err != nil {
+							t.Fatalf("AbandonStep: %v", err)
+						}
+					}
+				}
+			}
+			other("abandoned", idem.StepStarted, "", nil)
+
+			// The first request again: it takes its abandoned step; it
+			// stays started under it after its answer was not kept
+			// (StepAmbiguous, then a 5xx).
+			ownA2 := owner(fpA)
+			rec = mustBegin(t, ss, begin(ownA2, fpA, false, longTTL))
+			checkStep(t, "the first request again", rec, idem.StepStarted, ownA2, a.DerivedKey, nil)
+			release(ownA2)
+			other("started by the first request", idem.StepStarted, ownA2, nil)
+
+			// And again, with Rerun: it takes the step over and records it.
+			ownA3 := owner(fpA)
+			mustBegin(t, ss, begin(ownA3, fpA, true, longTTL))
+			if err := ss.FinishStep(ctxFor(t), st.scope, st.key, st.name, ownA3, idem.StepDone, []byte(`{"amount":10}`), now); err != nil {
+				t.Fatalf("FinishStep by the first request: %v", err)
+			}
+			release(ownA3)
+			other("done", idem.StepDone, "", []byte(`{"amount":10}`))
+		})
+	}
+	t.Run("expired", func(t *testing.T) {
+		const ttl = 300 * time.Millisecond
+		st := newStep(t, "charge")
+		now := time.Now()
+		a := st.begin("own-a-"+randToken(), now, ttl)
+		a.Fingerprint = fpA
+		mustBegin(t, ss, a)
+		time.Sleep(ttl + 50*time.Millisecond)
+		later := time.Now()
+		b := st.begin("own-b-"+randToken(), later, longTTL)
+		b.Fingerprint = fpB
+		rec := mustBegin(t, ss, b)
+		checkStep(t, "BeginStep by another request after the first one's record expired", rec, idem.StepStarted, b.Owner, b.DerivedKey, nil)
+		if got := mustStep(t, ss, st, later); got.Fingerprint != fpB {
+			t.Errorf("an expired record begun anew has Fingerprint %q, want the new request's %q", got.Fingerprint, fpB)
+		}
+	})
 }
 
 // testStepHolderFence: with Holder, BeginStep begins only for the holder of
