@@ -199,7 +199,9 @@
 // commit is flushed before the step returns), with a writer gate of its own.
 // It is created at the first step (reads and the janitor of a store that never
 // recorded one do not create it), and shared by every Store on one *sql.DB
-// and, through SQLite's locks, by every process on the file. For an in-memory
+// and, through SQLite's locks, by every process on the file; Store.Close of
+// the last Store on the *sql.DB that recorded steps closes it (a Store used
+// again opens it again). For an in-memory
 // records database the step records live in an in-memory database of the
 // process, on one connection kept open. Config.StepsDB chooses another
 // database; it must be another file (the records' own is refused). The table

@@ -30,11 +30,12 @@ const StepsFileSuffix = "-steps"
 type stepsState struct {
 	cfg *sql.DB // Config.StepsDB, or nil
 
-	mu    sync.Mutex
-	db    *sql.DB // once opened
-	gate  gate
-	ready bool // the table exists
-	q     stepQueries
+	mu     sync.Mutex
+	db     *sql.DB      // once opened
+	handle *stepsHandle // the shared handle db came from (nil: Config.StepsDB)
+	gate   gate
+	ready  bool // the table exists
+	q      stepQueries
 }
 
 type stepQueries struct {
@@ -50,6 +51,7 @@ type stepsHandle struct {
 	once sync.Mutex
 	db   *sql.DB
 	path string // "" in memory
+	refs int    // Stores using db (steps file only), see release
 }
 
 func stepsHandleFor(db *sql.DB) *stepsHandle {
@@ -61,7 +63,11 @@ func stepsHandleFor(db *sql.DB) *stepsHandle {
 	if !loaded {
 		runtime.AddCleanup(db, func(k weak.Pointer[sql.DB]) {
 			if h, ok := stepsHandles.LoadAndDelete(k); ok {
-				if sdb := h.(*stepsHandle).db; sdb != nil {
+				sh := h.(*stepsHandle)
+				sh.once.Lock()
+				sdb := sh.db
+				sh.once.Unlock()
+				if sdb != nil {
 					_ = sdb.Close()
 				}
 			}
@@ -152,6 +158,7 @@ func (s *Store) steps(ctx context.Context, create bool) (*sql.DB, gate, error) {
 			if db, err = h.open(ctx, s.db, create); err != nil || db == nil {
 				return nil, nil, err
 			}
+			st.handle = h
 		} else if err := checkOtherFile(ctx, s.db, db); err != nil {
 			return nil, nil, err
 		}
@@ -246,11 +253,13 @@ func checkOtherFile(ctx context.Context, db, steps *sql.DB) error {
 	return nil
 }
 
-// open opens the steps database beside db's main file, once.
+// open opens the steps database beside db's main file, once, for one more
+// Store (see release).
 func (h *stepsHandle) open(ctx context.Context, db *sql.DB, create bool) (*sql.DB, error) {
 	h.once.Lock()
 	defer h.once.Unlock()
 	if h.db != nil {
+		h.refs++
 		return h.db, nil
 	}
 	file, err := mainFile(ctx, db)
@@ -291,8 +300,37 @@ func (h *stepsHandle) open(ctx context.Context, db *sql.DB, create bool) (*sql.D
 		_ = sdb.Close()
 		return nil, wrap("steps: open "+c.dsn, err)
 	}
-	h.db = sdb
+	h.db, h.refs = sdb, 1
 	return sdb, nil
+}
+
+// release is a Store's Close of the steps database open gave it: the last
+// Store closes a steps file (a Store used again opens it again). An
+// in-memory steps database stays open, as long as its records database: its
+// step records live nowhere else.
+func (h *stepsHandle) release() error {
+	h.once.Lock()
+	defer h.once.Unlock()
+	if h.refs--; h.refs > 0 || h.db == nil || h.path == "" {
+		return nil
+	}
+	sdb := h.db
+	h.db, h.refs = nil, 0
+	return sdb.Close()
+}
+
+// closeSteps is Close for the steps database: the Store lets go of the
+// shared handle (Config.StepsDB is the caller's, left open).
+func (s *Store) closeSteps() error {
+	st := &s.st
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	h := st.handle
+	if h == nil {
+		return nil
+	}
+	st.db, st.gate, st.ready, st.handle = nil, nil, false, nil
+	return h.release()
 }
 
 // escapeURIPath escapes the characters that would end or change the path part
