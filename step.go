@@ -49,6 +49,13 @@ var (
 	// as it was sent, still finds its steps. Send a new key for a new
 	// request.
 	ErrStepOtherRequest = errors.New("idem: the step is recorded for a different request with this key")
+	// ErrStepAfterHandler is returned by Step, which does not run the step and
+	// records no outcome, when the request's handler has already returned (a
+	// goroutine it left running called Step): the answer is stored or sent
+	// without the step, and a retry replays it and never runs the step, so
+	// the step's effect would belong to no answer. Run every step inside the
+	// handler, before it answers; wait for goroutines that run steps.
+	ErrStepAfterHandler = errors.New("idem: Step was called after the request's handler returned")
 	// ErrNoStepStore is returned by Step when ctx is not the context of an
 	// operation idem runs (a keyed request's handler, a consumer's message
 	// handler), or when the store keeps no step records (is no StepStore).
@@ -222,7 +229,7 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 		return zero, fmt.Errorf("idem: step %q was not begun, and not run: the handler's context has ended: %w", name, context.Cause(ctx))
 	}
 	if run.returned != nil && run.returned.Load() {
-		return zero, fmt.Errorf("idem: step %q was not begun, and not run: the request's handler has returned, and its answer is stored or sent without this step; run every step inside the handler, before it answers", name)
+		return zero, fmt.Errorf("%w: step %q was not begun, and not run: the answer is stored or sent without it; run every step inside the handler, before it answers", ErrStepAfterHandler, name)
 	}
 	if err := checkEncodable(zero); err != nil {
 		return zero, fmt.Errorf("idem: step %q was not begun, and not run: its result type %T cannot be encoded with encoding/json (%v), so its outcome could never be recorded", name, zero, err)
@@ -254,6 +261,18 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 		return zero, fmt.Errorf("idem: step %q was not begun, and not run: the step store's BeginStep returned no record", name)
 	}
 	run.noteKey(name, rec.DerivedKey)
+	if began && run.returned != nil && run.returned.Load() {
+		// The handler returned while BeginStep was under way: leave the step
+		// as a transient failure would (begun again, with its derived key, by
+		// a retry that runs it), its function not called.
+		fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), run.cleanup)
+		defer cancel()
+		aerr := run.store.AbandonStep(fctx, run.scope, run.key, name, run.owner, run.now())
+		if errors.Is(aerr, ErrLockLost) {
+			aerr = nil
+		}
+		return zero, errors.Join(fmt.Errorf("%w: step %q was begun as the handler returned, and not run: the answer is stored or sent without it; run every step inside the handler, before it answers", ErrStepAfterHandler, name), aerr)
+	}
 	if !began {
 		return recordedStep[T](run, name, rec)
 	}
