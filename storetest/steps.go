@@ -66,6 +66,7 @@ func stepCases() []stepCase {
 		{"Refuse", testStepRefuse},
 		{"OtherRequest", testStepOtherRequest},
 		{"HolderFence", testStepHolderFence},
+		{"HolderPastTTL", testStepHolderPastTTL},
 		{"Expiry", testStepExpiry},
 		{"ExpiryMovedLater", testStepExpiryMovedLater},
 		{"BeginRace", testStepBeginRace},
@@ -513,6 +514,84 @@ func testStepHolderFence(t *testing.T, s idem.Store, ss idem.StepStore) {
 	late.Holder = true
 	_, _, err = ss.BeginStep(ctxFor(t), late)
 	wantLockLost(t, "BeginStep with Holder of an expired request record", err)
+}
+
+// testStepHolderPastTTL: the Holder fence and Complete agree on a record
+// whose first expiry (its claim's ExpiresAt) has passed while its lease is
+// held — renewed by Extend, which raises the expiry to the lease: the holder
+// begins and finishes steps past the TTL, as it completes the record; once
+// the record is complete, or its lease and expiry have lapsed and another
+// execution took it over, the old holder begins none, and cannot complete.
+func testStepHolderPastTTL(t *testing.T, s idem.Store, ss idem.StepStore) {
+	const (
+		lease = 150 * time.Millisecond
+		ttl   = 300 * time.Millisecond
+		run   = 750 * time.Millisecond
+	)
+	for _, end := range []string{"complete", "takeover"} {
+		t.Run(end, func(t *testing.T) {
+			st := newStep(t, "charge")
+			start := time.Now()
+			c := st.claim("v1:long", start, lease, ttl)
+			mustClaim(t, s, c)
+			i := 0
+			for time.Since(start) < run {
+				time.Sleep(lease / 3)
+				now := time.Now()
+				if err := s.Extend(ctxFor(t), st.scope, st.key, c.Token, now, now.Add(lease)); err != nil {
+					t.Fatalf("Extend at %v: %v", now.Sub(start), err)
+				}
+				if now.Sub(start) < ttl+lease/3 {
+					continue // past the claim's expiry only
+				}
+				i++
+				name := fmt.Sprintf("step-%d", i)
+				req := stepOf{st.fixture, name}.begin(c.Token, now, longTTL)
+				req.Holder = true
+				rec, began, err := ss.BeginStep(ctxFor(t), req)
+				if err != nil || !began {
+					t.Fatalf("at %v (past the claim's expiry, lease held), the holder's BeginStep: began %v, %v; want began", now.Sub(start), began, err)
+				}
+				checkStep(t, "begun past the TTL", rec, idem.StepStarted, c.Token, req.DerivedKey, nil)
+				if err := ss.FinishStep(ctxFor(t), st.scope, st.key, name, c.Token, idem.StepDone, []byte(`1`), now); err != nil {
+					t.Fatalf("FinishStep past the TTL: %v", err)
+				}
+			}
+			if i == 0 {
+				t.Fatal("no step was begun past the claim's expiry; the test proved nothing")
+			}
+			after := stepOf{st.fixture, "after"}
+			switch end {
+			case "complete":
+				done := time.Now()
+				if err := s.Complete(ctxFor(t), st.scope, st.key, c.Token, &idem.Response{Status: 201}, done, done.Add(ttl)); err != nil {
+					t.Fatalf("the holder's Complete past the TTL: %v", err)
+				}
+				req := after.begin(c.Token, done, longTTL)
+				req.Holder = true
+				_, _, err := ss.BeginStep(ctxFor(t), req)
+				wantLockLost(t, "BeginStep with Holder once the record is complete", err)
+			case "takeover":
+				// The holder stops renewing: lease and expiry lapse, another
+				// execution takes the record over.
+				time.Sleep(lease + 50*time.Millisecond)
+				later := time.Now()
+				taker := st.claim("v1:long", later, time.Minute, longTTL)
+				mustClaim(t, s, taker)
+				req := after.begin(c.Token, later, longTTL)
+				req.Holder = true
+				_, _, err := ss.BeginStep(ctxFor(t), req)
+				wantLockLost(t, "BeginStep with Holder by the holder taken over", err)
+				wantLockLost(t, "Complete by the holder taken over", s.Complete(ctxFor(t), st.scope, st.key, c.Token, &idem.Response{Status: 201}, later, later.Add(ttl)))
+				wantNoStep(t, ss, after, later)
+				req = after.begin(taker.Token, later, longTTL)
+				req.Holder = true
+				mustBegin(t, ss, req)
+				return
+			}
+			wantNoStep(t, ss, after, time.Now())
+		})
+	}
 }
 
 // testStepExpiry: a step record past its ExpiresAt counts as absent: GetSteps
