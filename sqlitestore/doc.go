@@ -205,7 +205,9 @@
 // records database the step records live in an in-memory database of the
 // process, on one connection kept open. Config.StepsDB chooses another
 // database; it must be another file (the records' own is refused). The table
-// is the records table's name with "_steps":
+// is the records table's name with "_steps" (a steps file made before step
+// records carried the request's fingerprint gets the column at the first
+// step):
 //
 //	CREATE TABLE idem_records_steps (
 //	    scope       TEXT    NOT NULL,
@@ -218,6 +220,7 @@
 //	    started_at  INTEGER NOT NULL,                            -- Unix nanoseconds
 //	    expires_at  INTEGER NOT NULL,
 //	    attempt     TEXT    NOT NULL,                            -- nonce of the BeginStep that last began it
+//	    fingerprint TEXT    NOT NULL DEFAULT '',                 -- the request's that wrote it
 //	    PRIMARY KEY (scope, key, name)
 //	);
 //
