@@ -194,6 +194,13 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string, tak
 	if req.spilled {
 		return // too large to keep: stored without its body and streamed already
 	}
+	if rw.otherRequest.Load() {
+		if tx != nil {
+			_ = tx.Rollback(cctx)
+		}
+		h.otherRequest(w, req, rw, h.releaseKey(cctx, req, token))
+		return
+	}
 	if rw.unknown {
 		// The handler cannot know its outcome: neither kept nor released, the
 		// record stays in flight until its lease lapses (Config.LapsedLease).

@@ -262,6 +262,16 @@ func (h *handler) reject(w http.ResponseWriter, req *request, code, detail strin
 	h.problem(w, req, EventRejected, nil, code, detail, 0)
 }
 
+// otherRequest answers 422 idempotency_key_reused, instead of the handler's
+// answer, to a request one of whose steps was recorded for another request
+// with its key (ErrStepOtherRequest); the caller stored nothing and released
+// the key (relErr: how that went).
+func (h *handler) otherRequest(w http.ResponseWriter, req *request, rw *recorder, relErr error) {
+	rw.discardHeaders()
+	h.problem(w, req, EventMismatch, errors.Join(ErrStepOtherRequest, relErr), CodeKeyReused,
+		"this key was first used with a different request, which did not finish and whose steps (calls to other services) are recorded under the key; this request was not run. A key names one operation: send a new key for a new request, or retry the first request as it was sent", 0)
+}
+
 func (h *handler) problem(w http.ResponseWriter, req *request, kind EventKind, err error, code, detail string, retryAfter int) {
 	p := NewProblem(code, detail)
 	WriteProblem(w, p, retryAfter)

@@ -52,6 +52,10 @@ type recorder struct {
 	// events numbers the request's outbox messages by name (package outbox,
 	// through internal/eventseq); made by the first message.
 	events atomic.Pointer[eventseq.Counter]
+	// otherRequest is set by a Step that found the step recorded for another
+	// request with this key (ErrStepOtherRequest): the middleware answers 422
+	// instead of the handler, stores nothing and releases the key.
+	otherRequest atomic.Bool
 }
 
 func init() {

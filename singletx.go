@@ -72,6 +72,11 @@ func (h *handler) serveSingleTx(w http.ResponseWriter, req *request) {
 
 	cctx := req.freshCleanup()
 	status := rw.statusOrOK()
+	if rw.otherRequest.Load() {
+		_ = tx.Rollback(cctx) // frees the key
+		h.otherRequest(w, req, rw, nil)
+		return
+	}
 	if rw.unknown {
 		// The handler cannot know its outcome: nothing of its transaction is
 		// kept, and the key is left in flight, as in claim-then-complete, under a

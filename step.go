@@ -39,6 +39,23 @@ var (
 	// with the same derived key (or refuses, with OnUnknown(StepRefuse)). The
 	// handler should answer 5xx.
 	ErrStepNotRecorded = errors.New("idem: the step ran but its outcome could not be recorded")
+	// ErrStepOtherRequest is returned by Step, which does not run the step,
+	// when the step is recorded for another request with the same key: the
+	// key was released (an answer not kept, after the step had begun or been
+	// recorded) and then reused with a different request, and the recorded
+	// outcome and derived key belong to the first one. The HTTP middleware
+	// then answers 422 idempotency_key_reused instead of the handler's answer,
+	// stores nothing and releases the key, so that the first request, retried
+	// as it was sent, still finds its steps. Send a new key for a new
+	// request.
+	ErrStepOtherRequest = errors.New("idem: the step is recorded for a different request with this key")
+	// ErrStepAfterHandler is returned by Step, which does not run the step and
+	// records no outcome, when the request's handler has already returned (a
+	// goroutine it left running called Step): the answer is stored or sent
+	// without the step, and a retry replays it and never runs the step, so
+	// the step's effect would belong to no answer. Run every step inside the
+	// handler, before it answers; wait for goroutines that run steps.
+	ErrStepAfterHandler = errors.New("idem: Step was called after the request's handler returned")
 	// ErrNoStepStore is returned by Step when ctx is not the context of an
 	// operation idem runs (a keyed request's handler, a consumer's message
 	// handler), or when the store keeps no step records (is no StepStore).
@@ -212,16 +229,29 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 		return zero, fmt.Errorf("idem: step %q was not begun, and not run: the handler's context has ended: %w", name, context.Cause(ctx))
 	}
 	if run.returned != nil && run.returned.Load() {
-		return zero, fmt.Errorf("idem: step %q was not begun, and not run: the request's handler has returned, and its answer is stored or sent without this step; run every step inside the handler, before it answers", name)
+		return zero, fmt.Errorf("%w: step %q was not begun, and not run: the answer is stored or sent without it; run every step inside the handler, before it answers", ErrStepAfterHandler, name)
 	}
 	if err := checkEncodable(zero); err != nil {
 		return zero, fmt.Errorf("idem: step %q was not begun, and not run: its result type %T cannot be encoded with encoding/json (%v), so its outcome could never be recorded", name, zero, err)
 	}
-	rec, began, err := run.store.BeginStep(ctx, BeginStepRequest{
+	breq := BeginStepRequest{
 		Scope: run.scope, Key: run.key, Name: name, Owner: run.owner, Holder: run.holder,
 		Rerun: cfg.unknown == StepRerun, DerivedKey: deriveStepKey(run.scope, run.key, name),
-		Now: run.now(), ExpiresAt: run.expiresAt,
-	})
+		Fingerprint: run.fp, Now: run.now(), ExpiresAt: run.expiresAt,
+	}
+	rec, began, err := run.store.BeginStep(ctx, breq)
+	if err == nil && rec != nil && !began && otherFingerprint(breq.Fingerprint, rec.Fingerprint) {
+		if run.sameRequest == nil || !run.sameRequest(rec.Fingerprint) {
+			if run.otherRequest != nil {
+				run.otherRequest()
+			}
+			return zero, fmt.Errorf("%w: step %q was not run: it is recorded for the request this key was first used with, and this request differs from it; a key names one operation, so send a new key for a new request", ErrStepOtherRequest, name)
+		}
+		// The same request, fingerprinted under an older algorithm when the
+		// step was recorded: ask again as that request.
+		breq.Fingerprint = rec.Fingerprint
+		rec, began, err = run.store.BeginStep(ctx, breq)
+	}
 	switch {
 	case errors.Is(err, ErrLockLost):
 		return zero, fmt.Errorf("idem: step %q was not begun, and not run: this execution no longer holds its key (its lease lapsed and another execution took it over): %w", name, ErrLockLost)
@@ -231,6 +261,18 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 		return zero, fmt.Errorf("idem: step %q was not begun, and not run: the step store's BeginStep returned no record", name)
 	}
 	run.noteKey(name, rec.DerivedKey)
+	if began && run.returned != nil && run.returned.Load() {
+		// The handler returned while BeginStep was under way: leave the step
+		// as a transient failure would (begun again, with its derived key, by
+		// a retry that runs it), its function not called.
+		fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), run.cleanup)
+		defer cancel()
+		aerr := run.store.AbandonStep(fctx, run.scope, run.key, name, run.owner, run.now())
+		if errors.Is(aerr, ErrLockLost) {
+			aerr = nil
+		}
+		return zero, errors.Join(fmt.Errorf("%w: step %q was begun as the handler returned, and not run: the answer is stored or sent without it; run every step inside the handler, before it answers", ErrStepAfterHandler, name), aerr)
+	}
 	if !began {
 		return recordedStep[T](run, name, rec)
 	}
@@ -294,6 +336,13 @@ func recordedStep[T any](run *stepRun, name string, rec *StepRecord) (T, error) 
 		return out, fmt.Errorf("%w: step %q (derived key %s) was begun by an earlier execution of this operation, which did not record whether it took effect, and OnUnknown(StepRefuse) keeps it from running again; the operation's outcome is unknown until an operator settles the step (idem resolve --step %s)", ErrStepUnknown, name, rec.DerivedKey, name)
 	}
 	return out, fmt.Errorf("idem: step %q has a record in state %v, which Step does not know", name, rec.State)
+}
+
+// otherFingerprint reports whether a step record's fingerprint says it
+// belongs to another request than the one fingerprinted current: both are
+// set and differ.
+func otherFingerprint(current, stored string) bool {
+	return current != "" && stored != "" && current != stored
 }
 
 // checkEncodable reports a result type encoding/json cannot encode at all (a
@@ -380,8 +429,13 @@ type stepRun struct {
 	expiresAt  time.Time
 	now        func() time.Time
 	cleanup    time.Duration
-	unknown    func()       // marks the operation's outcome unknown
-	returned   *atomic.Bool // set when the request's handler returned (nil outside HTTP)
+	unknown    func() // marks the operation's outcome unknown
+	fp         string // the request's fingerprint ("" for none)
+	// sameRequest reports whether a stored fingerprint of another version is
+	// this request's (nil: none is).
+	sameRequest  func(stored string) bool
+	otherRequest func()       // marks the request as reusing another request's key
+	returned     *atomic.Bool // set when the request's handler returned (nil outside HTTP)
 
 	mu   sync.Mutex
 	keys map[string]string // derived keys by name, for StepKey
@@ -441,6 +495,11 @@ func (req *request) stepRun() (*stepRun, error) {
 		store: ss, scope: rw.scope, key: rw.key, owner: owner, holder: holder,
 		expiresAt: req.start.Add(req.h.TTL), now: req.h.NowFunc, cleanup: req.h.CleanupTimeout,
 		unknown: func() { rw.unknown = true }, returned: &rw.returned,
+		fp: req.fp, sameRequest: func(stored string) bool {
+			match, _ := sameRequest(req.fp, stored, req.r, req.body)
+			return match
+		},
+		otherRequest: func() { rw.otherRequest.Store(true) },
 	}
 	if !req.rw.steps.CompareAndSwap(nil, run) {
 		return req.rw.steps.Load(), nil
@@ -453,7 +512,7 @@ func (req *request) stepRun() (*stepRun, error) {
 // (its start plus TTL), before its handler runs.
 func (h *handler) keepSteps(req *request, token string) {
 	if ss, ok := h.store.(StepStore); ok {
-		keepSteps(req.r.Context(), ss, req.scope, req.key, token, h.NowFunc(), req.start.Add(h.TTL), h.CleanupTimeout)
+		keepSteps(req.r.Context(), ss, req.scope, req.key, token, req.fp, h.NowFunc(), req.start.Add(h.TTL), h.CleanupTimeout)
 	}
 }
 
@@ -464,7 +523,7 @@ func (h *handler) keepSteps(req *request, token string) {
 // step expiry, would otherwise count as absent while the operation lives and
 // run again with a new derived key. Best effort, and only on takeovers: a
 // store that fails here leaves the expiries as they were.
-func keepSteps(ctx context.Context, ss StepStore, scope, key, owner string, now, exp time.Time, timeout time.Duration) {
+func keepSteps(ctx context.Context, ss StepStore, scope, key, owner, fp string, now, exp time.Time, timeout time.Duration) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
 	defer cancel()
 	recs, err := ss.GetSteps(ctx, scope, key, now)
@@ -472,14 +531,14 @@ func keepSteps(ctx context.Context, ss StepStore, scope, key, owner string, now,
 		return
 	}
 	for _, rec := range recs {
-		if !rec.ExpiresAt.Before(exp) {
+		if !rec.ExpiresAt.Before(exp) || otherFingerprint(fp, rec.Fingerprint) {
 			continue
 		}
 		// Rerun unset: a step another execution began stays its (and
 		// unknown); a done or failed one only has its expiry moved.
 		_, began, err := ss.BeginStep(ctx, BeginStepRequest{
 			Scope: scope, Key: key, Name: rec.Name, Owner: owner, Holder: true,
-			DerivedKey: deriveStepKey(scope, key, rec.Name), Now: now, ExpiresAt: exp,
+			DerivedKey: deriveStepKey(scope, key, rec.Name), Fingerprint: fp, Now: now, ExpiresAt: exp,
 		})
 		if err != nil {
 			return
@@ -520,6 +579,14 @@ type StepOperation struct {
 	// OnUnknown, when set, is called when a step is refused as unknown
 	// (ErrStepUnknown), before Step returns.
 	OnUnknown func()
+	// Fingerprint, when set, is the operation's request fingerprint: it is
+	// stored with each new step record, and a step recorded under another
+	// fingerprint is refused (ErrStepOtherRequest, OnOtherRequest called).
+	// Consumers leave it empty.
+	Fingerprint string
+	// OnOtherRequest, when set, is called when a step is refused as recorded
+	// for another request (ErrStepOtherRequest), before Step returns.
+	OnOtherRequest func()
 	// TakenOver says the operation's claim took a lapsed one over (with
 	// Holder): WithSteps then first moves the expiry of every live step
 	// record of the operation to ExpiresAt, as the HTTP middleware does on a
@@ -535,6 +602,7 @@ func WithSteps(ctx context.Context, op StepOperation) context.Context {
 	run := &stepRun{
 		store: ss, scope: op.Scope, key: op.Key, owner: op.Owner, holder: op.Holder,
 		expiresAt: op.ExpiresAt, now: op.NowFunc, cleanup: op.CleanupTimeout, unknown: op.OnUnknown,
+		fp: op.Fingerprint, otherRequest: op.OnOtherRequest,
 	}
 	if run.now == nil {
 		run.now = time.Now
@@ -546,7 +614,7 @@ func WithSteps(ctx context.Context, op StepOperation) context.Context {
 		run.owner = newToken()
 	}
 	if op.TakenOver && op.Holder && ss != nil {
-		keepSteps(ctx, ss, run.scope, run.key, run.owner, run.now(), run.expiresAt, run.cleanup)
+		keepSteps(ctx, ss, run.scope, run.key, run.owner, run.fp, run.now(), run.expiresAt, run.cleanup)
 	}
 	return context.WithValue(ctx, stepsKey{}, run)
 }

@@ -2,8 +2,10 @@ package idem_test
 
 import (
 	"context"
+	"errors"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -125,10 +127,69 @@ func TestStepFromGoroutineWhileCompleting(t *testing.T) {
 	if a := srv.post(t, "k"); a.status != http.StatusCreated {
 		t.Fatalf("%d %s", a.status, a.body)
 	}
-	if err := <-done; err == nil || ran {
-		t.Fatalf("Step after the handler returned, while its outcome was stored: %v (ran %v), want refused", err, ran)
+	if err := <-done; !errors.Is(err, idem.ErrStepAfterHandler) || ran {
+		t.Fatalf("Step after the handler returned, while its outcome was stored: %v (ran %v), want ErrStepAfterHandler", err, ran)
 	}
 	if steps := stepsOf(t, g.Store, "k", time.Now()); len(steps) != 0 {
 		t.Fatalf("a step was recorded after the handler returned: %v", steps)
+	}
+}
+
+// beginGate is memstore whose first BeginStep, once entered, waits for the
+// request's Complete to begin (the handler has returned by then), and whose
+// Complete waits for that BeginStep's Step to return.
+type beginGate struct {
+	*memstore.Store
+	entered, completing, stepDone chan struct{}
+	beginOnce, completeOnce       sync.Once
+}
+
+func (g *beginGate) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem.StepRecord, bool, error) {
+	g.beginOnce.Do(func() {
+		close(g.entered)
+		<-g.completing
+	})
+	return g.Store.BeginStep(ctx, req)
+}
+
+func (g *beginGate) Complete(ctx context.Context, scope, key, token string, resp *idem.Response, now, exp time.Time) error {
+	g.completeOnce.Do(func() {
+		close(g.completing)
+		<-g.stepDone
+	})
+	return g.Store.Complete(ctx, scope, key, token, resp, now, exp)
+}
+
+// TestStepBegunAsHandlerReturns: a goroutine the handler started calls Step
+// just before the handler returns; the step's BeginStep is still under way
+// when the handler has returned and the middleware stores its outcome. The
+// step must not run: Step returns ErrStepAfterHandler, its function is not
+// called, and no outcome is recorded (the record begun is abandoned, with no
+// owner). Failed before: the step began and its function ran, for an answer
+// stored without it.
+func TestStepBegunAsHandlerReturns(t *testing.T) {
+	g := &beginGate{Store: stepMem(t), entered: make(chan struct{}), completing: make(chan struct{}), stepDone: make(chan struct{})}
+	var ran atomic.Bool
+	done := make(chan error, 1)
+	srv := stepServer(t, g, idem.Config{}, func(w http.ResponseWriter, r *http.Request) {
+		ctx := r.Context()
+		go func() {
+			_, err := idem.Step(ctx, "late", func(context.Context, string) (int, error) { ran.Store(true); return 1, nil })
+			done <- err
+			close(g.stepDone)
+		}()
+		<-g.entered // the goroutine's Step is in BeginStep
+		w.WriteHeader(http.StatusCreated)
+	})
+	if a := srv.post(t, "k"); a.status != http.StatusCreated {
+		t.Fatalf("%d %s", a.status, a.body)
+	}
+	if err := <-done; !errors.Is(err, idem.ErrStepAfterHandler) || ran.Load() {
+		t.Fatalf("Step begun as the handler returned: %v (ran %v), want ErrStepAfterHandler and not run", err, ran.Load())
+	}
+	for name, rec := range stepsOf(t, g.Store, "k", time.Now()) {
+		if rec.State != idem.StepStarted || rec.Owner != "" {
+			t.Errorf("step %s after the handler returned: %v under %q, want none or abandoned", name, rec.State, rec.Owner)
+		}
 	}
 }

@@ -50,6 +50,12 @@ type StepRecord struct {
 	// Idempotency-Key. It is chosen when the record is first written and never
 	// changes while the record lives.
 	DerivedKey string
+	// Fingerprint is the fingerprint of the request whose execution first
+	// wrote the record (BeginStepRequest.Fingerprint), in the format of
+	// Record.Fingerprint ("v3:…"); "" for a record written without one (by a
+	// consumer, or before step records carried it). It never changes while
+	// the record lives.
+	Fingerprint string
 	// Result is the recorded result (StepDone) or failure (StepFailed), as the
 	// middleware encoded it; nil while StepStarted.
 	Result []byte
@@ -80,6 +86,10 @@ type BeginStepRequest struct {
 	Rerun bool
 	// DerivedKey is the derived key to store when the record is new.
 	DerivedKey string
+	// Fingerprint is the request's fingerprint (as in ClaimRequest), stored
+	// when the record is new; "" when the operation has none (a consumer's
+	// message).
+	Fingerprint string
 	// Now is the middleware's clock reading.
 	Now time.Time
 	// ExpiresAt is the expiry of a new record; an existing live record's
@@ -96,7 +106,12 @@ const MaxStepNameLength = 100
 type StepStore interface {
 	// BeginStep atomically decides what happens to the step:
 	//   - no live record (absent, or ExpiresAt <= req.Now): a StepStarted
-	//     record of req.Owner with req.DerivedKey is written; began is true.
+	//     record of req.Owner with req.DerivedKey and req.Fingerprint is
+	//     written; began is true.
+	//   - a live record whose Fingerprint and req.Fingerprint are both set and
+	//     differ (the key was released and reused for another request): nothing
+	//     is written, not even the expiry; began is false, and rec is the
+	//     record as stored, for the caller to refuse the request.
 	//   - a live StepStarted record without owner (abandoned): it becomes
 	//     req.Owner's, keeping DerivedKey and StartedAt; began is true.
 	//   - a live StepStarted record of another owner, and req.Rerun: it is

@@ -69,10 +69,13 @@ func (s *Store) BeginStep(_ context.Context, req idem.BeginStepRequest) (*idem.S
 	if r == nil {
 		r = &idem.StepRecord{
 			Scope: req.Scope, Key: req.Key, Name: req.Name, State: idem.StepStarted,
-			Owner: req.Owner, DerivedKey: req.DerivedKey, StartedAt: req.Now, ExpiresAt: req.ExpiresAt,
+			Owner: req.Owner, DerivedKey: req.DerivedKey, Fingerprint: req.Fingerprint, StartedAt: req.Now, ExpiresAt: req.ExpiresAt,
 		}
 		t.recs[id] = r
 		return copyStep(r), true, nil
+	}
+	if r.Fingerprint != "" && req.Fingerprint != "" && r.Fingerprint != req.Fingerprint {
+		return copyStep(r), false, nil // another request's: left as it is
 	}
 	if req.ExpiresAt.After(r.ExpiresAt) {
 		r.ExpiresAt = req.ExpiresAt

@@ -178,6 +178,14 @@
 // transaction begins, so a pool fully held by transactions never stalls a
 // completion.
 //
+// A step (idem.Step) needs one more connection, briefly, beside its handler's
+// transaction. With the pool full when a step's statement starts, it runs on
+// a connection it waits at most 5 s for, and then fails with an error that
+// says to raise SetMaxOpenConns (the step is not begun, or its outcome not
+// recorded): otherwise, with every connection held by handlers whose steps
+// wait for one, every such request would wait for the others for ever. Size
+// SetMaxOpenConns at twice the requests that run steps at once.
+//
 // # Single transaction
 //
 // The store also implements idem.SingleTxStore (idem.FlowSingleTx): BeginLocked
@@ -274,7 +282,9 @@
 // # Step records
 //
 // The Store is an idem.StepStore: the records of idem.Step live in
-// Table+"_steps" (StepsTable), created by migration 002_create_steps:
+// Table+"_steps" (StepsTable), created by migration 002_create_steps
+// (migration 003_steps_fingerprint adds the fingerprint of the request that
+// wrote each row):
 //
 //	CREATE TABLE IF NOT EXISTS `idem_records_steps` (
 //	  `scope`       VARBINARY(255)   NOT NULL,
@@ -288,6 +298,7 @@
 //	  `expires_at`  BIGINT           NOT NULL,
 //	  `attempt`     VARBINARY(32)    NOT NULL,  -- nonce of the BeginStep that last began it
 //	  `seq`         BIGINT UNSIGNED  NOT NULL DEFAULT 0,
+//	  `fingerprint` VARBINARY(512)   NOT NULL DEFAULT '',  -- the request's (migration 003)
 //	  PRIMARY KEY (`scope`, `key`, `name`),
 //	  KEY `expires_at_idx` (`expires_at`)
 //	) ENGINE=InnoDB

@@ -109,6 +109,12 @@ func (s *Store) Migrate(ctx context.Context) error {
 		// cannot share a transaction: migrations are idempotent instead.
 		for _, stmt := range splitStatements(strings.NewReplacer("{{table}}", quote(s.table), "{{steps}}", quote(s.table+stepsSuffix)).Replace(m.sql)) {
 			if _, err := conn.ExecContext(ctx, stmt); err != nil {
+				if code, ok := errorNumber(err); ok && code == 1060 && strings.Contains(stmt, "ADD COLUMN") {
+					// The column is there: a run that crashed after adding it
+					// and before recording the migration (MySQL has no ADD
+					// COLUMN IF NOT EXISTS).
+					continue
+				}
 				return fmt.Errorf("mysqlstore: migrate: applying %s: %w", m.name, err)
 			}
 		}

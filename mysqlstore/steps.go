@@ -37,8 +37,8 @@ func (s *Store) StepsTable() string { return s.table + stepsSuffix }
 // of another owner with Rerun). Parameters: now, rerun, owner.
 func (s *Store) stepQueries() (insert, insertHolder, upsert, upsertHolder, read string) {
 	t := quote(s.StepsTable())
-	cols := "(`scope`, `key`, `name`, `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `attempt`)"
-	vals := " SELECT ?, ?, ?, 1, ?, ?, NULL, ?, ?, ?"
+	cols := "(`scope`, `key`, `name`, `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `attempt`, `fingerprint`)"
+	vals := " SELECT ?, ?, ?, 1, ?, ?, NULL, ?, ?, ?, ?"
 	// The Holder fence is the SELECT's condition on the request record, read
 	// with a shared lock that holds until the statement's transaction ends: no
 	// takeover of the record commits between the check and the write. With
@@ -47,7 +47,12 @@ func (s *Store) stepQueries() (insert, insertHolder, upsert, upsertHolder, read 
 	// Columns of the step row, qualified: the SELECT's table (the records
 	// table) has columns of the same names.
 	c := func(col string) string { return t + ".`" + col + "`" }
-	take := "(" + c("expires_at") + " <= ? OR (" + c("state") + " = 1 AND (" + c("owner") + " = '' OR (? AND " + c("owner") + " <> ?))))"
+	// other: a live row of another request (both fingerprints set, and
+	// different: the key released and reused), left as it is. Parameters:
+	// fingerprint, fingerprint.
+	other := "(" + c("fingerprint") + " <> '' AND ? <> '' AND " + c("fingerprint") + " <> ?)"
+	// Parameters of take: now, fingerprint, fingerprint, rerun, owner.
+	take := "(" + c("expires_at") + " <= ? OR (NOT " + other + " AND " + c("state") + " = 1 AND (" + c("owner") + " = '' OR (? AND " + c("owner") + " <> ?))))"
 	// ours is true, in each assignment after attempt's, exactly when this
 	// statement takes the row, whatever the server's assignment semantics
 	// (left to right, or MariaDB's SIMULTANEOUS_ASSIGNMENT): attempt is
@@ -63,13 +68,14 @@ func (s *Store) stepQueries() (insert, insertHolder, upsert, upsertHolder, read 
 		" `derived_key` = IF(" + expired + ", ?, " + c("derived_key") + ")," +
 		" `result` = IF(" + expired + ", NULL, " + c("result") + ")," +
 		" `started_at` = IF(" + expired + ", ?, " + c("started_at") + ")," +
+		" `fingerprint` = IF(" + expired + ", ?, " + c("fingerprint") + ")," +
 		" `seq` = " + c("seq") + " + 1," + // always changes: the affected-rows count says updated (2)
-		" `expires_at` = IF(" + expired + ", ?, GREATEST(" + c("expires_at") + ", ?))"
+		" `expires_at` = IF(" + expired + ", ?, IF(" + other + ", " + c("expires_at") + ", GREATEST(" + c("expires_at") + ", ?)))"
 	insert = "INSERT INTO " + t + " " + cols + vals
 	insertHolder = insert + holder
 	upsert = insert + odku
 	upsertHolder = insertHolder + odku
-	read = "SELECT `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `attempt` = ? FROM " + t +
+	read = "SELECT `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `fingerprint`, `attempt` = ? FROM " + t +
 		" WHERE `scope` = ? AND `key` = ? AND `name` = ?"
 	return
 }
@@ -95,7 +101,7 @@ func checkStep(scope, key, name, owner string) error {
 	return nil
 }
 
-func (s *Store) checkStepResult(ctx context.Context, result []byte) ([]byte, error) {
+func (s *Store) checkStepResult(ctx context.Context, d *stepDB, result []byte) ([]byte, error) {
 	if err := idem.CheckFieldSize("mysqlstore", "step result", int64(len(result)), MaxStepResultLength); err != nil {
 		return nil, err
 	}
@@ -103,7 +109,9 @@ func (s *Store) checkStepResult(ctx context.Context, result []byte) ([]byte, err
 	// max_allowed_packet it is refused every time (and the server may close
 	// the connection before the driver reads why). Read the setting once per
 	// Store, as Complete does.
-	if s.settings.Load() == nil {
+	if s.settings.Load() == nil && d.c != nil {
+		_, _ = s.settingsFor(ctx, d.c)
+	} else if s.settings.Load() == nil {
 		if conn, err := s.db.Conn(ctx); err == nil {
 			_, _ = s.settingsFor(ctx, conn)
 			_ = conn.Close()
@@ -148,6 +156,118 @@ func stepNonce() []byte {
 	return []byte(hex.EncodeToString(b[:]))
 }
 
+// stepAcquireTimeout bounds a step statement's wait for a pool connection
+// when the pool is full. A step runs while its handler's transaction holds a
+// connection of the same pool: with every connection held by handlers that
+// each wait for a step, no wait ends, so it is cut short with an error that
+// says what to do.
+const stepAcquireTimeout = 5 * time.Second
+
+// stepDB is where one step operation's statements run. With room in the pool
+// (fewer connections in use than SetMaxOpenConns, or no limit) they run on
+// the pool, with the Store's prepared statements, as any statement does.
+// With the pool full they run on one connection acquired within
+// stepAcquireTimeout, by their text: a statement that waited in the pool's
+// queue would wait with no bound. (The one whose check found room and then
+// lost it to another waits in the queue; it cannot wait for ever on handlers
+// that wait for steps, since the last of those to begin its transaction
+// filled the pool before its step looked, so that step's wait is bounded and
+// ends, freeing a connection.)
+type stepDB struct {
+	s *Store
+	c *sql.Conn // nil: the pool
+}
+
+// stepConn returns where a step operation's statements run (see stepDB);
+// release it with close.
+func (s *Store) stepConn(ctx context.Context) (*stepDB, error) {
+	st := s.db.Stats()
+	if (st.MaxOpenConnections <= 0 || st.InUse < st.MaxOpenConnections) && !s.stepOwnConn.Load() {
+		return &stepDB{s: s}, nil
+	}
+	actx, cancel := context.WithTimeout(ctx, stepAcquireTimeout)
+	defer cancel()
+	c, err := s.db.Conn(actx)
+	if err != nil && ctx.Err() == nil && actx.Err() != nil {
+		st = s.db.Stats()
+		return nil, fmt.Errorf("mysqlstore: no pool connection came free for the step's statement within %v (%d of SetMaxOpenConns %d in use, most likely by running handlers' transactions, each waiting for a step): a step needs a connection beside its handler's transaction, so raise sql.DB.SetMaxOpenConns above the requests that run steps at once (twice them leaves every one a connection for its transaction and one for its step), and the server's max_connections with it: %w", stepAcquireTimeout, st.InUse, st.MaxOpenConnections, err)
+	}
+	if err != nil {
+		return nil, s.wrapSteps(err)
+	}
+	return &stepDB{s: s, c: c}, nil
+}
+
+func (d *stepDB) close() {
+	if d.c != nil {
+		_ = d.c.Close()
+	}
+}
+
+func (d *stepDB) exec(ctx context.Context, q string, args ...any) (sql.Result, error) {
+	if d.c != nil {
+		return d.c.ExecContext(ctx, q, args...)
+	}
+	st, err := d.s.stmt(ctx, q)
+	if err != nil {
+		return nil, err
+	}
+	return st.ExecContext(ctx, args...)
+}
+
+func (d *stepDB) queryRow(ctx context.Context, q string, args ...any) (*sql.Row, error) {
+	if d.c != nil {
+		return d.c.QueryRowContext(ctx, q, args...), nil
+	}
+	st, err := d.s.stmt(ctx, q)
+	if err != nil {
+		return nil, err
+	}
+	return st.QueryRowContext(ctx, args...), nil
+}
+
+func (d *stepDB) query(ctx context.Context, q string, args ...any) (*sql.Rows, error) {
+	if d.c != nil {
+		return d.c.QueryContext(ctx, q, args...)
+	}
+	st, err := d.s.stmt(ctx, q)
+	if err != nil {
+		return nil, err
+	}
+	return st.QueryContext(ctx, args...)
+}
+
+func (d *stepDB) beginTx(ctx context.Context) (*sql.Tx, error) {
+	if d.c != nil {
+		return d.c.BeginTx(ctx, nil)
+	}
+	return d.s.db.BeginTx(ctx, nil)
+}
+
+// txExec runs q in tx: by the prepared statement on the pool, by its text on
+// a connection of its own.
+func (d *stepDB) txExec(ctx context.Context, tx *sql.Tx, q string, args ...any) (sql.Result, error) {
+	if d.c != nil {
+		return tx.ExecContext(ctx, q, args...)
+	}
+	st, err := d.s.stmt(ctx, q)
+	if err != nil {
+		return nil, err
+	}
+	return tx.StmtContext(ctx, st).ExecContext(ctx, args...)
+}
+
+func (d *stepDB) txQueryRow(ctx context.Context, tx *sql.Tx, q string, args ...any) (*sql.Row, error) {
+	if d.c != nil {
+		return tx.QueryRowContext(ctx, q, args...), nil
+	}
+	st, err := d.s.stmt(ctx, q)
+	if err != nil {
+		return nil, err
+	}
+	return tx.StmtContext(ctx, st).QueryRowContext(ctx, args...), nil
+}
+
 // BeginStep implements idem.StepStore. A first BeginStep of a step, the
 // common case, is one autocommitted INSERT … SELECT (one round trip): with
 // Holder the SELECT reads the request record under a shared lock, and no row
@@ -167,23 +287,27 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	if err := idem.CheckFieldSize("mysqlstore", "step derived key", int64(len(req.DerivedKey)), MaxDerivedKeyLength); err != nil {
 		return nil, false, err
 	}
+	if err := idem.CheckFieldSize("mysqlstore", "step fingerprint", int64(len(req.Fingerprint)), MaxFingerprintLength); err != nil {
+		return nil, false, err
+	}
 	insert, insertHolder, upsert, upsertHolder, read := s.stepQueries()
-	scope, key, name, owner, dk := []byte(req.Scope), []byte(req.Key), []byte(req.Name), []byte(req.Owner), []byte(req.DerivedKey)
+	scope, key, name, owner, dk, fp := []byte(req.Scope), []byte(req.Key), []byte(req.Name), []byte(req.Owner), []byte(req.DerivedKey), []byte(req.Fingerprint)
 	now, exp := req.Now.UnixMicro(), req.ExpiresAt.UnixMicro()
 	nonce := stepNonce()
-	args := []any{scope, key, name, owner, dk, now, exp, nonce}
+	args := []any{scope, key, name, owner, dk, now, exp, nonce, fp}
 	if req.Holder {
 		insert, upsert = insertHolder, upsertHolder
 		args = append(args, scope, key, owner, now)
 	}
 	mine := &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name, State: idem.StepStarted, Owner: req.Owner,
-		DerivedKey: req.DerivedKey, StartedAt: req.Now, ExpiresAt: req.ExpiresAt}
+		DerivedKey: req.DerivedKey, Fingerprint: req.Fingerprint, StartedAt: req.Now, ExpiresAt: req.ExpiresAt}
 
-	st, err := s.stmt(ctx, insert)
+	d, err := s.stepConn(ctx)
 	if err != nil {
-		return nil, false, s.wrapSteps(err)
+		return nil, false, err
 	}
-	res, err := st.ExecContext(ctx, args...)
+	defer d.close()
+	res, err := d.exec(ctx, insert, args...)
 	if err == nil {
 		n, err := res.RowsAffected()
 		if err != nil {
@@ -199,14 +323,14 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	}
 	// The step exists: read it, decide, and write the decision only if the
 	// row is still the version read (compare-and-set on seq).
-	if rec, began, ok, err := s.casStep(ctx, req, nonce); err != nil {
+	if rec, began, ok, err := s.casStep(ctx, d, req, nonce); err != nil {
 		return nil, false, err
 	} else if ok {
 		return rec, began, nil
 	}
 
 	rerun := req.Rerun
-	take := []any{now, rerun, owner}
+	take := []any{now, fp, fp, rerun, owner}
 	ours := append([]any{nonce}, take...)
 	uargs := append([]any{}, args...)
 	uargs = append(append(uargs, take...), nonce) // attempt
@@ -215,25 +339,18 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	uargs = append(uargs, now, dk)                // derived_key
 	uargs = append(uargs, now)                    // result
 	uargs = append(uargs, now, now)               // started_at
-	uargs = append(uargs, now, exp, exp)          // expires_at
-	ust, err := s.stmt(ctx, upsert)
-	if err != nil {
-		return nil, false, s.wrapSteps(err)
-	}
-	rst, err := s.stmt(ctx, read)
-	if err != nil {
-		return nil, false, s.wrapSteps(err)
-	}
+	uargs = append(uargs, now, fp)                // fingerprint
+	uargs = append(uargs, now, exp, fp, fp, exp)  // expires_at
 	var rec *idem.StepRecord
 	var began bool
 	err = retry(ctx, func() error {
 		rec, began = nil, false
-		tx, err := s.db.BeginTx(ctx, nil)
+		tx, err := d.beginTx(ctx)
 		if err != nil {
 			return err
 		}
 		defer func() { _ = tx.Rollback() }()
-		res, err := tx.StmtContext(ctx, ust).ExecContext(ctx, uargs...)
+		res, err := d.txExec(ctx, tx, upsert, uargs...)
 		if err != nil {
 			return err
 		}
@@ -251,14 +368,18 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 		r := &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name}
 		var state uint8
 		var started, expires int64
-		var owner, dk []byte
-		if err := tx.StmtContext(ctx, rst).QueryRowContext(ctx, nonce, scope, key, name).Scan(&state, &owner, &dk, &r.Result, &started, &expires, &began); err != nil {
+		var owner, dk, rfp []byte
+		row, err := d.txQueryRow(ctx, tx, read, nonce, scope, key, name)
+		if err != nil {
+			return err
+		}
+		if err := row.Scan(&state, &owner, &dk, &r.Result, &started, &expires, &rfp, &began); err != nil {
 			return err
 		}
 		if err := tx.Commit(); err != nil {
 			return err
 		}
-		r.State, r.Owner, r.DerivedKey = idem.StepState(state), string(owner), string(dk)
+		r.State, r.Owner, r.DerivedKey, r.Fingerprint = idem.StepState(state), string(owner), string(dk), string(rfp)
 		r.StartedAt, r.ExpiresAt = time.UnixMicro(started), time.UnixMicro(expires)
 		if started == now {
 			r.StartedAt = req.Now
@@ -291,7 +412,7 @@ const maxCASRounds = 4
 // on the request record, read LOCK IN SHARE MODE). A matched UPDATE is the
 // decision applied to the version read, atomically. ok is false when the
 // row is absent, or changed under every round: the caller decides otherwise.
-func (s *Store) casStep(ctx context.Context, req idem.BeginStepRequest, nonce []byte) (rec *idem.StepRecord, began, ok bool, err error) {
+func (s *Store) casStep(ctx context.Context, d *stepDB, req idem.BeginStepRequest, nonce []byte) (rec *idem.StepRecord, began, ok bool, err error) {
 	t := quote(s.StepsTable())
 	pk := " WHERE `scope` = ? AND `key` = ? AND `name` = ?"
 	held, fence := "1", ""
@@ -303,10 +424,7 @@ func (s *Store) casStep(ctx context.Context, req idem.BeginStepRequest, nonce []
 		hargs = []any{[]byte(req.Scope), []byte(req.Key), []byte(req.Owner), req.Now.UnixMicro()}
 	}
 	pkArgs := []any{[]byte(req.Scope), []byte(req.Key), []byte(req.Name)}
-	read, err := s.stmt(ctx, "SELECT "+held+", `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `seq`, `attempt` FROM "+t+pk)
-	if err != nil {
-		return nil, false, false, s.wrapSteps(err)
-	}
+	read := "SELECT " + held + ", `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `seq`, `attempt`, `fingerprint` FROM " + t + pk
 	now, exp := req.Now.UnixMicro(), req.ExpiresAt.UnixMicro()
 	rounds := maxCASRounds
 	if s.noStepCAS.Load() {
@@ -318,10 +436,13 @@ func (s *Store) casStep(ctx context.Context, req idem.BeginStepRequest, nonce []
 		var owner, dk []byte
 		var started, expires int64
 		var seq uint64
-		var attempt []byte
+		var attempt, rfp []byte
 		r := &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name}
-		err := read.QueryRowContext(ctx, append(append([]any{}, hargs...), pkArgs...)...).
-			Scan(&h, &state, &owner, &dk, &r.Result, &started, &expires, &seq, &attempt)
+		row, err := d.queryRow(ctx, read, append(append([]any{}, hargs...), pkArgs...)...)
+		if err != nil {
+			return nil, false, false, s.wrapSteps(err)
+		}
+		err = row.Scan(&h, &state, &owner, &dk, &r.Result, &started, &expires, &seq, &attempt, &rfp)
 		if errors.Is(err, sql.ErrNoRows) {
 			return nil, false, false, nil
 		}
@@ -331,17 +452,20 @@ func (s *Store) casStep(ctx context.Context, req idem.BeginStepRequest, nonce []
 		if !h {
 			return nil, false, false, idem.ErrLockLost
 		}
-		r.State, r.Owner, r.DerivedKey = idem.StepState(state), string(owner), string(dk)
+		r.State, r.Owner, r.DerivedKey, r.Fingerprint = idem.StepState(state), string(owner), string(dk), string(rfp)
 		r.StartedAt, r.ExpiresAt = time.UnixMicro(started), time.UnixMicro(expires)
+		other := r.Fingerprint != "" && req.Fingerprint != "" && r.Fingerprint != req.Fingerprint
 		var q string
 		var args []any
 		switch {
 		case expires <= now: // expired: a new record
-			q = "UPDATE " + t + " SET `state` = 1, `owner` = ?, `derived_key` = ?, `result` = NULL, `started_at` = ?, `expires_at` = ?, `attempt` = ?, `seq` = `seq` + 1"
-			args = []any{[]byte(req.Owner), []byte(req.DerivedKey), now, exp, nonce}
+			q = "UPDATE " + t + " SET `state` = 1, `owner` = ?, `derived_key` = ?, `result` = NULL, `started_at` = ?, `expires_at` = ?, `attempt` = ?, `fingerprint` = ?, `seq` = `seq` + 1"
+			args = []any{[]byte(req.Owner), []byte(req.DerivedKey), now, exp, nonce, []byte(req.Fingerprint)}
 			r = &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name, State: idem.StepStarted, Owner: req.Owner,
-				DerivedKey: req.DerivedKey, StartedAt: req.Now, ExpiresAt: req.ExpiresAt}
+				DerivedKey: req.DerivedKey, Fingerprint: req.Fingerprint, StartedAt: req.Now, ExpiresAt: req.ExpiresAt}
 			began = true
+		case other: // another request's: left as it is
+			return r, false, true, nil
 		case r.State == idem.StepStarted && (r.Owner == "" || (req.Rerun && r.Owner != req.Owner)): // taken
 			q = "UPDATE " + t + " SET `owner` = ?, `attempt` = ?, `expires_at` = GREATEST(`expires_at`, ?), `seq` = `seq` + 1"
 			args = []any{[]byte(req.Owner), nonce, exp}
@@ -359,14 +483,11 @@ func (s *Store) casStep(ctx context.Context, req idem.BeginStepRequest, nonce []
 		// seq is the version within one row's life, attempt (a random nonce
 		// set by every insert) tells the row from one deleted and inserted
 		// anew meanwhile, whose seq starts again.
-		st, err := s.stmt(ctx, q+pk+" AND `seq` = ? AND `attempt` = ?"+fence)
-		if err != nil {
-			return nil, false, false, s.wrapSteps(err)
-		}
+		q += pk + " AND `seq` = ? AND `attempt` = ?" + fence
 		args = append(append(append(args, pkArgs...), seq, attempt), hargs...)
 		var n int64
 		err = retry(ctx, func() error {
-			res, err := st.ExecContext(ctx, args...)
+			res, err := d.exec(ctx, q, args...)
 			if err != nil {
 				return err
 			}
@@ -384,15 +505,12 @@ func (s *Store) casStep(ctx context.Context, req idem.BeginStepRequest, nonce []
 	return nil, false, false, nil
 }
 
-// stepExec runs one autocommitted statement and returns the rows it changed.
-func (s *Store) stepExec(ctx context.Context, q string, args ...any) (int64, error) {
-	st, err := s.stmt(ctx, q)
-	if err != nil {
-		return 0, s.wrapSteps(err)
-	}
+// stepExec runs one autocommitted statement on d and returns the rows it
+// changed.
+func (s *Store) stepExec(ctx context.Context, d *stepDB, q string, args ...any) (int64, error) {
 	var n int64
-	err = retry(ctx, func() error {
-		res, err := st.ExecContext(ctx, args...)
+	err := retry(ctx, func() error {
+		res, err := d.exec(ctx, q, args...)
 		if err != nil {
 			return err
 		}
@@ -417,11 +535,16 @@ func (s *Store) FinishStep(ctx context.Context, scope, key, name, owner string, 
 	if state != idem.StepDone && state != idem.StepFailed {
 		return fmt.Errorf("mysqlstore: finish step: state %v; a step finishes done or failed", state)
 	}
-	result, err := s.checkStepResult(ctx, result)
+	d, err := s.stepConn(ctx)
 	if err != nil {
 		return err
 	}
-	n, err := s.stepExec(ctx, "UPDATE "+quote(s.StepsTable())+" SET `state` = ?, `result` = ?, `seq` = `seq` + 1"+live+
+	defer d.close()
+	result, err = s.checkStepResult(ctx, d, result)
+	if err != nil {
+		return err
+	}
+	n, err := s.stepExec(ctx, d, "UPDATE "+quote(s.StepsTable())+" SET `state` = ?, `result` = ?, `seq` = `seq` + 1"+live+
 		" AND `state` = 1 AND `owner` = ? AND `owner` <> ''",
 		uint8(state), result, []byte(scope), []byte(key), []byte(name), now.UnixMicro(), []byte(owner))
 	if perr := s.stepPacketRefused(err, len(result)); perr != nil {
@@ -441,7 +564,12 @@ func (s *Store) AbandonStep(ctx context.Context, scope, key, name, owner string,
 	if err := checkStep(scope, key, name, owner); err != nil {
 		return err
 	}
-	n, err := s.stepExec(ctx, "UPDATE "+quote(s.StepsTable())+" SET `owner` = '', `seq` = `seq` + 1"+live+
+	d, err := s.stepConn(ctx)
+	if err != nil {
+		return err
+	}
+	defer d.close()
+	n, err := s.stepExec(ctx, d, "UPDATE "+quote(s.StepsTable())+" SET `owner` = '', `seq` = `seq` + 1"+live+
 		" AND `state` = 1 AND `owner` = ? AND `owner` <> ''",
 		[]byte(scope), []byte(key), []byte(name), now.UnixMicro(), []byte(owner))
 	if err != nil {
@@ -458,15 +586,14 @@ func (s *Store) GetSteps(ctx context.Context, scope, key string, now time.Time) 
 	if err := checkLengths(scope, key, "", ""); err != nil {
 		return nil, err
 	}
-	st, err := s.stmt(ctx, "SELECT `name`, `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at` FROM "+quote(s.StepsTable())+
-		" WHERE `scope` = ? AND `key` = ? AND `expires_at` > ? ORDER BY `started_at`, `name`")
-	if noStepsTable(err) {
-		return nil, nil
-	}
+	d, err := s.stepConn(ctx)
 	if err != nil {
-		return nil, s.wrapSteps(err)
+		return nil, err
 	}
-	rows, err := st.QueryContext(ctx, []byte(scope), []byte(key), now.UnixMicro())
+	defer d.close()
+	rows, err := d.query(ctx, "SELECT `name`, `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `fingerprint` FROM "+quote(s.StepsTable())+
+		" WHERE `scope` = ? AND `key` = ? AND `expires_at` > ? ORDER BY `started_at`, `name`",
+		[]byte(scope), []byte(key), now.UnixMicro())
 	if noStepsTable(err) {
 		return nil, nil // a database not migrated since step records came: none was written
 	}
@@ -477,13 +604,13 @@ func (s *Store) GetSteps(ctx context.Context, scope, key string, now time.Time) 
 	var out []idem.StepRecord
 	for rows.Next() {
 		r := idem.StepRecord{Scope: scope, Key: key}
-		var name, owner, dk []byte
+		var name, owner, dk, fp []byte
 		var state uint8
 		var started, expires int64
-		if err := rows.Scan(&name, &state, &owner, &dk, &r.Result, &started, &expires); err != nil {
+		if err := rows.Scan(&name, &state, &owner, &dk, &r.Result, &started, &expires, &fp); err != nil {
 			return nil, s.wrapSteps(err)
 		}
-		r.Name, r.State, r.Owner, r.DerivedKey = string(name), idem.StepState(state), string(owner), string(dk)
+		r.Name, r.State, r.Owner, r.DerivedKey, r.Fingerprint = string(name), idem.StepState(state), string(owner), string(dk), string(fp)
 		r.StartedAt, r.ExpiresAt = time.UnixMicro(started), time.UnixMicro(expires)
 		out = append(out, r)
 	}
@@ -500,13 +627,17 @@ func (s *Store) SettleStep(ctx context.Context, scope, key, name string, state i
 	}
 	t := quote(s.StepsTable())
 	args := []any{[]byte(scope), []byte(key), []byte(name), now.UnixMicro()}
+	d, err := s.stepConn(ctx)
+	if err != nil {
+		return err
+	}
+	defer d.close()
 	var q string
 	switch state {
 	case 0:
 		q = "DELETE FROM " + t + live
 	case idem.StepDone, idem.StepFailed:
-		var err error
-		if result, err = s.checkStepResult(ctx, result); err != nil {
+		if result, err = s.checkStepResult(ctx, d, result); err != nil {
 			return err
 		}
 		q = "UPDATE " + t + " SET `state` = ?, `result` = ?, `seq` = `seq` + 1" + live
@@ -514,7 +645,7 @@ func (s *Store) SettleStep(ctx context.Context, scope, key, name string, state i
 	default:
 		return fmt.Errorf("mysqlstore: settle step: state %v; settle a step as done or failed, or 0 to forget it", state)
 	}
-	n, err := s.stepExec(ctx, q, args...)
+	n, err := s.stepExec(ctx, d, q, args...)
 	if perr := s.stepPacketRefused(err, len(result)); perr != nil {
 		return perr
 	}
@@ -534,7 +665,9 @@ func (s *Store) DeleteExpiredSteps(ctx context.Context, now time.Time, limit int
 	if limit <= 0 {
 		return 0, nil
 	}
-	n, err := s.stepExec(ctx, "DELETE FROM "+quote(s.StepsTable())+
+	// The janitor holds no transaction: it waits on the pool as any
+	// statement does.
+	n, err := s.stepExec(ctx, &stepDB{s: s}, "DELETE FROM "+quote(s.StepsTable())+
 		" WHERE `expires_at` <= ? ORDER BY `expires_at`, `scope`, `key`, `name` LIMIT ?", now.UnixMicro(), limit)
 	if noStepsTable(err) {
 		// A database not migrated since step records came, under a service
@@ -558,6 +691,9 @@ func (s *Store) wrapSteps(err error) error {
 	}
 	if code, ok := errorNumber(err); ok && code == 1146 {
 		return fmt.Errorf("mysqlstore: table %s does not exist; run (*mysqlstore.Store).Migrate or `idem migrate` first: %w", quote(s.StepsTable()), err)
+	}
+	if code, ok := errorNumber(err); ok && code == 1054 {
+		return fmt.Errorf("mysqlstore: table %s lacks a column this release writes (fingerprint, from migration 003_steps_fingerprint); run (*mysqlstore.Store).Migrate or `idem migrate` first: %w", quote(s.StepsTable()), err)
 	}
 	if strings.HasPrefix(err.Error(), "mysqlstore: ") {
 		return err

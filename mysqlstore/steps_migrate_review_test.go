@@ -25,7 +25,7 @@ func TestStepsOldDatabase(t *testing.T) {
 	if _, err := db.ExecContext(ctx, "DROP TABLE `"+s.StepsTable()+"`"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := db.ExecContext(ctx, "DELETE FROM `"+s.Table()+"_migrations` WHERE `version` = 2"); err != nil {
+	if _, err := db.ExecContext(ctx, "DELETE FROM `"+s.Table()+"_migrations` WHERE `version` >= 2"); err != nil {
 		t.Fatal(err)
 	}
 	now := time.Now()

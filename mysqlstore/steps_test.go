@@ -293,3 +293,23 @@ func TestStepStoreTxPath(t *testing.T) {
 		return s
 	}, steptest.Options{Resolution: time.Microsecond})
 }
+
+// TestStepStoreOwnConn runs the step checks with every step operation on a
+// connection of its own, by the statements' text: the path a step takes
+// when the pool is full (TestStepPoolExhaustedSaysSo).
+func TestStepStoreOwnConn(t *testing.T) {
+	t.Parallel()
+	db := openDB(t, 24, "")
+	for _, cas := range []bool{true, false} {
+		t.Run(fmt.Sprintf("cas=%v", cas), func(t *testing.T) {
+			steptest.Run(t, func(t *testing.T) steptest.Store {
+				s := newStore(t, db)
+				mysqlstore.StepOwnConn(s)
+				if !cas {
+					mysqlstore.NoStepCAS(s)
+				}
+				return s
+			}, steptest.Options{Resolution: time.Microsecond})
+		})
+	}
+}

@@ -78,7 +78,8 @@ type Store struct {
 	// else a sql.IsolationLevel.
 	isolation atomic.Int32
 
-	noStepCAS atomic.Bool // tests: BeginStep of an existing step always takes its transaction (steps.go)
+	noStepCAS   atomic.Bool // tests: BeginStep of an existing step always takes its transaction (steps.go)
+	stepOwnConn atomic.Bool // tests: step statements always run on a connection of their own, as with the pool full (steps.go)
 }
 
 var (

@@ -182,7 +182,8 @@
 // The Store is an idem.StepStore: the records of idem.Step live in a table of
 // their own, the records table's name with "_steps" (idem_records_steps; a
 // hashed name when that would pass 63 bytes; see StepsTable), in the same
-// schema, created by migration 002_create_steps:
+// schema, created by migration 002_create_steps (migration 003_steps_fingerprint
+// adds the fingerprint of the request that wrote each row):
 //
 //	CREATE TABLE idem_records_steps (
 //	    scope       bytea       NOT NULL,
@@ -195,6 +196,7 @@
 //	    started_at  timestamptz NOT NULL,
 //	    expires_at  timestamptz NOT NULL,
 //	    attempt     text        NOT NULL,  -- nonce of the BeginStep that last began it
+//	    fingerprint bytea       NOT NULL DEFAULT '',  -- the request's (migration 003)
 //	    PRIMARY KEY (scope, key, name)
 //	);
 //

@@ -63,16 +63,22 @@ func (s *Store) buildStepSQL(parts []string) {
 	// call began the step. A conflicting row is locked and the CASEs are
 	// evaluated on its latest version, so exactly one of concurrent
 	// BeginSteps begins a step.
-	take := `(s.expires_at <= $6 OR (s.state = 1 AND (s.owner = '' OR ($10 AND s.owner <> excluded.owner))))`
+	//
+	// A live row of another request (both fingerprints set, and different:
+	// the key released and reused) is cur, whatever else, and the upsert,
+	// which meets it only when it came meanwhile, leaves it as it is.
+	other := `(s.fingerprint <> ''::bytea AND excluded.fingerprint <> ''::bytea AND s.fingerprint <> excluded.fingerprint)`
+	take := `(s.expires_at <= $6 OR (NOT ` + other + ` AND s.state = 1 AND (s.owner = '' OR ($10 AND s.owner <> excluded.owner))))`
 	expired := `s.expires_at <= $6`
 	begin := func(held, guard string) string {
 		return `cur AS (
-	SELECT state, owner, derived_key, result, started_at, expires_at FROM ` + t + `
-	WHERE scope = $1 AND key = $2 AND name = $3 AND expires_at > $6 AND expires_at >= $7
-	  AND NOT (state = 1 AND (owner = '' OR ($10 AND owner <> $4)))` + held + `
+	SELECT state, owner, derived_key, result, started_at, expires_at, fingerprint FROM ` + t + `
+	WHERE scope = $1 AND key = $2 AND name = $3 AND expires_at > $6
+	  AND ((fingerprint <> ''::bytea AND $11::bytea <> ''::bytea AND fingerprint <> $11::bytea)
+	    OR (expires_at >= $7 AND NOT (state = 1 AND (owner = '' OR ($10 AND owner <> $4)))))` + held + `
 ), ins AS (
-	INSERT INTO ` + t + ` AS s (scope, key, name, state, owner, derived_key, result, started_at, expires_at, attempt)
-	SELECT $1::bytea, $2::bytea, $3::text, 1, $4::text, $5::text, NULL, $6::timestamptz, $7::timestamptz, $9::text
+	INSERT INTO ` + t + ` AS s (scope, key, name, state, owner, derived_key, result, started_at, expires_at, attempt, fingerprint)
+	SELECT $1::bytea, $2::bytea, $3::text, 1, $4::text, $5::text, NULL, $6::timestamptz, $7::timestamptz, $9::text, $11::bytea
 	WHERE CASE WHEN EXISTS (SELECT FROM cur) THEN false ELSE ` + guard + ` END
 	ON CONFLICT (scope, key, name) DO UPDATE SET
 		attempt = CASE WHEN ` + take + ` THEN excluded.attempt ELSE s.attempt END,
@@ -81,8 +87,9 @@ func (s *Store) buildStepSQL(parts []string) {
 		derived_key = CASE WHEN ` + expired + ` THEN excluded.derived_key ELSE s.derived_key END,
 		result = CASE WHEN ` + expired + ` THEN NULL ELSE s.result END,
 		started_at = CASE WHEN ` + expired + ` THEN excluded.started_at ELSE s.started_at END,
-		expires_at = CASE WHEN ` + expired + ` THEN excluded.expires_at ELSE GREATEST(s.expires_at, excluded.expires_at) END
-	RETURNING attempt = $9, state, owner, derived_key, result, started_at, expires_at
+		fingerprint = CASE WHEN ` + expired + ` THEN excluded.fingerprint ELSE s.fingerprint END,
+		expires_at = CASE WHEN ` + expired + ` THEN excluded.expires_at WHEN ` + other + ` THEN s.expires_at ELSE GREATEST(s.expires_at, excluded.expires_at) END
+	RETURNING attempt = $9, state, owner, derived_key, result, started_at, expires_at, fingerprint
 )
 SELECT * FROM ins
 UNION ALL
@@ -105,7 +112,7 @@ SELECT false, * FROM cur`
 	st.abandonSQL = `UPDATE ` + t + ` SET owner = '' WHERE ` + live + ` AND state = 1 AND owner = $5 AND owner <> ''`
 	st.settleSQL = `UPDATE ` + t + ` SET state = $5, result = $6 WHERE ` + live
 	st.forgetSQL = `DELETE FROM ` + t + ` WHERE ` + live
-	st.getSQL = `SELECT name, state, owner, derived_key, result, started_at, expires_at FROM ` + t + `
+	st.getSQL = `SELECT name, state, owner, derived_key, result, started_at, expires_at, fingerprint FROM ` + t + `
 WHERE scope = $1 AND key = $2 AND expires_at > $3 ORDER BY started_at, name`
 	st.deleteSQL = `DELETE FROM ` + t + ` WHERE ctid = ANY(ARRAY(
 	SELECT ctid FROM ` + t + ` WHERE expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED
@@ -245,16 +252,17 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	rec := &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name}
 	var began bool
 	var state int16
+	var fp []byte
 	found, err := s.queryStep(ctx, sql,
-		[]any{[]byte(req.Scope), []byte(req.Key), req.Name, req.Owner, req.DerivedKey, req.Now, req.ExpiresAt, req.Owner, stepNonce(), req.Rerun},
-		&began, &state, &rec.Owner, &rec.DerivedKey, &rec.Result, &rec.StartedAt, &rec.ExpiresAt)
+		[]any{[]byte(req.Scope), []byte(req.Key), req.Name, req.Owner, req.DerivedKey, req.Now, req.ExpiresAt, req.Owner, stepNonce(), req.Rerun, []byte(req.Fingerprint)},
+		&began, &state, &rec.Owner, &rec.DerivedKey, &rec.Result, &rec.StartedAt, &rec.ExpiresAt, &fp)
 	if err != nil {
 		return nil, false, s.wrapStep("begin step", err)
 	}
 	if !found {
 		return nil, false, idem.ErrLockLost
 	}
-	rec.State = idem.StepState(state)
+	rec.State, rec.Fingerprint = idem.StepState(state), string(fp)
 	// Hand back the caller's own times, not their microsecond-truncated copies.
 	if rec.StartedAt.Equal(req.Now.Truncate(time.Microsecond)) {
 		rec.StartedAt = req.Now
@@ -321,10 +329,11 @@ func (s *Store) GetSteps(ctx context.Context, scope, key string, now time.Time) 
 	for rows.Next() {
 		rec := idem.StepRecord{Scope: scope, Key: key}
 		var state int16
-		if err := rows.Scan(&rec.Name, &state, &rec.Owner, &rec.DerivedKey, &rec.Result, &rec.StartedAt, &rec.ExpiresAt); err != nil {
+		var fp []byte
+		if err := rows.Scan(&rec.Name, &state, &rec.Owner, &rec.DerivedKey, &rec.Result, &rec.StartedAt, &rec.ExpiresAt, &fp); err != nil {
 			return nil, s.wrapStep("get steps", err)
 		}
-		rec.State = idem.StepState(state)
+		rec.State, rec.Fingerprint = idem.StepState(state), string(fp)
 		out = append(out, rec)
 	}
 	if err := rows.Err(); err != nil {
@@ -387,6 +396,10 @@ func (s *Store) DeleteExpiredSteps(ctx context.Context, now time.Time, limit int
 func (s *Store) wrapStep(op string, err error) error {
 	if isUndefinedTable(err) {
 		return fmt.Errorf("pgstore: %s: table %s does not exist; run Store.Migrate (or apply pgstore.Migrations) first: %w", op, s.steps.table, err)
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42703" { // undefined_column
+		return fmt.Errorf("pgstore: %s: table %s lacks a column this release writes (fingerprint, from migration 003_steps_fingerprint); run Store.Migrate (or apply pgstore.Migrations) first: %w", op, s.steps.table, err)
 	}
 	return fmt.Errorf("pgstore: %s: %w", op, err)
 }

@@ -103,7 +103,7 @@ func TestMigrationFiles(t *testing.T) {
 		}
 		return err
 	})
-	if strings.Join(names, " ") != "001_create.down.sql 001_create.up.sql 002_create_steps.down.sql 002_create_steps.up.sql" {
+	if strings.Join(names, " ") != "001_create.down.sql 001_create.up.sql 002_create_steps.down.sql 002_create_steps.up.sql 003_steps_fingerprint.down.sql 003_steps_fingerprint.up.sql" {
 		t.Fatalf("Migrations holds %v", names)
 	}
 	conn, err := db.pool.Acquire(ctx30(t))
@@ -128,6 +128,12 @@ func TestMigrationFiles(t *testing.T) {
 	run("001_create.up.sql") // idempotent
 	run("002_create_steps.up.sql")
 	run("002_create_steps.up.sql")
+	run("003_steps_fingerprint.up.sql")
+	run("003_steps_fingerprint.up.sql")
+	if n := db.count(t, `SELECT count(*) FROM information_schema.columns WHERE table_schema = $1 AND table_name = 'idem_records_steps' AND column_name = 'fingerprint'`, db.schema); n != 1 {
+		t.Fatalf("up migrations made %d fingerprint columns", n)
+	}
+	run("003_steps_fingerprint.down.sql")
 	if n := db.count(t, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = 'idem_records_steps'`, db.schema); n != 1 {
 		t.Fatalf("up migration made %d idem_records_steps tables", n)
 	}

@@ -39,6 +39,10 @@ const (
 	sfStarted = "t" // Unix ms
 	sfExpires = "e" // Unix ms
 	sfResult  = "r" // absent while started
+	// sfFingerprint is the fingerprint of the request that wrote the record;
+	// absent in a record written without one (by a consumer, or before step
+	// records carried it).
+	sfFingerprint = "f"
 	// "a" holds the call id of the BeginStep that last began the step, "c"
 	// that of the last FinishStep or AbandonStep (see the scripts).
 )
@@ -46,9 +50,11 @@ const (
 var (
 	// beginStepScript: KEYS = step hash, steps index, request record. ARGV =
 	// name, owner, derived key, now, expiresAt, ttl (expiresAt − now in ms, at
-	// least 1), holder ("1" or ""), rerun ("1" or ""), call id. Reply: {0}
-	// when the Holder fence failed; else {began, state, owner, derived key,
-	// started, expires, result}. The fence reads the request record as
+	// least 1), holder ("1" or ""), rerun ("1" or ""), call id, fingerprint.
+	// Reply: {0} when the Holder fence failed; else {began, state, owner,
+	// derived key, started, expires, result, fingerprint}. A live record of
+	// another request (both fingerprints set, and different) is left as it
+	// is, its expiry too. The fence reads the request record as
 	// claimScript wrote it (state "1", token, expires), in the same atomic
 	// step. A re-run of the same call (go-redis re-sends a command whose reply
 	// was lost) finds its own call id and answers began again. The step's
@@ -63,15 +69,20 @@ if ARGV[7] == '1' then
     return {0}
   end
 end
-local cur = redis.call('HMGET', h, 's', 'o', 'e', 'a')
+local cur = redis.call('HMGET', h, 's', 'o', 'e', 'a', 'f')
 local began = 0
 local raise = false
 if not cur[1] or tonumber(cur[3]) <= now then
   redis.call('DEL', h)
   redis.call('HSET', h, 's', '1', 'o', ARGV[2], 'd', ARGV[3], 't', ARGV[4], 'e', ARGV[5], 'a', ARGV[9])
+  if ARGV[10] ~= '' then
+    redis.call('HSET', h, 'f', ARGV[10])
+  end
   redis.call('ZADD', idx, ARGV[4], ARGV[1])
   began = 1
   raise = true
+elseif cur[5] and cur[5] ~= '' and ARGV[10] ~= '' and cur[5] ~= ARGV[10] then
+  -- another request's record: left as it is
 else
   if cur[1] == '1' and cur[4] == ARGV[9] and cur[2] == ARGV[2] then
     began = 1
@@ -92,8 +103,8 @@ if raise then
     end
   end
 end
-local rec = redis.call('HMGET', h, 's', 'o', 'd', 't', 'e', 'r')
-return {began, rec[1], rec[2], rec[3], rec[4], rec[5], rec[6]}
+local rec = redis.call('HMGET', h, 's', 'o', 'd', 't', 'e', 'r', 'f')
+return {began, rec[1], rec[2], rec[3], rec[4], rec[5], rec[6], rec[7]}
 `)
 
 	// endStepScript: KEYS = step hash. ARGV = owner, now, call id, then the
@@ -176,19 +187,19 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	}
 	res, err := beginStepScript.Run(ctx, s.client, []string{s.stepKey(req.Scope, req.Key, req.Name), s.stepsKey(req.Scope, req.Key), s.recordKey(req.Scope, req.Key)},
 		req.Name, req.Owner, req.DerivedKey, ms(req.Now), ms(req.ExpiresAt), ttl(req.Now, req.ExpiresAt),
-		flag(req.Holder), flag(req.Rerun), callID()).Slice()
+		flag(req.Holder), flag(req.Rerun), callID(), req.Fingerprint).Slice()
 	if err != nil {
 		return nil, false, storeErr("begin step", err)
 	}
 	if len(res) == 1 {
 		return nil, false, idem.ErrLockLost
 	}
-	if len(res) != 7 {
+	if len(res) != 8 {
 		return nil, false, fmt.Errorf("redisstore: begin step: unexpected reply of %d values", len(res))
 	}
 	began, _ := res[0].(int64)
 	f := map[string]string{}
-	for i, name := range []string{sfState, sfOwner, sfDerived, sfStarted, sfExpires, sfResult} {
+	for i, name := range []string{sfState, sfOwner, sfDerived, sfStarted, sfExpires, sfResult, sfFingerprint} {
 		if v, ok := res[i+1].(string); ok {
 			f[name] = v
 		}
@@ -218,7 +229,7 @@ func decodeStep(scope, key, name string, f map[string]string) (*idem.StepRecord,
 		return nil, fmt.Errorf("redisstore: step %q of a record: malformed times; the hash was changed outside idem", name)
 	}
 	rec := &idem.StepRecord{Scope: scope, Key: key, Name: name, State: idem.StepState(state),
-		Owner: f[sfOwner], DerivedKey: f[sfDerived],
+		Owner: f[sfOwner], DerivedKey: f[sfDerived], Fingerprint: f[sfFingerprint],
 		StartedAt: time.UnixMilli(started), ExpiresAt: time.UnixMilli(expires)}
 	if r, ok := f[sfResult]; ok && rec.State != idem.StepStarted {
 		rec.Result = []byte(r)

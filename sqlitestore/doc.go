@@ -199,11 +199,15 @@
 // commit is flushed before the step returns), with a writer gate of its own.
 // It is created at the first step (reads and the janitor of a store that never
 // recorded one do not create it), and shared by every Store on one *sql.DB
-// and, through SQLite's locks, by every process on the file. For an in-memory
+// and, through SQLite's locks, by every process on the file; Store.Close of
+// the last Store on the *sql.DB that recorded steps closes it (a Store used
+// again opens it again). For an in-memory
 // records database the step records live in an in-memory database of the
 // process, on one connection kept open. Config.StepsDB chooses another
 // database; it must be another file (the records' own is refused). The table
-// is the records table's name with "_steps":
+// is the records table's name with "_steps" (a steps file made before step
+// records carried the request's fingerprint gets the column at the first
+// step):
 //
 //	CREATE TABLE idem_records_steps (
 //	    scope       TEXT    NOT NULL,
@@ -216,6 +220,7 @@
 //	    started_at  INTEGER NOT NULL,                            -- Unix nanoseconds
 //	    expires_at  INTEGER NOT NULL,
 //	    attempt     TEXT    NOT NULL,                            -- nonce of the BeginStep that last began it
+//	    fingerprint TEXT    NOT NULL DEFAULT '',                 -- the request's that wrote it
 //	    PRIMARY KEY (scope, key, name)
 //	);
 //

@@ -30,15 +30,16 @@ const StepsFileSuffix = "-steps"
 type stepsState struct {
 	cfg *sql.DB // Config.StepsDB, or nil
 
-	mu    sync.Mutex
-	db    *sql.DB // once opened
-	gate  gate
-	ready bool // the table exists
-	q     stepQueries
+	mu     sync.Mutex
+	db     *sql.DB      // once opened
+	handle *stepsHandle // the shared handle db came from (nil: Config.StepsDB)
+	gate   gate
+	ready  bool // the table exists
+	q      stepQueries
 }
 
 type stepQueries struct {
-	begin, peek, finish, abandon, settle, forget, get, deleteExpired, lock, schema string
+	begin, peek, finish, abandon, settle, forget, get, deleteExpired, lock, schema, columns, addFingerprint string
 }
 
 // stepsHandles holds the step database sqlitestore opened for each records
@@ -50,6 +51,7 @@ type stepsHandle struct {
 	once sync.Mutex
 	db   *sql.DB
 	path string // "" in memory
+	refs int    // Stores using db (steps file only), see release
 }
 
 func stepsHandleFor(db *sql.DB) *stepsHandle {
@@ -61,7 +63,11 @@ func stepsHandleFor(db *sql.DB) *stepsHandle {
 	if !loaded {
 		runtime.AddCleanup(db, func(k weak.Pointer[sql.DB]) {
 			if h, ok := stepsHandles.LoadAndDelete(k); ok {
-				if sdb := h.(*stepsHandle).db; sdb != nil {
+				sh := h.(*stepsHandle)
+				sh.once.Lock()
+				sdb := sh.db
+				sh.once.Unlock()
+				if sdb != nil {
 					_ = sdb.Close()
 				}
 			}
@@ -73,7 +79,10 @@ func stepsHandleFor(db *sql.DB) *stepsHandle {
 func newStepQueries(table string) stepQueries {
 	t := quoteIdent(table + "_steps")
 	idx := quoteIdent(table + "_steps_expires_at_idx")
-	take := `(s.expires_at <= ?6 OR (s.state = 1 AND (s.owner = '' OR (?9 AND s.owner <> excluded.owner))))`
+	// other: a live row of another request (both fingerprints set, and
+	// different), which BeginStep leaves as it is.
+	other := `(s.expires_at > ?6 AND s.fingerprint <> '' AND ?10 <> '' AND s.fingerprint <> ?10)`
+	take := `(s.expires_at <= ?6 OR (NOT ` + other + ` AND s.state = 1 AND (s.owner = '' OR (?9 AND s.owner <> excluded.owner))))`
 	expired := `s.expires_at <= ?6`
 	live := `scope = ? AND key = ? AND name = ? AND expires_at > ?`
 	return stepQueries{
@@ -88,13 +97,18 @@ func newStepQueries(table string) stepQueries {
     started_at  INTEGER NOT NULL,                            -- Unix nanoseconds
     expires_at  INTEGER NOT NULL,
     attempt     TEXT    NOT NULL,                            -- nonce of the BeginStep that last began it
+    fingerprint TEXT    NOT NULL DEFAULT '',                 -- the request's that wrote it ('' for none)
     PRIMARY KEY (scope, key, name)
 );
 CREATE INDEX IF NOT EXISTS ` + idx + ` ON ` + t + ` (expires_at)`,
 		// One statement decides BeginStep (the gate and SQLite's write lock
 		// serialize it); attempt = ?8, this call's nonce, says whether it began.
-		begin: `INSERT INTO ` + t + ` AS s (scope, key, name, state, owner, derived_key, result, started_at, expires_at, attempt)
-VALUES (?1, ?2, ?3, 1, ?4, ?5, NULL, ?6, ?7, ?8)
+		// A steps file made before step records carried the fingerprint
+		// gets the column (every row's '': not told apart).
+		columns:        `SELECT name FROM pragma_table_info('` + table + `_steps')`,
+		addFingerprint: `ALTER TABLE ` + t + ` ADD COLUMN fingerprint TEXT NOT NULL DEFAULT ''`,
+		begin: `INSERT INTO ` + t + ` AS s (scope, key, name, state, owner, derived_key, result, started_at, expires_at, attempt, fingerprint)
+VALUES (?1, ?2, ?3, 1, ?4, ?5, NULL, ?6, ?7, ?8, ?10)
 ON CONFLICT (scope, key, name) DO UPDATE SET
     attempt = CASE WHEN ` + take + ` THEN excluded.attempt ELSE s.attempt END,
     owner = CASE WHEN ` + take + ` THEN excluded.owner ELSE s.owner END,
@@ -102,14 +116,15 @@ ON CONFLICT (scope, key, name) DO UPDATE SET
     derived_key = CASE WHEN ` + expired + ` THEN excluded.derived_key ELSE s.derived_key END,
     result = CASE WHEN ` + expired + ` THEN NULL ELSE s.result END,
     started_at = CASE WHEN ` + expired + ` THEN excluded.started_at ELSE s.started_at END,
-    expires_at = CASE WHEN ` + expired + ` THEN excluded.expires_at ELSE MAX(s.expires_at, excluded.expires_at) END
-RETURNING attempt = ?8, state, owner, derived_key, result, started_at, expires_at`,
-		peek:          `SELECT state, owner, derived_key, result, started_at, expires_at FROM ` + t + ` WHERE scope = ? AND key = ? AND name = ?`,
+    fingerprint = CASE WHEN ` + expired + ` THEN excluded.fingerprint ELSE s.fingerprint END,
+    expires_at = CASE WHEN ` + expired + ` THEN excluded.expires_at WHEN ` + other + ` THEN s.expires_at ELSE MAX(s.expires_at, excluded.expires_at) END
+RETURNING attempt = ?8, state, owner, derived_key, result, started_at, expires_at, fingerprint`,
+		peek:          `SELECT state, owner, derived_key, result, started_at, expires_at, fingerprint FROM ` + t + ` WHERE scope = ? AND key = ? AND name = ?`,
 		finish:        `UPDATE ` + t + ` SET state = ?, result = ? WHERE ` + live + ` AND state = 1 AND owner = ? AND owner <> ''`,
 		abandon:       `UPDATE ` + t + ` SET owner = '' WHERE ` + live + ` AND state = 1 AND owner = ? AND owner <> ''`,
 		settle:        `UPDATE ` + t + ` SET state = ?, result = ? WHERE ` + live,
 		forget:        `DELETE FROM ` + t + ` WHERE ` + live,
-		get:           `SELECT name, state, owner, derived_key, result, started_at, expires_at FROM ` + t + ` WHERE scope = ? AND key = ? AND expires_at > ? ORDER BY started_at, name`,
+		get:           `SELECT name, state, owner, derived_key, result, started_at, expires_at, fingerprint FROM ` + t + ` WHERE scope = ? AND key = ? AND expires_at > ? ORDER BY started_at, name`,
 		deleteExpired: `DELETE FROM ` + t + ` WHERE rowid IN (SELECT rowid FROM ` + t + ` WHERE expires_at <= ? LIMIT ?)`,
 		lock:          `UPDATE ` + t + ` SET state = state WHERE 0`,
 	}
@@ -143,6 +158,7 @@ func (s *Store) steps(ctx context.Context, create bool) (*sql.DB, gate, error) {
 			if db, err = h.open(ctx, s.db, create); err != nil || db == nil {
 				return nil, nil, err
 			}
+			st.handle = h
 		} else if err := checkOtherFile(ctx, s.db, db); err != nil {
 			return nil, nil, err
 		}
@@ -156,8 +172,39 @@ func (s *Store) steps(ctx context.Context, create bool) (*sql.DB, gate, error) {
 	if _, err := st.db.ExecContext(ctx, st.q.schema); err != nil {
 		return nil, nil, wrap("steps: create the table", err)
 	}
+	if err := s.addFingerprint(ctx, st.db); err != nil {
+		return nil, nil, err
+	}
 	st.ready = true
 	return st.db, st.gate, nil
+}
+
+// addFingerprint adds the fingerprint column to a steps table made before
+// step records carried it.
+func (s *Store) addFingerprint(ctx context.Context, db *sql.DB) error {
+	rows, err := db.QueryContext(ctx, s.st.q.columns)
+	if err != nil {
+		return wrap("steps: read the table's columns", err)
+	}
+	has := false
+	for rows.Next() {
+		var name string
+		if err := rows.Scan(&name); err != nil {
+			_ = rows.Close()
+			return wrap("steps: read the table's columns", err)
+		}
+		has = has || name == "fingerprint"
+	}
+	if err := rows.Close(); err != nil {
+		return wrap("steps: read the table's columns", err)
+	}
+	if has {
+		return nil
+	}
+	if _, err := db.ExecContext(ctx, s.st.q.addFingerprint); err != nil && !strings.Contains(err.Error(), "duplicate column") {
+		return wrap("steps: add the fingerprint column", err)
+	}
+	return nil
 }
 
 // mainFile returns the file of db's main database ("" in memory).
@@ -206,11 +253,13 @@ func checkOtherFile(ctx context.Context, db, steps *sql.DB) error {
 	return nil
 }
 
-// open opens the steps database beside db's main file, once.
+// open opens the steps database beside db's main file, once, for one more
+// Store (see release).
 func (h *stepsHandle) open(ctx context.Context, db *sql.DB, create bool) (*sql.DB, error) {
 	h.once.Lock()
 	defer h.once.Unlock()
 	if h.db != nil {
+		h.refs++
 		return h.db, nil
 	}
 	file, err := mainFile(ctx, db)
@@ -251,8 +300,37 @@ func (h *stepsHandle) open(ctx context.Context, db *sql.DB, create bool) (*sql.D
 		_ = sdb.Close()
 		return nil, wrap("steps: open "+c.dsn, err)
 	}
-	h.db = sdb
+	h.db, h.refs = sdb, 1
 	return sdb, nil
+}
+
+// release is a Store's Close of the steps database open gave it: the last
+// Store closes a steps file (a Store used again opens it again). An
+// in-memory steps database stays open, as long as its records database: its
+// step records live nowhere else.
+func (h *stepsHandle) release() error {
+	h.once.Lock()
+	defer h.once.Unlock()
+	if h.refs--; h.refs > 0 || h.db == nil || h.path == "" {
+		return nil
+	}
+	sdb := h.db
+	h.db, h.refs = nil, 0
+	return sdb.Close()
+}
+
+// closeSteps is Close for the steps database: the Store lets go of the
+// shared handle (Config.StepsDB is the caller's, left open).
+func (s *Store) closeSteps() error {
+	st := &s.st
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	h := st.handle
+	if h == nil {
+		return nil
+	}
+	st.db, st.gate, st.ready, st.handle = nil, nil, false, nil
+	return h.release()
 }
 
 // escapeURIPath escapes the characters that would end or change the path part
@@ -449,8 +527,8 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	var state, started, expires int64
 	var result []byte
 	err = q.QueryRowContext(ctx, s.st.q.begin, req.Scope, req.Key, req.Name, req.Owner, req.DerivedKey,
-		nanos(req.Now), nanos(req.ExpiresAt), stepNonce(), req.Rerun).
-		Scan(&began, &state, &rec.Owner, &rec.DerivedKey, &result, &started, &expires)
+		nanos(req.Now), nanos(req.ExpiresAt), stepNonce(), req.Rerun, req.Fingerprint).
+		Scan(&began, &state, &rec.Owner, &rec.DerivedKey, &result, &started, &expires, &rec.Fingerprint)
 	if err != nil {
 		return nil, false, wrap("begin step", err)
 	}
@@ -498,7 +576,7 @@ func (s *Store) peekStep(ctx context.Context, db *sql.DB, req idem.BeginStepRequ
 	rec := &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name}
 	var state, started, expires int64
 	err := db.QueryRowContext(ctx, s.st.q.peek, req.Scope, req.Key, req.Name).
-		Scan(&state, &rec.Owner, &rec.DerivedKey, &rec.Result, &started, &expires)
+		Scan(&state, &rec.Owner, &rec.DerivedKey, &rec.Result, &started, &expires, &rec.Fingerprint)
 	if errors.Is(err, sql.ErrNoRows) {
 		return nil, false, nil
 	}
@@ -506,8 +584,9 @@ func (s *Store) peekStep(ctx context.Context, db *sql.DB, req idem.BeginStepRequ
 		return nil, false, wrap("begin step: read the step", err)
 	}
 	rec.State = idem.StepState(state)
+	other := rec.Fingerprint != "" && req.Fingerprint != "" && rec.Fingerprint != req.Fingerprint
 	takeable := rec.State == idem.StepStarted && (rec.Owner == "" || (req.Rerun && rec.Owner != req.Owner))
-	if expires <= nanos(req.Now) || takeable || nanos(req.ExpiresAt) > expires {
+	if expires <= nanos(req.Now) || (!other && (takeable || nanos(req.ExpiresAt) > expires)) {
 		return nil, false, nil
 	}
 	if req.Holder {
@@ -520,7 +599,7 @@ func (s *Store) peekStep(ctx context.Context, db *sql.DB, req idem.BeginStepRequ
 		}
 	}
 	rec.StartedAt, rec.ExpiresAt = fromNanos(started), fromNanos(expires)
-	if expires == nanos(req.ExpiresAt) {
+	if expires == nanos(req.ExpiresAt) && !other {
 		rec.ExpiresAt = req.ExpiresAt
 	}
 	return rec, true, nil
@@ -609,7 +688,7 @@ func (s *Store) GetSteps(ctx context.Context, scope, key string, now time.Time) 
 	for rows.Next() {
 		rec := idem.StepRecord{Scope: scope, Key: key}
 		var state, started, expires int64
-		if err := rows.Scan(&rec.Name, &state, &rec.Owner, &rec.DerivedKey, &rec.Result, &started, &expires); err != nil {
+		if err := rows.Scan(&rec.Name, &state, &rec.Owner, &rec.DerivedKey, &rec.Result, &started, &expires, &rec.Fingerprint); err != nil {
 			return nil, wrap("get steps", err)
 		}
 		rec.State, rec.StartedAt, rec.ExpiresAt = idem.StepState(state), fromNanos(started), fromNanos(expires)

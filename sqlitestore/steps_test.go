@@ -382,3 +382,52 @@ func TestStepHTTP(t *testing.T) {
 		})
 	}
 }
+
+// TestStepsOldTableGetsFingerprint: a steps table made before step records
+// carried the request's fingerprint gets the column at the first step; its
+// rows keep working (their fingerprint is "", told apart from no request),
+// and new rows carry theirs.
+func TestStepsOldTableGetsFingerprint(t *testing.T) {
+	t.Parallel()
+	db := openDB(t)
+	sdb, err := embedded.Open(filepath.Join(t.TempDir(), "steps.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sdb.Close() })
+	now := time.Now()
+	if _, err := sdb.Exec(`CREATE TABLE idem_records_steps (
+    scope TEXT NOT NULL, key TEXT NOT NULL, name TEXT NOT NULL,
+    state INTEGER NOT NULL CHECK (state IN (1, 2, 3)), owner TEXT NOT NULL, derived_key TEXT NOT NULL,
+    result BLOB, started_at INTEGER NOT NULL, expires_at INTEGER NOT NULL, attempt TEXT NOT NULL,
+    PRIMARY KEY (scope, key, name));
+INSERT INTO idem_records_steps VALUES ('s', 'k', 'old', 2, '', 'idem_old', '1', ?1, ?2, 'x')`, now.UnixNano(), now.Add(time.Hour).UnixNano()); err != nil {
+		t.Fatal(err)
+	}
+	s, err := sqlitestore.New(db, &sqlitestore.Config{StepsDB: sdb})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	const fp = "v3:aa"
+	rec, began, err := s.BeginStep(context.Background(), idem.BeginStepRequest{Scope: "s", Key: "k", Name: "old", Owner: "o",
+		DerivedKey: "idem_x", Fingerprint: fp, Now: now, ExpiresAt: now.Add(time.Hour)})
+	if err != nil || began || rec.State != idem.StepDone || rec.DerivedKey != "idem_old" || rec.Fingerprint != "" {
+		t.Fatalf("BeginStep of an old row: %+v %v %v; want it done, with its derived key and no fingerprint", rec, began, err)
+	}
+	if _, began, err := s.BeginStep(context.Background(), idem.BeginStepRequest{Scope: "s", Key: "k", Name: "new", Owner: "o",
+		DerivedKey: "idem_y", Fingerprint: fp, Now: now, ExpiresAt: now.Add(time.Hour)}); err != nil || !began {
+		t.Fatalf("BeginStep of a new step: %v %v", began, err)
+	}
+	recs, err := s.GetSteps(context.Background(), "s", "k", now)
+	if err != nil || len(recs) != 2 {
+		t.Fatalf("GetSteps: %+v %v", recs, err)
+	}
+	for _, r := range recs {
+		if want := map[string]string{"old": "", "new": fp}[r.Name]; r.Fingerprint != want {
+			t.Errorf("step %s: Fingerprint %q, want %q", r.Name, r.Fingerprint, want)
+		}
+	}
+}

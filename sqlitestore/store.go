@@ -228,9 +228,11 @@ func (s *Store) stmt(ctx context.Context, id stmtID, tx *sql.Tx) (*sql.Stmt, err
 	return st, nil
 }
 
-// Close releases the store's prepared statements. It does not close the
-// *sql.DB. Call it after the last use of the store; a store used again prepares
-// its statements again.
+// Close releases the store's prepared statements and its step records'
+// database: the steps file beside the records' is closed when the last Store
+// on the *sql.DB that recorded steps is closed. It does not close the *sql.DB,
+// nor Config.StepsDB. Call it after the last use of the store; a store used
+// again prepares its statements, and opens the steps file, again.
 func (s *Store) Close() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -240,6 +242,7 @@ func (s *Store) Close() error {
 			errs = append(errs, st.Close())
 		}
 	}
+	errs = append(errs, s.closeSteps())
 	return errors.Join(errs...)
 }
 

@@ -64,7 +64,9 @@ func stepCases() []stepCase {
 		{"Abandon", testStepAbandon},
 		{"Rerun", testStepRerun},
 		{"Refuse", testStepRefuse},
+		{"OtherRequest", testStepOtherRequest},
 		{"HolderFence", testStepHolderFence},
+		{"HolderPastTTL", testStepHolderPastTTL},
 		{"Expiry", testStepExpiry},
 		{"ExpiryMovedLater", testStepExpiryMovedLater},
 		{"BeginRace", testStepBeginRace},
@@ -326,6 +328,130 @@ func testStepRefuse(t *testing.T, _ idem.Store, ss idem.StepStore) {
 	checkStep(t, "finished", &got, idem.StepFailed, "", a.DerivedKey, []byte(`{"message":"declined"}`))
 }
 
+// testStepOtherRequest: a live step record keeps the fingerprint of the
+// request that wrote it, and a BeginStep with another fingerprint (the key
+// released and reused for a different request) writes nothing — it does not
+// take an abandoned or started record, nor move its expiry — and returns the
+// record with its own fingerprint, began false, with and without Holder. The
+// first request (its fingerprint) still begins and finishes it; a request
+// without a fingerprint (a consumer's) is not told apart; a record that
+// expired is a new one, with the new fingerprint.
+func testStepOtherRequest(t *testing.T, s idem.Store, ss idem.StepStore) {
+	const fpA = "v3:aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+	const fpB = "v3:bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"
+	for _, holder := range []bool{false, true} {
+		t.Run(fmt.Sprintf("holder=%v", holder), func(t *testing.T) {
+			st := newStep(t, "charge")
+			now := time.Now()
+			// The owner of an execution: with Holder, the token of a claim of
+			// the request record (released before the next request claims
+			// it, as after an answer that was not kept).
+			owner := func(fp string) string {
+				if !holder {
+					return "own-" + randToken()
+				}
+				c := st.claim(fp, now, time.Minute, longTTL)
+				mustClaim(t, s, c)
+				return c.Token
+			}
+			release := func(token string) {
+				if holder {
+					if err := s.Release(ctxFor(t), st.scope, st.key, token); err != nil {
+						t.Fatalf("Release: %v", err)
+					}
+				}
+			}
+			begin := func(own, fp string, rerun bool, ttl time.Duration) idem.BeginStepRequest {
+				r := st.begin(own, now, ttl)
+				r.Holder, r.Rerun, r.Fingerprint = holder, rerun, fp
+				return r
+			}
+			ownA := owner(fpA)
+			a := begin(ownA, fpA, true, longTTL)
+			rec := mustBegin(t, ss, a)
+			if rec.Fingerprint != fpA {
+				t.Errorf("BeginStep of a new step returned Fingerprint %q, want %q", rec.Fingerprint, fpA)
+			}
+			first := mustStep(t, ss, st, now)
+			if first.Fingerprint != fpA {
+				t.Errorf("GetSteps: Fingerprint %q, want the first request's %q", first.Fingerprint, fpA)
+			}
+			if err := ss.AbandonStep(ctxFor(t), st.scope, st.key, st.name, ownA, now); err != nil {
+				t.Fatalf("AbandonStep: %v", err)
+			}
+			release(ownA)
+
+			// Another request with the key (fpB, Rerun, a later expiry): the
+			// record is never taken, nor its expiry moved.
+			other := func(what string, state idem.StepState, stOwner string, result []byte) {
+				t.Helper()
+				ownB := owner(fpB)
+				defer release(ownB)
+				rec, began := beginStep(t, ss, begin(ownB, fpB, true, 2*longTTL))
+				if began {
+					t.Fatalf("%s: BeginStep by another request (fingerprint %s) began the first request's step (%+v)", what, fpB, rec)
+				}
+				checkStep(t, what, rec, state, stOwner, a.DerivedKey, result)
+				if rec.Fingerprint != fpA {
+					t.Errorf("%s: BeginStep by another request returned Fingerprint %q, want the first request's %q", what, rec.Fingerprint, fpA)
+				}
+				got := mustStep(t, ss, st, now)
+				checkStep(t, what+" (GetSteps)", &got, state, stOwner, a.DerivedKey, result)
+				if got.Fingerprint != fpA || !sameTime(got.ExpiresAt, first.ExpiresAt) {
+					t.Errorf("%s: after another request's BeginStep the record has Fingerprint %q and ExpiresAt %v, want %q and %v (nothing written)", what, got.Fingerprint, got.ExpiresAt, fpA, first.ExpiresAt)
+				}
+				if !holder {
+					// No fingerprint (a consumer's operation): not told apart.
+					n := begin("own-"+randToken(), "", false, longTTL)
+					if rec, began := beginStep(t, ss, n); (state == idem.StepStarted && stOwner == "") != began || rec.DerivedKey != a.DerivedKey {
+						t.Errorf("%s: BeginStep without a fingerprint: began %v, record %+v", what, began, rec)
+					} else if began {
+						if err := ss.AbandonStep(ctxFor(t), st.scope, st.key, st.name, n.Owner, now); err != nil {
+							t.Fatalf("AbandonStep: %v", err)
+						}
+					}
+				}
+			}
+			other("abandoned", idem.StepStarted, "", nil)
+
+			// The first request again: it takes its abandoned step; it
+			// stays started under it after its answer was not kept
+			// (StepAmbiguous, then a 5xx).
+			ownA2 := owner(fpA)
+			rec = mustBegin(t, ss, begin(ownA2, fpA, false, longTTL))
+			checkStep(t, "the first request again", rec, idem.StepStarted, ownA2, a.DerivedKey, nil)
+			release(ownA2)
+			other("started by the first request", idem.StepStarted, ownA2, nil)
+
+			// And again, with Rerun: it takes the step over and records it.
+			ownA3 := owner(fpA)
+			mustBegin(t, ss, begin(ownA3, fpA, true, longTTL))
+			if err := ss.FinishStep(ctxFor(t), st.scope, st.key, st.name, ownA3, idem.StepDone, []byte(`{"amount":10}`), now); err != nil {
+				t.Fatalf("FinishStep by the first request: %v", err)
+			}
+			release(ownA3)
+			other("done", idem.StepDone, "", []byte(`{"amount":10}`))
+		})
+	}
+	t.Run("expired", func(t *testing.T) {
+		const ttl = 300 * time.Millisecond
+		st := newStep(t, "charge")
+		now := time.Now()
+		a := st.begin("own-a-"+randToken(), now, ttl)
+		a.Fingerprint = fpA
+		mustBegin(t, ss, a)
+		time.Sleep(ttl + 50*time.Millisecond)
+		later := time.Now()
+		b := st.begin("own-b-"+randToken(), later, longTTL)
+		b.Fingerprint = fpB
+		rec := mustBegin(t, ss, b)
+		checkStep(t, "BeginStep by another request after the first one's record expired", rec, idem.StepStarted, b.Owner, b.DerivedKey, nil)
+		if got := mustStep(t, ss, st, later); got.Fingerprint != fpB {
+			t.Errorf("an expired record begun anew has Fingerprint %q, want the new request's %q", got.Fingerprint, fpB)
+		}
+	})
+}
+
 // testStepHolderFence: with Holder, BeginStep begins only for the holder of
 // the request record (in flight under Owner, not expired); otherwise it is
 // ErrLockLost and writes nothing. After a takeover of the request record the
@@ -388,6 +514,84 @@ func testStepHolderFence(t *testing.T, s idem.Store, ss idem.StepStore) {
 	late.Holder = true
 	_, _, err = ss.BeginStep(ctxFor(t), late)
 	wantLockLost(t, "BeginStep with Holder of an expired request record", err)
+}
+
+// testStepHolderPastTTL: the Holder fence and Complete agree on a record
+// whose first expiry (its claim's ExpiresAt) has passed while its lease is
+// held — renewed by Extend, which raises the expiry to the lease: the holder
+// begins and finishes steps past the TTL, as it completes the record; once
+// the record is complete, or its lease and expiry have lapsed and another
+// execution took it over, the old holder begins none, and cannot complete.
+func testStepHolderPastTTL(t *testing.T, s idem.Store, ss idem.StepStore) {
+	const (
+		lease = 150 * time.Millisecond
+		ttl   = 300 * time.Millisecond
+		run   = 750 * time.Millisecond
+	)
+	for _, end := range []string{"complete", "takeover"} {
+		t.Run(end, func(t *testing.T) {
+			st := newStep(t, "charge")
+			start := time.Now()
+			c := st.claim("v1:long", start, lease, ttl)
+			mustClaim(t, s, c)
+			i := 0
+			for time.Since(start) < run {
+				time.Sleep(lease / 3)
+				now := time.Now()
+				if err := s.Extend(ctxFor(t), st.scope, st.key, c.Token, now, now.Add(lease)); err != nil {
+					t.Fatalf("Extend at %v: %v", now.Sub(start), err)
+				}
+				if now.Sub(start) < ttl+lease/3 {
+					continue // past the claim's expiry only
+				}
+				i++
+				name := fmt.Sprintf("step-%d", i)
+				req := stepOf{st.fixture, name}.begin(c.Token, now, longTTL)
+				req.Holder = true
+				rec, began, err := ss.BeginStep(ctxFor(t), req)
+				if err != nil || !began {
+					t.Fatalf("at %v (past the claim's expiry, lease held), the holder's BeginStep: began %v, %v; want began", now.Sub(start), began, err)
+				}
+				checkStep(t, "begun past the TTL", rec, idem.StepStarted, c.Token, req.DerivedKey, nil)
+				if err := ss.FinishStep(ctxFor(t), st.scope, st.key, name, c.Token, idem.StepDone, []byte(`1`), now); err != nil {
+					t.Fatalf("FinishStep past the TTL: %v", err)
+				}
+			}
+			if i == 0 {
+				t.Fatal("no step was begun past the claim's expiry; the test proved nothing")
+			}
+			after := stepOf{st.fixture, "after"}
+			switch end {
+			case "complete":
+				done := time.Now()
+				if err := s.Complete(ctxFor(t), st.scope, st.key, c.Token, &idem.Response{Status: 201}, done, done.Add(ttl)); err != nil {
+					t.Fatalf("the holder's Complete past the TTL: %v", err)
+				}
+				req := after.begin(c.Token, done, longTTL)
+				req.Holder = true
+				_, _, err := ss.BeginStep(ctxFor(t), req)
+				wantLockLost(t, "BeginStep with Holder once the record is complete", err)
+			case "takeover":
+				// The holder stops renewing: lease and expiry lapse, another
+				// execution takes the record over.
+				time.Sleep(lease + 50*time.Millisecond)
+				later := time.Now()
+				taker := st.claim("v1:long", later, time.Minute, longTTL)
+				mustClaim(t, s, taker)
+				req := after.begin(c.Token, later, longTTL)
+				req.Holder = true
+				_, _, err := ss.BeginStep(ctxFor(t), req)
+				wantLockLost(t, "BeginStep with Holder by the holder taken over", err)
+				wantLockLost(t, "Complete by the holder taken over", s.Complete(ctxFor(t), st.scope, st.key, c.Token, &idem.Response{Status: 201}, later, later.Add(ttl)))
+				wantNoStep(t, ss, after, later)
+				req = after.begin(taker.Token, later, longTTL)
+				req.Holder = true
+				mustBegin(t, ss, req)
+				return
+			}
+			wantNoStep(t, ss, after, time.Now())
+		})
+	}
 }
 
 // testStepExpiry: a step record past its ExpiresAt counts as absent: GetSteps

@@ -1,0 +1,1 @@
+ALTER TABLE IF EXISTS idem_records_steps DROP COLUMN IF EXISTS fingerprint;
