@@ -376,7 +376,7 @@ func (h *handler) observeCompletion(req *request, status int, err error) {
 // lockLost reports whether err, or the end of the handler's context, means the
 // request's lease was lost: the one predicate for every completion and commit.
 func (h *handler) lockLost(err error, req *request) bool {
-	return errors.Is(err, ErrLockLost) || (req.execution != nil && req.exec.lockLost())
+	return errors.Is(err, ErrLockLost) || req.exec.lockLost()
 }
 
 // newClaim is the claim of req's key under a fresh token at now.

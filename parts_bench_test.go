@@ -46,7 +46,6 @@ func BenchmarkParts(b *testing.B) {
 	})
 	b.Run("lease", func(b *testing.B) {
 		req := &request{h: h, r: r}
-		req.begin()
 		b.ReportAllocs()
 		for b.Loop() {
 			req.done = false
@@ -56,7 +55,6 @@ func BenchmarkParts(b *testing.B) {
 	})
 	b.Run("context", func(b *testing.B) {
 		req := &request{h: h, r: r}
-		req.begin()
 		b.ReportAllocs()
 		for b.Loop() {
 			req.exec.init(r.Context(), h.handlerDeadline(), &req.rw)

@@ -54,7 +54,6 @@ func (req *request) startTimer(token string, renew bool) {
 
 // startTimerAt is startTimer with wall, a wall clock reading, for now.
 func (req *request) startTimerAt(token string, renew bool, wall time.Time) {
-	req.begin()
 	req.mu.Lock()
 	req.token, req.renew = token, renew
 	if req.deadlineOf == nil {
