@@ -188,7 +188,13 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string, tak
 	rw.returned.Store(true)
 	settled = true
 	req.stopRenewal()
+	h.settle(w, req, rw, hctx, tx, token)
+}
 
+// settle stores or gives up the outcome of the handler execute ran, and
+// answers. It is a function of its own so that execute, with few returns left,
+// gets open-coded defers.
+func (h *handler) settle(w http.ResponseWriter, req *request, rw *recorder, hctx *execContext, tx Tx, token string) {
 	ended := time.Now()
 	cctx := req.freshCleanupAt(ended)
 	defer req.cctx.stop()
