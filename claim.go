@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"sync"
 	"time"
 )
@@ -187,7 +188,13 @@ func (h *handler) execute(w http.ResponseWriter, req *request, token string, tak
 	rw.returned.Store(true)
 	settled = true
 	req.stopRenewal()
+	h.settle(w, req, rw, hctx, tx, token)
+}
 
+// settle stores or gives up the outcome of the handler execute ran, and
+// answers. It is a function of its own so that execute, with few returns left,
+// gets open-coded defers.
+func (h *handler) settle(w http.ResponseWriter, req *request, rw *recorder, hctx *execContext, tx Tx, token string) {
 	ended := time.Now()
 	cctx := req.freshCleanupAt(ended)
 	defer req.cctx.stop()
@@ -323,11 +330,11 @@ func (h *handler) response(w http.ResponseWriter, rw *recorder) *storedResponse 
 	var sr *storedResponse
 	if rw.pooled != nil {
 		sr = rw.pooled // returned by rw.releasePooled, with the body's storage
-		sr.Response = Response{Status: rw.statusOrOK(), Header: h.storedHeaderInto(sr, rw.header()), Ref: rw.ref}
+		sr.Response = Response{Status: rw.statusOrOK(), Header: h.recordedHeaderInto(sr, rw), Ref: rw.ref}
 	} else if h.reuseResponses {
 		sr = responsePool.Get().(*storedResponse)
 		sr.pooled = true
-		sr.Response = Response{Status: rw.statusOrOK(), Header: h.storedHeaderInto(sr, rw.header()), Ref: rw.ref}
+		sr.Response = Response{Status: rw.statusOrOK(), Header: h.recordedHeaderInto(sr, rw), Ref: rw.ref}
 	} else {
 		sr = &storedResponse{Response: Response{Status: rw.statusOrOK(), Header: h.storedHeader(rw.header()), Ref: rw.ref}}
 	}
@@ -388,7 +395,7 @@ func (h *handler) lockLost(err error, req *request) bool {
 // newClaim is the claim of req's key under a fresh token at now.
 func (h *handler) newClaim(req *request, now time.Time) ClaimRequest {
 	return ClaimRequest{
-		Scope: req.scope, Key: req.key, Fingerprint: req.fp, Token: newToken(),
+		Scope: req.scope, Key: req.key, Fingerprint: req.fp, Token: req.newToken(),
 		Now: now, LeaseUntil: now.Add(h.Lease), ExpiresAt: now.Add(h.TTL),
 	}
 }
@@ -487,6 +494,27 @@ func (h *handler) storedHeaderInto(sr *storedResponse, src http.Header) http.Hea
 	for _, name := range h.storedHdrs {
 		if v := src[name]; len(v) > 0 {
 			sr.vals, sr.hdr[name] = appendOwn(sr.vals, v...)
+		}
+	}
+	if len(sr.hdr) == 0 {
+		return nil
+	}
+	return sr.hdr
+}
+
+// recordedHeaderInto is storedHeaderInto(sr, rw.header()). When the
+// recorder's inline snapshot of the header at the handler's WriteHeader is
+// what rw.header() returns (as the map itself when it did not change since,
+// or rebuilt from the snapshot), it walks the snapshot's few entries instead
+// of looking every allow-listed name up in the map.
+func (h *handler) recordedHeaderInto(sr *storedResponse, rw *recorder) http.Header {
+	s := &rw.snap
+	if !s.taken || s.all != nil || len(h.storedHdrs) > 16 {
+		return h.storedHeaderInto(sr, rw.header())
+	}
+	for _, e := range s.kv[:s.n] {
+		if len(e.v) > 0 && slices.Contains(h.storedHdrs, e.k) {
+			sr.vals, sr.hdr[e.k] = appendOwn(sr.vals, e.v...)
 		}
 	}
 	if len(sr.hdr) == 0 {

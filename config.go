@@ -323,6 +323,7 @@ type settings struct {
 	storedHdrs    []string // canonical
 	observeClaims bool     // the Observer wants EventClaimed
 	wallClock     bool     // NowFunc is time.Now: a record time is a wall clock reading too
+	defaultFP     bool     // FingerprintFunc is the default, FingerprintV3: computed into the request's own memory
 }
 
 // Validate reports what is wrong with c, as New would, without needing a store.
@@ -374,6 +375,7 @@ func (c *Config) check(store Store, validateOnly bool) (*settings, error) {
 	}
 	if cfg.FingerprintFunc == nil {
 		cfg.FingerprintFunc = FingerprintV3
+		s.defaultFP = true
 	}
 	if cfg.Lease == 0 {
 		cfg.Lease = DefaultLease

@@ -35,6 +35,15 @@ func FingerprintV3(r *http.Request, body []byte) string {
 	return fingerprint(fingerprintV3Version, r.Method, r.URL.EscapedPath(), r.URL.RawQuery, true, body)
 }
 
+// fingerprintV3Len is the length of a FingerprintV3 result.
+const fingerprintV3Len = len(fingerprintV3Version) + 1 + 2*sha256.Size
+
+// fingerprintV3Into is FingerprintV3, written into out: the string it returns
+// aliases out, which must not change afterwards.
+func fingerprintV3Into(out *[fingerprintV3Len]byte, r *http.Request, body []byte) string {
+	return fingerprintInto(out[:], fingerprintV3Version, r.Method, r.URL.EscapedPath(), r.URL.RawQuery, true, body)
+}
+
 // FingerprintV2 was the default fingerprint before FingerprintV3: like it, but
 // without the query string, so that /pay?amount=1 and /pay?amount=1000 with one
 // body count as one request. Records stored under it are still compared with
@@ -53,6 +62,12 @@ func FingerprintV1(r *http.Request, body []byte) string {
 // fingerprint hashes the length-prefixed method, path, query (when withQuery)
 // and body under version.
 func fingerprint(version, method, path, query string, withQuery bool, body []byte) string {
+	return fingerprintInto(make([]byte, len(version)+1+2*sha256.Size), version, method, path, query, withQuery, body)
+}
+
+// fingerprintInto is fingerprint, written into out (len(version)+65 bytes):
+// the string it returns aliases out.
+func fingerprintInto(out []byte, version, method, path, query string, withQuery bool, body []byte) string {
 	// One contiguous input for sha256.Sum256, on the stack for the usual small
 	// request: no hash object and no copies on the heap.
 	var stack [1024]byte
@@ -75,7 +90,6 @@ func fingerprint(version, method, path, query string, withQuery bool, body []byt
 		h.Write(body)
 		h.Sum(sum[:0])
 	}
-	out := make([]byte, len(version)+1+2*sha256.Size)
 	copy(out, version)
 	out[len(version)] = ':'
 	hex.Encode(out[len(version)+1:], sum[:])

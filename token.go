@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"encoding/binary"
 	"sync/atomic"
+	"unsafe"
 )
 
 // Lock tokens only have to be unique: a claim's token fences out every other
@@ -24,10 +25,32 @@ func randomTokenPrefix() uint64 {
 	return binary.LittleEndian.Uint64(b[:])
 }
 
+// tokenLen is the length of a lock token: 16 bytes in unpadded base64.
+const tokenLen = 22
+
 // newToken returns a lock token no other claim has.
 func newToken() string {
+	var out [tokenLen]byte
+	return string(tokenInto(&out))
+}
+
+// newToken returns a lock token no other claim has, in the request's own
+// memory the first time (a later token gets memory of its own: the first may
+// still be in use).
+func (req *request) newToken() string {
+	if req.tokUsed {
+		return newToken()
+	}
+	req.tokUsed = true
+	b := tokenInto(&req.tokBuf)
+	return unsafe.String(&b[0], len(b))
+}
+
+// tokenInto writes a lock token no other claim has into out and returns it.
+func tokenInto(out *[tokenLen]byte) []byte {
 	var b [16]byte
 	binary.LittleEndian.PutUint64(b[:8], tokenPrefix)
 	binary.BigEndian.PutUint64(b[8:], tokenCounter.Add(1))
-	return base64.RawURLEncoding.EncodeToString(b[:])
+	base64.RawURLEncoding.Encode(out[:], b[:])
+	return out[:]
 }

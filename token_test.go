@@ -70,3 +70,19 @@ func TestTokensDifferAcrossProcesses(t *testing.T) {
 		}
 	}
 }
+
+// A request's first token lives in the request's own memory; a second one
+// (the single-transaction flow may claim after its transaction) must not
+// overwrite it, since the first may still be in use.
+func TestRequestTokenKeepsTheFirst(t *testing.T) {
+	req := &request{}
+	first := req.newToken()
+	kept := strings.Clone(first)
+	second := req.newToken()
+	if first != kept {
+		t.Fatalf("the second token overwrote the first: %q became %q", kept, first)
+	}
+	if second == first || len(second) != tokenLen || len(first) != tokenLen {
+		t.Fatalf("tokens %q and %q: want two different %d-character tokens", first, second, tokenLen)
+	}
+}

@@ -61,20 +61,28 @@ func getNanos(b []byte, off int) int64 { return int64(binary.LittleEndian.Uint64
 
 func getTime(b []byte, off int) time.Time { return time.Unix(0, getNanos(b, off)) }
 
-// blobSize returns the encoded size of a record with these fields.
-func blobSize(scope, key string, fp []byte, token string, resp *idem.Response) int {
+// blobSize returns the encoded size of a record with these fields, hdr being
+// the encoded header (appendHeader).
+func blobSize(scope, key string, fp []byte, token string, resp *idem.Response, hdr []byte) int {
 	n := fixedLen + strLen(scope) + strLen(key) + uvarintLen(uint64(len(fp))) + len(fp) + strLen(token)
 	if resp != nil {
-		n += strLen(resp.Ref) + uvarintLen(uint64(len(resp.Header)))
-		for name, vals := range resp.Header {
-			n += nameLen(name) + uvarintLen(uint64(len(vals)))
-			for _, v := range vals {
-				n += strLen(v)
-			}
-		}
-		n += uvarintLen(uint64(len(resp.Body))) + len(resp.Body)
+		n += strLen(resp.Ref) + len(hdr) + uvarintLen(uint64(len(resp.Body))) + len(resp.Body)
 	}
 	return n
+}
+
+// appendHeader appends the encoded header h to dst: the count of names, then
+// per name the name, the count of values and the values.
+func appendHeader(dst []byte, h http.Header) []byte {
+	dst = binary.AppendUvarint(dst, uint64(len(h)))
+	for name, vals := range h {
+		dst = appendName(dst, name)
+		dst = binary.AppendUvarint(dst, uint64(len(vals)))
+		for _, v := range vals {
+			dst = appendStr(dst, v)
+		}
+	}
+	return dst
 }
 
 func strLen(s string) int { return uvarintLen(uint64(len(s))) + len(s) }
@@ -91,7 +99,14 @@ func uvarintLen(x uint64) int {
 // encode returns the blob of a record; fp is the fingerprint's stored form
 // (packFP).
 func encode(state idem.State, scope, key string, fp []byte, token string, created, lease, expires time.Time, resp *idem.Response) []byte {
-	b := make([]byte, fixedLen, blobSize(scope, key, fp, token, resp))
+	// The header is encoded first, on the stack for the usual answer, so that
+	// its map is walked once and the blob is allocated at its exact size.
+	var scratch [256]byte
+	var hdr []byte
+	if resp != nil {
+		hdr = appendHeader(scratch[:0], resp.Header)
+	}
+	b := make([]byte, fixedLen, blobSize(scope, key, fp, token, resp, hdr))
 	b[offState] = byte(state)
 	putTime(b, offCreated, created)
 	putTime(b, offLease, lease)
@@ -108,14 +123,7 @@ func encode(state idem.State, scope, key string, fp []byte, token string, create
 			b[offFlags] |= flagOmitted
 		}
 		b = appendStr(b, resp.Ref)
-		b = binary.AppendUvarint(b, uint64(len(resp.Header)))
-		for name, vals := range resp.Header {
-			b = appendName(b, name)
-			b = binary.AppendUvarint(b, uint64(len(vals)))
-			for _, v := range vals {
-				b = appendStr(b, v)
-			}
-		}
+		b = append(b, hdr...)
 		b = binary.AppendUvarint(b, uint64(len(resp.Body)))
 		b = append(b, resp.Body...)
 	}
@@ -141,13 +149,6 @@ func headerCode(name string) (byte, bool) {
 	return 0, false
 }
 
-func nameLen(name string) int {
-	if _, ok := headerCode(name); ok {
-		return 2
-	}
-	return strLen(name)
-}
-
 func appendName(b []byte, name string) []byte {
 	if c, ok := headerCode(name); ok {
 		return append(b, 0, c)
@@ -168,13 +169,15 @@ func packFP(dst []byte, fp string) []byte {
 		return appendRawFP(dst, fp)
 	}
 	var sum [fpDigits]byte
+	digits := fp[colon+1:]
+	bad := byte(0)
 	for i := range sum {
-		hi, ok1 := lowerHex(fp[colon+1+2*i])
-		lo, ok2 := lowerHex(fp[colon+2+2*i])
-		if !ok1 || !ok2 {
-			return appendRawFP(dst, fp)
-		}
-		sum[i] = hi<<4 | lo
+		hi, lo := unhex[digits[2*i]], unhex[digits[2*i+1]]
+		bad |= hi | lo
+		sum[i] = hi<<4 | lo&15
+	}
+	if bad&0x10 != 0 {
+		return appendRawFP(dst, fp)
 	}
 	dst = append(dst, 0)
 	dst = append(dst, fp[:colon]...)
@@ -188,15 +191,20 @@ func appendRawFP(dst []byte, fp string) []byte {
 	return append(dst, fp...)
 }
 
-func lowerHex(c byte) (byte, bool) {
-	switch {
-	case '0' <= c && c <= '9':
-		return c - '0', true
-	case 'a' <= c && c <= 'f':
-		return c - 'a' + 10, true
+// unhex maps a lowercase hex digit to its value and every other byte to 0x10.
+var unhex = func() (t [256]byte) {
+	for c := range t {
+		switch {
+		case '0' <= c && c <= '9':
+			t[c] = byte(c - '0')
+		case 'a' <= c && c <= 'f':
+			t[c] = byte(c - 'a' + 10)
+		default:
+			t[c] = 0x10
+		}
 	}
-	return 0, false
-}
+	return t
+}()
 
 // fpMatches reports whether the stored form stored is that of fp.
 func fpMatches(stored []byte, fp string) bool {
@@ -210,14 +218,9 @@ func fpMatches(stored []byte, fp string) bool {
 	if len(fp) != len(version)+1+2*fpDigits || fp[:len(version)] != string(version) || fp[len(version)] != ':' {
 		return false
 	}
-	const digits = "0123456789abcdef"
-	hexPart := fp[len(version)+1:]
-	for i, c := range stored[len(stored)-fpDigits:] {
-		if hexPart[2*i] != digits[c>>4] || hexPart[2*i+1] != digits[c&15] {
-			return false
-		}
-	}
-	return true
+	var digits [2 * fpDigits]byte
+	hex.Encode(digits[:], stored[len(stored)-fpDigits:])
+	return string(digits[:]) == fp[len(version)+1:]
 }
 
 // unpackFP returns the fingerprint whose stored form is stored.
@@ -291,6 +294,16 @@ func storedFP(b []byte) []byte {
 	return r.bytes()
 }
 
+// fpAndToken returns the stored fingerprint (as storedFP) and the lock token
+// of a blob, in one pass.
+func fpAndToken(b []byte) ([]byte, string) {
+	r := reader{b: b, off: fixedLen}
+	r.bytes()
+	r.bytes()
+	fp := r.bytes()
+	return fp, r.str()
+}
+
 // tokenOf returns the lock token of a blob.
 func tokenOf(b []byte) string {
 	r := reader{b: b, off: fixedLen}
@@ -302,10 +315,12 @@ func tokenOf(b []byte) string {
 
 func state(b []byte) idem.State { return idem.State(b[offState]) }
 
-// decoded is a record and its response in one allocation.
+// decoded is a record, its response and the header values of the usual
+// answer in one allocation.
 type decoded struct {
 	rec  idem.Record
 	resp idem.Response
+	vals [4]string
 }
 
 // decode returns the record a blob holds. Its strings and body alias the blob,
@@ -341,7 +356,10 @@ func decode(b []byte, fp string) *idem.Record {
 			}
 			total += k
 		}
-		vals := make([]string, total)
+		vals := d.vals[:]
+		if total > len(vals) {
+			vals = make([]string, total)
+		}
 		d.resp.Header = make(http.Header, n)
 		used := 0
 		for range n {

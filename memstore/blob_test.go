@@ -20,15 +20,19 @@ func TestHashCollision(t *testing.T) {
 	blob := func(key, tok string) []byte {
 		return encode(idem.StateInFlight, "s", key, []byte("v2:x"), tok, now, now, now.Add(time.Hour), nil)
 	}
-	sh.put(7, "s", "a", blob("a", "ta"))
-	sh.put(7, "s", "b", blob("b", "tb"))
+	put := func(key string, b []byte) { // as Claim and Complete store a record
+		_, p := sh.find(7, "s", key)
+		sh.set(7, "s", key, b, p)
+	}
+	put("a", blob("a", "ta"))
+	put("b", blob("b", "tb"))
 	if got := tokenOf(sh.get(7, "s", "a")); got != "ta" {
 		t.Fatalf("a: token %q", got)
 	}
 	if got := tokenOf(sh.get(7, "s", "b")); got != "tb" {
 		t.Fatalf("b: token %q", got)
 	}
-	sh.put(7, "s", "b", blob("b", "tb2"))
+	put("b", blob("b", "tb2"))
 	if got := tokenOf(sh.get(7, "s", "b")); got != "tb2" || len(sh.overflow) != 1 {
 		t.Fatalf("b replaced: token %q, %d in overflow", got, len(sh.overflow))
 	}
@@ -36,8 +40,12 @@ func TestHashCollision(t *testing.T) {
 	if sh.get(7, "s", "a") != nil || tokenOf(sh.get(7, "s", "b")) != "tb2" {
 		t.Fatal("removing a disturbed b")
 	}
-	sh.put(7, "s", "a", blob("a", "ta2")) // the map slot is free again
-	if tokenOf(sh.get(7, "s", "a")) != "ta2" || tokenOf(sh.get(7, "s", "b")) != "tb2" {
+	put("b", blob("b", "tb3")) // replaced in overflow while the map slot is free
+	if tokenOf(sh.get(7, "s", "b")) != "tb3" || len(sh.overflow) != 1 || sh.records[7] != nil {
+		t.Fatalf("b replaced after a's removal: token %q, %d in overflow", tokenOf(sh.get(7, "s", "b")), len(sh.overflow))
+	}
+	put("a", blob("a", "ta2")) // the map slot is free again
+	if tokenOf(sh.get(7, "s", "a")) != "ta2" || tokenOf(sh.get(7, "s", "b")) != "tb3" || sh.records[7] == nil {
 		t.Fatal("a and b after a re-put")
 	}
 	sh.remove(7, "s", "b")
@@ -60,6 +68,28 @@ func TestBlobRoundTrip(t *testing.T) {
 	if r.Status != 201 || string(r.Body) != "body\x00" || r.Ref != "ref" || r.BodyOmitted ||
 		r.Header.Get("Location") != "/o/1" || len(r.Header["Link"]) != 2 || r.Header["Link"][1] != "b\xff" {
 		t.Fatalf("response = %+v", r)
+	}
+}
+
+// Headers beyond what decode and encode keep in their own memory (more than
+// four values, more than 256 bytes encoded) round-trip too, each value slice
+// capped so that an append to one never overwrites the next.
+func TestBlobRoundTripLargeHeader(t *testing.T) {
+	now := time.Unix(1700000000, 0)
+	long := strings.Repeat("x", 300)
+	hdr := http.Header{"Link": {"a", "b", "c"}, "X-Long": {long}, "Location": {"/o/1"}, "Vary": {"A", "B"}}
+	rec := decode(encode(idem.StateComplete, "s", "k", []byte("v2:fp"), "", now, now, now, &idem.Response{Status: 200, Header: hdr, Body: []byte("b")}), "")
+	got := rec.Response.Header
+	if len(got) != len(hdr) {
+		t.Fatalf("header = %q, want %q", got, hdr)
+	}
+	for name, vals := range hdr {
+		if strings.Join(got[name], "|") != strings.Join(vals, "|") || cap(got[name]) != len(vals) {
+			t.Errorf("%s = %q (capacity %d), want %q", name, got[name], cap(got[name]), vals)
+		}
+	}
+	if string(rec.Response.Body) != "b" {
+		t.Errorf("body = %q", rec.Response.Body)
 	}
 }
 

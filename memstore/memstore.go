@@ -60,32 +60,51 @@ type recordID struct{ scope, key string }
 
 // get returns the blob of (scope, key), or nil.
 func (sh *shard) get(h uint64, scope, key string) []byte {
-	if b := sh.records[h]; b != nil {
-		if s, k := id(b); s == scope && k == key {
-			return b
-		}
-	}
-	if len(sh.overflow) > 0 {
-		return sh.overflow[recordID{scope, key}]
-	}
-	return nil
+	b, _ := sh.find(h, scope, key)
+	return b
 }
 
-// put stores b as the blob of (scope, key), replacing the one there.
-func (sh *shard) put(h uint64, scope, key string, b []byte) {
-	if old := sh.records[h]; old != nil {
-		if s, k := id(old); s != scope || k != key {
-			if sh.overflow == nil {
-				sh.overflow = make(map[recordID][]byte)
-			}
-			sh.overflow[recordID{scope, key}] = b
-			return
+// place is where find found a record, or where set puts one.
+type place uint8
+
+const (
+	inRecords  place = iota // records[h]: the record, or a free slot for it
+	inOverflow              // overflow: the record, or where it goes (records[h] holds another)
+)
+
+// find returns the blob of (scope, key), or nil, and where it is or would go,
+// so that set stores its successor without looking it up again.
+func (sh *shard) find(h uint64, scope, key string) ([]byte, place) {
+	b := sh.records[h]
+	if b != nil {
+		if s, k := id(b); s == scope && k == key {
+			return b, inRecords
 		}
 	}
 	if len(sh.overflow) > 0 {
-		delete(sh.overflow, recordID{scope, key})
+		// A record goes to overflow when records[h] holds another, which
+		// may have been removed since.
+		if o, ok := sh.overflow[recordID{scope, key}]; ok {
+			return o, inOverflow
+		}
 	}
-	sh.records[h] = b
+	if b == nil {
+		return nil, inRecords
+	}
+	return nil, inOverflow
+}
+
+// set stores b as the blob of (scope, key) at p, what find returned for it
+// under the same lock.
+func (sh *shard) set(h uint64, scope, key string, b []byte, p place) {
+	if p == inRecords {
+		sh.records[h] = b
+		return
+	}
+	if sh.overflow == nil {
+		sh.overflow = make(map[recordID][]byte)
+	}
+	sh.overflow[recordID{scope, key}] = b
 }
 
 // remove deletes the blob of (scope, key).
@@ -190,7 +209,8 @@ func (s *Store) Claim(_ context.Context, req idem.ClaimRequest) (*idem.Record, b
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	created := req.Now
-	if old := sh.get(h, req.Scope, req.Key); old != nil && getNanos(old, offExpires) > now {
+	old, p := sh.find(h, req.Scope, req.Key)
+	if old != nil && getNanos(old, offExpires) > now {
 		lapsed := state(old) == idem.StateInFlight && getNanos(old, offLease) <= now && fpMatches(storedFP(old), req.Fingerprint)
 		if !lapsed {
 			return decode(old, req.Fingerprint), false, nil
@@ -198,7 +218,7 @@ func (s *Store) Claim(_ context.Context, req idem.ClaimRequest) (*idem.Record, b
 		created = getTime(old, offCreated)
 	}
 	var fp [80]byte
-	sh.put(h, req.Scope, req.Key, encode(idem.StateInFlight, req.Scope, req.Key, packFP(fp[:0], req.Fingerprint), req.Token, created, req.LeaseUntil, req.ExpiresAt, nil))
+	sh.set(h, req.Scope, req.Key, encode(idem.StateInFlight, req.Scope, req.Key, packFP(fp[:0], req.Fingerprint), req.Token, created, req.LeaseUntil, req.ExpiresAt, nil), p)
 	return &idem.Record{
 		Scope: req.Scope, Key: req.Key, State: idem.StateInFlight, Fingerprint: req.Fingerprint,
 		Token: req.Token, CreatedAt: created, LeaseUntil: req.LeaseUntil, ExpiresAt: req.ExpiresAt,
@@ -206,34 +226,38 @@ func (s *Store) Claim(_ context.Context, req idem.ClaimRequest) (*idem.Record, b
 }
 
 // held returns the blob of the in-flight record held under token, with its shard
-// locked; the caller unlocks. The blob is nil when the record is not in flight
-// under token.
-func (s *Store) held(scope, key, token string) (*shard, uint64, []byte) {
+// locked, where it is (for set), and its stored fingerprint; the caller
+// unlocks. The blob is nil when the record is not in flight under token.
+func (s *Store) held(scope, key, token string) (*shard, uint64, []byte, place, []byte) {
 	sh, h := s.shard(scope, key)
 	sh.mu.Lock()
-	b := sh.get(h, scope, key)
-	if b == nil || state(b) != idem.StateInFlight || tokenOf(b) != token {
-		return sh, h, nil
+	b, p := sh.find(h, scope, key)
+	if b == nil || state(b) != idem.StateInFlight {
+		return sh, h, nil, p, nil
 	}
-	return sh, h, b
+	fp, tok := fpAndToken(b)
+	if tok != token {
+		return sh, h, nil, p, nil
+	}
+	return sh, h, b, p, fp
 }
 
 // Complete implements idem.Store. The response is copied into the record.
 func (s *Store) Complete(_ context.Context, scope, key, token string, resp *idem.Response, now, expiresAt time.Time) error {
 	s.seen(now)
-	sh, h, b := s.held(scope, key, token)
+	sh, h, b, p, fp := s.held(scope, key, token)
 	defer sh.mu.Unlock()
 	if b == nil {
 		return idem.ErrLockLost
 	}
 	// The token fences nothing once the record is complete: it is not kept.
-	sh.put(h, scope, key, encode(idem.StateComplete, scope, key, storedFP(b), "", getTime(b, offCreated), getTime(b, offLease), expiresAt, resp))
+	sh.set(h, scope, key, encode(idem.StateComplete, scope, key, fp, "", getTime(b, offCreated), getTime(b, offLease), expiresAt, resp), p)
 	return nil
 }
 
 // Release implements idem.Store.
 func (s *Store) Release(_ context.Context, scope, key, token string) error {
-	sh, h, b := s.held(scope, key, token)
+	sh, h, b, _, _ := s.held(scope, key, token)
 	defer sh.mu.Unlock()
 	if b == nil {
 		return idem.ErrLockLost
@@ -246,7 +270,7 @@ func (s *Store) Release(_ context.Context, scope, key, token string) error {
 // part, which readers copy under the lock.
 func (s *Store) Extend(_ context.Context, scope, key, token string, now, leaseUntil time.Time) error {
 	s.seen(now)
-	sh, _, b := s.held(scope, key, token)
+	sh, _, b, _, _ := s.held(scope, key, token)
 	defer sh.mu.Unlock()
 	if b == nil {
 		return idem.ErrLockLost

@@ -24,6 +24,13 @@ func TestOfSaturates(t *testing.T) {
 		{time.Unix(0, math.MinInt64).Add(-time.Nanosecond), math.MinInt64},
 		{time.Date(9999, 1, 1, 0, 0, 0, 0, time.UTC), math.MaxInt64},
 		{time.Date(1, 1, 1, 0, 0, 0, 0, time.UTC), math.MinInt64},
+		// Either side of the seconds that Of converts without comparing.
+		{time.Unix(9223372035, 999999999), 9223372035999999999},
+		{time.Unix(9223372036, 0), 9223372036000000000},
+		{time.Unix(9223372036, 854775808), math.MaxInt64},
+		{time.Unix(-9223372035, 0), -9223372035000000000},
+		{time.Unix(-9223372036, 0), -9223372036000000000},
+		{time.Unix(-9223372037, 0), math.MinInt64},
 	}
 	for _, c := range cases {
 		if got := unixnano.Of(c.t); got != c.want {
