@@ -31,6 +31,9 @@ import (
 func TestLongHandlerPastTTLRunsOnce(t *testing.T) {
 	t.Parallel()
 	o := &orders{gate: make(chan struct{})}
+	var release sync.Once
+	open := func() { release.Do(func() { close(o.gate) }) }
+	defer open() // a failed check must not leave the handler (and the server's Close) waiting for ever
 	var stopped atomic.Pointer[time.Time]
 	clock := func() time.Time {
 		if at := stopped.Load(); at != nil {
@@ -38,8 +41,10 @@ func TestLongHandlerPastTTLRunsOnce(t *testing.T) {
 		}
 		return time.Now()
 	}
-	const ttl = 300 * time.Millisecond
-	b := setup(t, &idem.Config{Lease: 200 * time.Millisecond, TTL: ttl, NowFunc: clock}, o)
+	// Leases of several hundred milliseconds: at 200 ms a renewal delayed by a
+	// loaded machine let a duplicate take the request over.
+	const ttl = 900 * time.Millisecond
+	b := setup(t, &idem.Config{Lease: 600 * time.Millisecond, TTL: ttl, NowFunc: clock}, o)
 	first := make(chan answer, 1)
 	go func() { first <- b.post(t, "k", `{"cart":1}`) }()
 	for o.runs.Load() == 0 {
@@ -54,7 +59,7 @@ func TestLongHandlerPastTTLRunsOnce(t *testing.T) {
 	wantProblem(t, b.post(t, "k", `{"cart":2}`), http.StatusUnprocessableEntity, idem.CodeKeyReused)
 	now := time.Now()
 	stopped.Store(&now)
-	close(o.gate)
+	open()
 	if a := <-first; a.status != http.StatusCreated {
 		t.Fatalf("the long request: %d %s, want 201", a.status, a.body)
 	}
