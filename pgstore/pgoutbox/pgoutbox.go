@@ -11,7 +11,6 @@ package pgoutbox
 import (
 	"context"
 	"crypto/sha256"
-	"encoding/binary"
 	"encoding/json"
 
 	"fmt"
@@ -203,11 +202,13 @@ func (o *Outbox) Migrate(ctx context.Context) error {
 // idem executes it fails with outbox.ErrNoID, with a payload over MaxPayload
 // with outbox.ErrTooLarge.
 //
-// Enqueue locks m's partition until tx ends (a transaction-scoped advisory
-// lock), so that the messages of one partition are numbered in the order
-// their transactions commit: two transactions that enqueue to one partition
-// run their Enqueue-to-commit parts one after the other. The default
-// partition, the request's key, is already one request's at a time.
+// Enqueue takes no lock beyond the inserted row's: transactions that
+// enqueue into the same partitions, in any order, neither wait for nor
+// deadlock with one another. The message's seq comes from the table's
+// identity when Enqueue runs, so a transaction that enqueued earlier but
+// commits later has the lower seq: the relay publishes it as soon as it
+// commits (it is then its partition's head), after what committed before it.
+// docs/outbox.md says exactly what order holds.
 func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, m outbox.Message) error {
 	if tx == nil {
 		tx = pgstore.Tx(ctx)
@@ -228,22 +229,10 @@ func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, m outbox.Message) error
 		s := string(b)
 		headers = &s
 	}
-	b := &pgx.Batch{}
-	b.Queue("SELECT pg_advisory_xact_lock($1)", o.partitionLock(m.PartitionKey))
-	b.Queue(o.insertSQL, m.ID, m.Subject, m.Payload, headers, m.PartitionKey)
-	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+	if _, err := tx.Exec(ctx, o.insertSQL, m.ID, m.Subject, m.Payload, headers, m.PartitionKey); err != nil {
 		return fmt.Errorf("pgoutbox: enqueue into %s: %w", o.table, err)
 	}
 	return nil
-}
-
-func (o *Outbox) partitionLock(partition string) int64 {
-	h := sha256.New()
-	h.Write([]byte("idem/pgoutbox/partition\x00"))
-	h.Write([]byte(o.lockNS))
-	h.Write([]byte{0})
-	h.Write([]byte(partition))
-	return int64(binary.BigEndian.Uint64(h.Sum(nil)))
 }
 
 func ms(d time.Duration) int64 { return d.Milliseconds() }
@@ -371,21 +360,6 @@ func (o *Outbox) Redrive(ctx context.Context, seqs ...int64) (int, error) {
 		return 0, fmt.Errorf("pgoutbox: redrive: %w", err)
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	// The partitions' locks first, as Enqueue takes them, so that the
-	// redriven messages are numbered in commit order too.
-	rows, err := tx.Query(ctx, "SELECT DISTINCT partition_key FROM "+o.dead+" WHERE seq = ANY($1) ORDER BY 1", seqs)
-	if err != nil {
-		return 0, fmt.Errorf("pgoutbox: redrive: %w", err)
-	}
-	parts, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	if err != nil {
-		return 0, fmt.Errorf("pgoutbox: redrive: %w", err)
-	}
-	for _, p := range parts {
-		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", o.partitionLock(p)); err != nil {
-			return 0, fmt.Errorf("pgoutbox: redrive: %w", err)
-		}
-	}
 	tag, err := tx.Exec(ctx, "WITH moved AS (DELETE FROM "+o.dead+" WHERE seq = ANY($1) RETURNING seq, id, subject, payload, headers, partition_key, enqueued_at)\n"+
 		"INSERT INTO "+o.table+" (id, subject, payload, headers, partition_key, enqueued_at) SELECT id, subject, payload, headers, partition_key, enqueued_at FROM moved ORDER BY seq", seqs)
 	if err != nil {
@@ -405,7 +379,5 @@ func clean(reason string) string {
 	}
 	return reason
 }
-
-var _ outbox.Source = (*Outbox)(nil)
 
 var _ outbox.Source = (*Outbox)(nil)

@@ -31,7 +31,7 @@ func testDB(t *testing.T) (*pgxpool.Pool, string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg.MaxConns = 10
+	cfg.MaxConns = 40
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)
