@@ -7,8 +7,16 @@
 // it in its partition (a run, which the relay publishes in order), so the
 // order per partition holds.
 //
-// Times are the database's (NOW(6)); the columns are TIMESTAMP(6), so the
-// session time zone does not matter. The DSN needs no parseTime.
+// Times are the database's (NOW(6)); the columns are TIMESTAMP(6), stored
+// as instants, so sessions in different fixed-offset time zones (+13:00 and
+// -11:00, say) agree on every lease, retry time and age
+// (TestSessionTimeZones). A session time zone with daylight saving time
+// ('Europe/Berlin') is not safe in the hour after its clocks go back: NOW(6)
+// is then an ambiguous wall-clock time, and a lease written or judged in it
+// can be an hour off (lapsed at once, or held an hour too long). Give the
+// relay's and the handlers' connections a fixed offset (time_zone='+00:00'
+// in the DSN) if the server's default zone has DST. The DSN needs no
+// parseTime.
 package mysqloutbox
 
 import (
