@@ -273,9 +273,9 @@ func ms(d time.Duration) int64 { return d.Milliseconds() }
 // maxRun is the most messages Lease takes behind a head in its partition.
 const maxRun = 63
 
-// maxWalk (plus 10 per message asked for) bounds the partitions one Lease
+// maxWalk (plus 4 per message asked for) bounds the partitions one Lease
 // walks each way from its cursor.
-const maxWalk = 1000
+const maxWalk = 200
 
 // Lease implements outbox.Source. It takes the heads partition by
 // partition, from where its previous call stopped (round robin over the
@@ -285,7 +285,7 @@ func (o *Outbox) Lease(ctx context.Context, owner string, n int, d time.Duration
 	o.mu.Lock()
 	cursor := o.cursor
 	o.mu.Unlock()
-	rows, err := o.pool.Query(ctx, o.leaseSQL, owner, ms(d), n, max(0, min(n-1, maxRun)), cursor, maxWalk+10*n)
+	rows, err := o.pool.Query(ctx, o.leaseSQL, owner, ms(d), n, max(0, min(n-1, maxRun)), cursor, maxWalk+4*n)
 	if err != nil {
 		return nil, fmt.Errorf("pgoutbox: lease: %w", err)
 	}

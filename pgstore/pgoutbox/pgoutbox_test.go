@@ -190,7 +190,7 @@ SELECT 's' || g, 'stuck.x', '\x00', 'a' || lpad(g::text, 5, '0'), now() + interv
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	for i := 1; i <= 20; i++ {
+	for i := 1; i <= 100; i++ {
 		got, err := o.Lease(ctx, "r", 1, time.Minute)
 		if err != nil {
 			t.Fatal(err)
@@ -203,5 +203,5 @@ SELECT 's' || g, 'stuck.x', '\x00', 'a' || lpad(g::text, 5, '0'), now() + interv
 			return
 		}
 	}
-	t.Fatal("20 leases did not reach the one ready head behind 5,000 partitions waiting for a retry")
+	t.Fatal("100 leases did not reach the one ready head behind 5,000 partitions waiting for a retry")
 }
