@@ -34,16 +34,21 @@
 //     least once, and exactly once in effect for a consumer that
 //     deduplicates by ID (idem's consumer package does).
 //   - Order per partition: a relay leases a partition only through its
-//     oldest unpublished message (the head-of-partition rule), possibly with
-//     the messages behind it (a run, on PostgreSQL and MySQL), and publishes
-//     a message only once every earlier one of its partition was marked
-//     published (or refused for good): several relays never publish two
-//     messages of one partition out of order, and the confirmations of a
-//     partition come in enqueue order, a republication after a crash being
-//     of the last confirmed message only. The partition defaults to the
-//     idempotency key's; Message.PartitionKey names another (a customer, an
-//     account), and its Enqueue-to-commit sections then run one at a time,
-//     so that enqueue order is commit order.
+//     oldest unpublished message that has committed (the head-of-partition
+//     rule), possibly with the messages behind it (a run, on PostgreSQL and
+//     MySQL), and publishes a message only once every earlier committed one
+//     of its partition was marked published (or refused for good). So a
+//     message is never published before one of its partition whose
+//     transaction committed before it was enqueued, and one transaction's
+//     messages go in the order it enqueued them. Enqueue takes no lock on
+//     the partition (transactions enqueuing into the same partitions in any
+//     order never deadlock), so the messages of transactions open at the
+//     same time go in either order: one that enqueued first but committed
+//     last is published when it commits, possibly while a later one of its
+//     partition is in flight. The partition defaults to the idempotency
+//     key's (one transaction at a time); Message.PartitionKey names another
+//     (a customer, an account), whose concurrent writers the application
+//     serialises if it needs their order (docs/outbox.md).
 //   - One message is never published by two relays at once while the
 //     leases hold: a relay publishes a message only under a lease it took
 //     and stops (its Publish context ends) before the lease lapses. The

@@ -46,8 +46,12 @@ type Message struct {
 	// MaxHeaderValue bytes; at most MaxHeaders of them, MaxHeaderBytes in all.
 	Headers map[string]string
 	// PartitionKey orders messages: the relay publishes the messages of one
-	// partition one after the other, in the order they were enqueued (their
-	// transactions' commit order). It defaults to the request's scope and
+	// partition one after the other, never one before a message of its
+	// partition whose transaction committed before it was enqueued, and the
+	// messages of one transaction in the order it enqueued them (those of
+	// transactions open at the same time, in either order: docs/outbox.md,
+	// "Order within a partition"). Enqueue takes no lock on the partition, so
+	// transactions enqueuing into the same partitions never deadlock. It defaults to the request's scope and
 	// key (so a request's events keep their order), or to ID outside a
 	// request (no order). At most 255 bytes.
 	PartitionKey string
@@ -56,8 +60,9 @@ type Message struct {
 // Stored is a message as the relay reads it back from the outbox table.
 type Stored struct {
 	Message
-	// Seq is the message's position in the table: increasing in commit order
-	// within a partition.
+	// Seq is the message's position in the table, taken when it was
+	// enqueued: increasing in enqueue order (so a transaction that enqueued
+	// earlier and committed later has the lower Seq).
 	Seq int64
 	// EnqueuedAt is when the transaction that enqueued it wrote it.
 	EnqueuedAt time.Time

@@ -7,15 +7,21 @@
 // it in its partition (a run, which the relay publishes in order), so the
 // order per partition holds.
 //
-// Times are the database's (NOW(6)); the columns are TIMESTAMP(6), so the
-// session time zone does not matter. The DSN needs no parseTime.
+// Times are the database's (NOW(6)); the columns are TIMESTAMP(6), stored
+// as instants, so sessions in different fixed-offset time zones (+13:00 and
+// -11:00, say) agree on every lease, retry time and age
+// (TestSessionTimeZones). A session time zone with daylight saving time
+// ('Europe/Berlin') is not safe in the hour after its clocks go back: NOW(6)
+// is then an ambiguous wall-clock time, and a lease written or judged in it
+// can be an hour off (lapsed at once, or held an hour too long). Give the
+// relay's and the handlers' connections a fixed offset (time_zone='+00:00'
+// in the DSN) if the server's default zone has DST. The DSN needs no
+// parseTime.
 package mysqloutbox
 
 import (
 	"context"
-	"crypto/sha256"
 	"database/sql"
-	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -28,14 +34,12 @@ import (
 )
 
 // DefaultTable is the outbox table when Config.Table is empty; dead letters go
-// to Table + "_dead", and the partition locks of Enqueue to Table + "_locks".
+// to Table + "_dead". (Earlier releases also created Table + "_locks", for
+// partition locks that Enqueue no longer takes: it may be dropped.)
 const DefaultTable = "idem_outbox"
 
 // maxRun is the most messages Lease takes behind a head in its partition.
 const maxRun = 63
-
-// lockBuckets is how many rows the partition locks hash onto.
-const lockBuckets = 4096
 
 // Config configures an Outbox. A nil *Config means all defaults.
 type Config struct {
@@ -54,11 +58,11 @@ type Config struct {
 
 // Outbox is an outbox table on MySQL or MariaDB. Safe for concurrent use.
 type Outbox struct {
-	db                *sql.DB
-	table, dead, lock string
-	maxPayload        int
+	db          *sql.DB
+	table, dead string
+	maxPayload  int
 
-	insertSQL, lockSQL, candSQL, lockHeadsSQL, runSQL, leaseSQL, readSQL, markSQL, retrySQL, deadInsertSQL, deadDeleteSQL, deleteSQL, statsSQL string
+	insertSQL, candSQL, lockHeadsSQL, runSQL, leaseSQL, readSQL, markSQL, retrySQL, deadInsertSQL, deadDeleteSQL, deleteSQL, statsSQL string
 }
 
 var identRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,57}$`)
@@ -104,14 +108,9 @@ func New(db *sql.DB, cfg *Config) (*Outbox, error) {
 	if err != nil {
 		return nil, err
 	}
-	l, err := quote(c.Table + "_locks")
-	if err != nil {
-		return nil, err
-	}
-	o := &Outbox{db: db, table: t, dead: d, lock: l, maxPayload: c.MaxPayload}
+	o := &Outbox{db: db, table: t, dead: d, maxPayload: c.MaxPayload}
 	cols := "seq, id, subject, payload, headers, partition_key, enqueued_at, attempts"
 	o.insertSQL = "INSERT INTO " + t + " (id, subject, payload, headers, partition_key) VALUES (?, ?, ?, ?, ?)"
-	o.lockSQL = "INSERT INTO " + l + " (bucket) VALUES (?) ON DUPLICATE KEY UPDATE bucket = bucket"
 	// The heads, by a plain read; then the ones still free, locked. A
 	// subquery inside the locking read would skip a predecessor another
 	// relay has locked and take the next message for a head.
@@ -145,8 +144,7 @@ WHERE blocked = 0 AND rn <= ? ORDER BY seq`
 // Table returns the outbox table's name, quoted.
 func (o *Outbox) Table() string { return o.table }
 
-// Migrate creates the outbox, dead-letter and lock tables if they do not
-// exist.
+// Migrate creates the outbox and dead-letter tables if they do not exist.
 func (o *Outbox) Migrate(ctx context.Context) error {
 	ddl := []string{
 		`CREATE TABLE IF NOT EXISTS ` + o.table + ` (
@@ -178,7 +176,6 @@ func (o *Outbox) Migrate(ctx context.Context) error {
   reason TEXT CHARACTER SET utf8mb4 NOT NULL,
   dead_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)
 ) ENGINE=InnoDB`,
-		`CREATE TABLE IF NOT EXISTS ` + o.lock + ` (bucket INT NOT NULL PRIMARY KEY) ENGINE=InnoDB`,
 	}
 	for _, s := range ddl {
 		if _, err := o.db.ExecContext(ctx, s); err != nil {
@@ -193,10 +190,13 @@ func (o *Outbox) Migrate(ctx context.Context) error {
 // mysqlstore.Conn(ctx) when the handler wrote through that). It fills in
 // m's defaults and checks it (outbox.Prepare).
 //
-// A message with an explicit PartitionKey locks its partition (one of 4096
-// lock rows it hashes to) until tx ends, so that the messages of a partition
-// are numbered in commit order; the default partition, the request's key, is
-// one request's at a time already and takes no lock.
+// Enqueue takes no lock beyond the inserted row's: transactions that
+// enqueue into the same partitions, in any order, neither wait for nor
+// deadlock with one another. The message's seq is the AUTO_INCREMENT value
+// of its INSERT, so a transaction that enqueued earlier but commits later has
+// the lower seq: the relay publishes it as soon as it commits (it is then
+// its partition's head), after what committed before it. docs/outbox.md says
+// exactly what order holds.
 func (o *Outbox) Enqueue(ctx context.Context, tx *sql.Tx, m outbox.Message) error {
 	var q mysqlstore.Querier = tx
 	if tx == nil {
@@ -212,7 +212,6 @@ func (o *Outbox) Enqueue(ctx context.Context, tx *sql.Tx, m outbox.Message) erro
 			return outbox.ErrNoTx
 		}
 	}
-	explicit := m.PartitionKey != ""
 	m, err := outbox.Prepare(ctx, m, o.maxPayload)
 	if err != nil {
 		return err
@@ -224,12 +223,6 @@ func (o *Outbox) Enqueue(ctx context.Context, tx *sql.Tx, m outbox.Message) erro
 			return fmt.Errorf("mysqloutbox: encode headers: %w", err)
 		}
 		headers = sql.NullString{String: string(b), Valid: true}
-	}
-	if explicit {
-		sum := sha256.Sum256([]byte(m.PartitionKey))
-		if _, err := q.ExecContext(ctx, o.lockSQL, binary.BigEndian.Uint32(sum[:])%lockBuckets); err != nil {
-			return fmt.Errorf("mysqloutbox: enqueue: lock partition: %w", err)
-		}
 	}
 	if _, err := q.ExecContext(ctx, o.insertSQL, m.ID, m.Subject, m.Payload, headers, m.PartitionKey); err != nil {
 		return fmt.Errorf("mysqloutbox: enqueue into %s: %w", o.table, err)
@@ -482,17 +475,13 @@ func (o *Outbox) Redrive(ctx context.Context, seqs ...int64) (int, error) {
 	defer func() { _ = tx.Rollback() }()
 	n := 0
 	for _, seq := range seqs {
-		var part []byte
-		err := tx.QueryRowContext(ctx, "SELECT partition_key FROM "+o.dead+" WHERE seq = ? FOR UPDATE", seq).Scan(&part)
+		var one int
+		err := tx.QueryRowContext(ctx, "SELECT 1 FROM "+o.dead+" WHERE seq = ? FOR UPDATE", seq).Scan(&one)
 		if errors.Is(err, sql.ErrNoRows) {
 			continue
 		}
 		if err != nil {
 			return 0, fmt.Errorf("mysqloutbox: redrive: %w", err)
-		}
-		sum := sha256.Sum256(part)
-		if _, err := tx.ExecContext(ctx, o.lockSQL, binary.BigEndian.Uint32(sum[:])%lockBuckets); err != nil {
-			return 0, fmt.Errorf("mysqloutbox: redrive: lock partition: %w", err)
 		}
 		if _, err := tx.ExecContext(ctx, "INSERT INTO "+o.table+" (id, subject, payload, headers, partition_key, enqueued_at) SELECT id, subject, payload, headers, partition_key, enqueued_at FROM "+o.dead+" WHERE seq = ?", seq); err != nil {
 			return 0, fmt.Errorf("mysqloutbox: redrive: %w", err)

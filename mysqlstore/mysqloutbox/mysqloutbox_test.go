@@ -27,7 +27,7 @@ func testDB(t *testing.T) *sql.DB {
 	if err != nil {
 		t.Fatal(err)
 	}
-	db.SetMaxOpenConns(10)
+	db.SetMaxOpenConns(40)
 	t.Cleanup(func() { _ = db.Close() })
 	return db
 }

@@ -57,8 +57,13 @@ type Publisher struct {
 type returns struct {
 	mu       sync.Mutex
 	returned map[string]string
-	barrier  chan chan struct{}
-	done     chan struct{}
+	// waiting counts the publications of each ID that wait for their
+	// confirmation on this channel: a return is kept only for them, and
+	// forgotten with the last of them, so that the map holds no more than
+	// what is in flight.
+	waiting map[string]int
+	barrier chan chan struct{}
+	done    chan struct{}
 
 	closed   chan struct{} // closed once the channel closed, closeErr set
 	closeErr error
@@ -84,11 +89,34 @@ func (r *returns) loop(in <-chan amqp091.Return) {
 				return
 			}
 			r.mu.Lock()
+			if r.waiting[ret.MessageId] == 0 {
+				// Its publication gave up (and dropped the channel):
+				// nobody will collect it.
+				r.mu.Unlock()
+				continue
+			}
 			r.returned[ret.MessageId] = fmt.Sprintf("%d %s (exchange %q, routing key %q)", ret.ReplyCode, ret.ReplyText, ret.Exchange, ret.RoutingKey)
 			r.mu.Unlock()
 		case reply := <-r.barrier:
 			close(reply)
 		}
+	}
+}
+
+// expect registers a publication of id about to be sent; forget, called
+// once it ended whatever the outcome, undoes it.
+func (r *returns) expect(id string) {
+	r.mu.Lock()
+	r.waiting[id]++
+	r.mu.Unlock()
+}
+
+func (r *returns) forget(id string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.waiting[id]--; r.waiting[id] <= 0 {
+		delete(r.waiting, id)
+		delete(r.returned, id)
 	}
 }
 
@@ -191,7 +219,7 @@ func (p *Publisher) channel(ctx context.Context) (*amqp091.Channel, *returns, er
 		_ = conn.Close()
 		return nil, nil, fmt.Errorf("outbox/amqp: confirm mode: %w", err)
 	}
-	r := &returns{returned: map[string]string{}, barrier: make(chan chan struct{}), done: make(chan struct{}), closed: make(chan struct{})}
+	r := &returns{returned: map[string]string{}, waiting: map[string]int{}, barrier: make(chan chan struct{}), done: make(chan struct{}), closed: make(chan struct{})}
 	go r.loop(ch.NotifyReturn(make(chan amqp091.Return)))
 	go r.watch(ch.NotifyClose(make(chan *amqp091.Error, 1)))
 	p.conn, p.ch, p.rets = conn, ch, r
@@ -206,6 +234,21 @@ func (p *Publisher) drop(ch *amqp091.Channel) {
 	if p.ch == ch {
 		_ = p.reset()
 	}
+}
+
+// abandon drops ch after a publication gave up waiting for its
+// confirmation, closing its connection within a second (a black-holed
+// broker does not answer the close).
+func (p *Publisher) abandon(ch *amqp091.Channel) {
+	_ = p.lock(context.Background())
+	defer p.unlock()
+	if p.ch != ch {
+		return
+	}
+	if p.conn != nil {
+		_ = p.conn.CloseDeadline(time.Now().Add(time.Second))
+	}
+	p.conn, p.ch, p.rets = nil, nil, nil
 }
 
 // Publish sends m with message-id = m.ID, persistent and mandatory, to the
@@ -231,6 +274,8 @@ func (p *Publisher) Publish(ctx context.Context, m *outbox.Stored) error {
 		Timestamp:    m.EnqueuedAt,
 		ContentType:  m.Headers["Content-Type"],
 	}
+	rets.expect(m.ID)
+	defer rets.forget(m.ID)
 	dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, p.cfg.Exchange, m.Subject, true, false, msg)
 	if err != nil {
 		p.drop(ch)
@@ -238,6 +283,10 @@ func (p *Publisher) Publish(ctx context.Context, m *outbox.Stored) error {
 	}
 	acked, err := dc.WaitContext(ctx)
 	if err != nil {
+		// The broker's return and confirmation may still come: on a new
+		// channel they cannot be taken for those of a later publication
+		// of the same ID (the relay's republication of this one).
+		p.abandon(ch)
 		return fmt.Errorf("outbox/amqp: no confirmation for %s: %w", m.ID, err)
 	}
 	if !acked {

@@ -24,13 +24,20 @@ type Harness struct {
 	// Enqueue commits msgs in one transaction of src's database.
 	Enqueue func(ctx context.Context, src outbox.Source, msgs ...outbox.Message) error
 	// Begin, if set, opens a transaction of src's database and returns the
-	// functions that enqueue in it and commit it: the commit-order test
-	// runs only with it.
+	// functions that enqueue in it and commit it: the commit-order and the
+	// opposite-order tests run only with it.
 	Begin func(ctx context.Context, src outbox.Source) (enqueue func(outbox.Message) error, commit func() error, err error)
 	// Relays is how many relays the concurrency test runs at once (4 if 0).
 	Relays int
 	// Messages is how many messages it enqueues (400 if 0).
 	Messages int
+	// Serial says that the database runs write transactions one at a time
+	// (SQLite): Begin waits for the open one to end, and the commit-order
+	// test, which needs two open at once, is skipped.
+	Serial bool
+	// Pairs is how many pairs of transactions the opposite-order test runs
+	// at once (12 if 0); each transaction holds a connection.
+	Pairs int
 }
 
 func msg(id, partition string) outbox.Message {
@@ -52,6 +59,7 @@ func Run(t *testing.T, h Harness) {
 	t.Run("Retention", func(t *testing.T) { testRetention(t, h) })
 	t.Run("Stats", func(t *testing.T) { testStats(t, h) })
 	t.Run("CommitOrderInPartition", func(t *testing.T) { testCommitOrder(t, h) })
+	t.Run("OppositeOrdersNoDeadlock", func(t *testing.T) { testOppositeOrders(t, h) })
 	t.Run("ConcurrentRelays", func(t *testing.T) { testConcurrent(t, h, false) })
 	t.Run("ConcurrentRelaysWithCrashes", func(t *testing.T) { testConcurrent(t, h, true) })
 }
@@ -480,13 +488,22 @@ func testConcurrent(t *testing.T, h Harness, crashes bool) {
 	t.Logf("%d messages, %d relays: %d transient failures retried, %d marks lost, %d republished with the same ID", nMsg, nRelay, c.fails.Load(), dropped, dups)
 }
 
-// testCommitOrder: two transactions enqueue into one explicit partition;
-// the one that enqueued first commits last. The second's Enqueue (or its
-// commit) must wait for the first, so that no relay sees the later message
-// as the head of the partition while the earlier one is uncommitted.
+// testCommitOrder: the order of a partition when its enqueuers'
+// transactions overlap. Enqueue takes no lock that lasts until the commit (a
+// lock per partition makes handlers' transactions that enqueue into two
+// partitions in opposite orders deadlock: testOppositeOrders), so a
+// transaction that enqueues into P while another that enqueued into P
+// earlier is open commits without waiting, and a relay publishes its message
+// first: the two overlapped, and either order is theirs. What must hold is
+// that a message enqueued after another's commit is never published before
+// it: "third", enqueued after "first" and "second" committed, waits for both
+// to be published, and the late "first" is not passed over.
 func testCommitOrder(t *testing.T, h Harness) {
 	if h.Begin == nil {
 		t.Skip("the harness gives no Begin")
+	}
+	if h.Serial {
+		t.Skip("transactions on this database run one at a time: none overlaps another")
 	}
 	ctx := ctx30(t)
 	src := h.New(t)
@@ -504,47 +521,132 @@ func testCommitOrder(t *testing.T, h Harness) {
 		enq2, commit2, err := h.Begin(ctx, src)
 		if err == nil {
 			err = enq2(msg("second", "P"))
-		}
-		if err == nil {
-			err = commit2()
+			// Ended even after a failure, or its connection is never
+			// given back.
+			if cerr := commit2(); err == nil {
+				err = cerr
+			}
 		}
 		second <- err
 	}()
 	select {
 	case err := <-second:
-		// Committed while the first is open: then the first must not be
-		// behind it in the partition's order.
 		must(t, err)
-		got, err := src.Lease(ctx, "r1", 10, time.Minute)
+	case <-time.After(30 * time.Second):
+		t.Fatal("a transaction enqueuing into partition P waited 30 s for another open transaction that enqueued into P: a lock per partition, on which handlers' transactions that enqueue into two partitions in opposite orders deadlock")
+	}
+	expect := func(owner, want string) []outbox.Stored {
+		t.Helper()
+		got, err := src.Lease(ctx, owner, 10, time.Minute)
 		must(t, err)
-		t.Fatalf("the second transaction committed its message to partition P while the first (which enqueued to P before it) was open; a relay now leases %v, ahead of the first", ids(got))
-	case <-time.After(300 * time.Millisecond):
+		if fmt.Sprint(ids(got)) != want {
+			t.Fatalf("%s leases %v, want %s", owner, ids(got), want)
+		}
+		return got
 	}
-	got, err := src.Lease(ctx, "r1", 10, time.Minute)
-	must(t, err)
-	if len(got) != 0 {
-		t.Fatalf("leased %v while both transactions are open", ids(got))
+	mark := func(owner string, m outbox.Stored) {
+		t.Helper()
+		n, err := src.MarkPublished(ctx, owner, m.Seq)
+		must(t, err)
+		if n != 1 {
+			t.Fatalf("%s marked %d of [%s], want 1", owner, n, m.ID)
+		}
 	}
+	// Committed, while "first" is not: the head of P for now.
+	sec := expect("r1", "[second]")
 	committed = true
 	must(t, commit1())
-	must(t, <-second)
-	got, err = src.Lease(ctx, "r1", 10, time.Minute)
-	must(t, err)
-	switch fmt.Sprint(ids(got)) {
-	case "[first second]": // a run, in order
-		return
-	case "[first]":
-	default:
-		t.Fatalf("after both commits: %v, want [first] (or the run [first second])", ids(got))
+	// "first" is now the oldest unpublished message of P: its head, taken
+	// although "second" is still in flight (they overlapped).
+	fst := expect("r2", "[first]")
+	must(t, h.Enqueue(ctx, src, msg("third", "P")))
+	expect("r3", "[]")
+	mark("r1", sec[0])
+	expect("r3", "[]")
+	mark("r2", fst[0])
+	expect("r3", "[third]")
+}
+
+// testOppositeOrders: pairs of transactions, all released at once, each pair
+// enqueuing into two partitions in opposite orders (X then Y, Y then X), each
+// transaction waiting (briefly) for its partner's first Enqueue before its
+// second. An Enqueue that locked its partition until the commit would make
+// every pair a lock cycle: a deadlock (PostgreSQL 40P01, MySQL 1213) that
+// fails a handler's transaction. Every transaction must commit, and every
+// message must then be leased.
+func testOppositeOrders(t *testing.T, h Harness) {
+	if h.Begin == nil {
+		t.Skip("the harness gives no Begin")
 	}
-	n, err := src.MarkPublished(ctx, "r1", got[0].Seq)
-	must(t, err)
-	if n != 1 {
-		t.Fatal("mark")
+	ctx := ctx30(t)
+	src := h.New(t)
+	pairs := h.Pairs
+	if pairs == 0 {
+		pairs = 12
 	}
-	got, err = src.Lease(ctx, "r1", 10, time.Minute)
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var errs []error
+	run := func(pair int, first, second string, mine, partner chan struct{}) {
+		defer wg.Done()
+		<-start
+		fail := func(err error) {
+			mu.Lock()
+			errs = append(errs, fmt.Errorf("pair %d, %s then %s: %w", pair, first, second, err))
+			mu.Unlock()
+		}
+		enq, commit, err := h.Begin(ctx, src)
+		if err != nil {
+			close(mine)
+			fail(err)
+			return
+		}
+		err = enq(msg(fmt.Sprintf("%s-%s-1", first, second), first))
+		close(mine)
+		if err != nil {
+			_ = commit()
+			fail(err)
+			return
+		}
+		// The partner's first Enqueue, if it can happen while this
+		// transaction is open (not on SQLite, whose transactions take its
+		// one write lock at BEGIN).
+		select {
+		case <-partner:
+		case <-time.After(200 * time.Millisecond):
+		}
+		if err := enq(msg(fmt.Sprintf("%s-%s-2", first, second), second)); err != nil {
+			_ = commit()
+			fail(err)
+			return
+		}
+		if err := commit(); err != nil {
+			fail(err)
+		}
+	}
+	for i := range pairs {
+		x, y := fmt.Sprintf("X%02d", i), fmt.Sprintf("Y%02d", i)
+		a, b := make(chan struct{}), make(chan struct{})
+		wg.Add(2)
+		go run(i, x, y, a, b)
+		go run(i, y, x, b, a)
+	}
+	close(start)
+	wg.Wait()
+	for i, err := range errs {
+		if i == 5 {
+			t.Errorf("… and %d more", len(errs)-5)
+			break
+		}
+		t.Error(err)
+	}
+	if len(errs) > 0 {
+		t.Fatalf("%d of %d transactions that enqueued into two partitions in opposite orders failed", len(errs), 2*pairs)
+	}
+	st, err := src.Stats(ctx)
 	must(t, err)
-	if fmt.Sprint(ids(got)) != "[second]" {
-		t.Fatalf("then: %v, want [second]", ids(got))
+	if st.Pending != int64(4*pairs) {
+		t.Fatalf("%d messages pending, want %d", st.Pending, 4*pairs)
 	}
 }

@@ -31,12 +31,23 @@ type Config struct {
 	// m, will never succeed (the relay then dead-letters m with the reason).
 	// nil: every failure is retried.
 	Permanent func(m *outbox.Stored, err error) bool
+	// MaxPending bounds the Watermill Publish calls running at once,
+	// including those the relay gave up on that have not returned
+	// (DefaultMaxPending if 0). Once that many are running, as when the
+	// broker stalls, Publish fails at once without starting another, so
+	// a stalled broker costs at most MaxPending goroutines.
+	MaxPending int
 }
+
+// DefaultMaxPending is Config.MaxPending's default: four times the relay's
+// default Concurrency.
+const DefaultMaxPending = 64
 
 // Publisher is an outbox.Publisher on a Watermill message.Publisher.
 type Publisher struct {
-	pub message.Publisher
-	cfg Config
+	pub     message.Publisher
+	cfg     Config
+	pending chan struct{} // a slot per running Watermill Publish
 }
 
 // NewPublisher returns a Publisher on pub; cfg may be nil.
@@ -45,21 +56,33 @@ func NewPublisher(pub message.Publisher, cfg *Config) *Publisher {
 	if cfg != nil {
 		p.cfg = *cfg
 	}
+	if p.cfg.MaxPending <= 0 {
+		p.cfg.MaxPending = DefaultMaxPending
+	}
+	p.pending = make(chan struct{}, p.cfg.MaxPending)
 	return p
 }
 
 // Publish publishes m to topic m.Subject with UUID m.ID. Watermill's Publish
 // takes no context: when ctx ends first, Publish returns ctx's error and the
 // publication, which may still complete, is tried again later with the same
-// UUID.
+// UUID. At most Config.MaxPending such calls run at once.
 func (p *Publisher) Publish(ctx context.Context, m *outbox.Stored) error {
 	msg := message.NewMessage(m.ID, m.Payload)
 	for k, v := range m.Headers {
 		msg.Metadata.Set(k, v)
 	}
 	msg.SetContext(ctx)
+	select {
+	case p.pending <- struct{}{}:
+	default:
+		return fmt.Errorf("outbox/watermill: %s not sent: %d Watermill publications are still running (the broker is not answering; MaxPending)", m.ID, cap(p.pending))
+	}
 	done := make(chan error, 1)
-	go func() { done <- p.pub.Publish(m.Subject, msg) }()
+	go func() {
+		defer func() { <-p.pending }()
+		done <- p.pub.Publish(m.Subject, msg)
+	}()
 	select {
 	case err := <-done:
 		if err == nil {

@@ -11,12 +11,12 @@ package pgoutbox
 import (
 	"context"
 	"crypto/sha256"
-	"encoding/binary"
 	"encoding/json"
 
 	"fmt"
 	"regexp"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/idemkit/idem/outbox"
@@ -52,6 +52,9 @@ type Outbox struct {
 	dead       string // quoted
 	lockNS     string
 	maxPayload int
+
+	mu     sync.Mutex
+	cursor string // the partition key the last lease's walk got to
 
 	insertSQL, leaseSQL, markSQL, retrySQL, deadSQL, deleteSQL, statsSQL string
 }
@@ -98,16 +101,38 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Outbox, error) {
 	o := &Outbox{pool: pool, table: t, dead: d, lockNS: c.Table, maxPayload: c.MaxPayload}
 	cols := "seq, id, subject, payload, headers, partition_key, enqueued_at"
 	o.insertSQL = "INSERT INTO " + t + " (id, subject, payload, headers, partition_key) VALUES ($1, $2, $3, $4, $5)"
-	// The heads of the partitions that are ready, locked (SKIP LOCKED: a
-	// head another relay is leasing right now is its); then, behind each
-	// head, the messages that follow it in its partition while they are
-	// free (a run, up to $4), all in seq order, at most $3 in all.
-	o.leaseSQL = `WITH heads AS (
-  SELECT o.seq, o.partition_key FROM ` + t + ` o
-  WHERE o.published_at IS NULL AND o.next_attempt_at <= now()
-    AND (o.lease_until IS NULL OR o.lease_until <= now())
-    AND NOT EXISTS (SELECT 1 FROM ` + t + ` p WHERE p.partition_key = o.partition_key AND p.published_at IS NULL AND p.seq < o.seq)
-  ORDER BY o.seq LIMIT $3
+	// The heads: walking the partitions in partition_key order from a
+	// cursor $5 to the end, then from the start up to it (a loose index
+	// scan of the pending index: one index descent per partition, each
+	// landing on its lowest pending seq, its head), at most $6 partitions
+	// each way, keeping the ready heads, at most $3; locked with SKIP
+	// LOCKED (a head another relay is leasing right now is its). Then,
+	// behind each head, the messages that follow it in its partition while
+	// they are free (a run, up to $4), all in seq order, at most $3 in all.
+	// The cost is the partitions walked (at most 2·$6), not the messages
+	// behind their heads. When fewer than $3 were found, a last row (its
+	// frontier column true) names where the walk stopped, the next cursor,
+	// so that heads waiting for a retry are walked over once per turn, not
+	// once per lease.
+	walk := func(name, from, step string) string {
+		return name + `(partition_key, seq, depth) AS (
+  (SELECT p.partition_key, p.seq, 1 FROM ` + t + ` p WHERE p.published_at IS NULL AND p.partition_key ` + from + ` ORDER BY p.partition_key, p.seq LIMIT 1)
+  UNION ALL
+  SELECT n.partition_key, n.seq, w.depth + 1 FROM ` + name + ` w CROSS JOIN LATERAL (
+    SELECT p.partition_key, p.seq FROM ` + t + ` p WHERE p.published_at IS NULL AND p.partition_key > w.partition_key` + step + `
+    ORDER BY p.partition_key, p.seq LIMIT 1) n
+  WHERE w.depth < $6)`
+	}
+	ready := "o.published_at IS NULL AND o.next_attempt_at <= now() AND (o.lease_until IS NULL OR o.lease_until <= now())"
+	o.leaseSQL = `WITH RECURSIVE ` + walk("after", ">= $5", "") + `,
+` + walk("before", "< $5", " AND p.partition_key < $5") + `,
+cand AS (
+  SELECT seq FROM (SELECT o.seq FROM after w JOIN ` + t + ` o ON o.seq = w.seq WHERE ` + ready + `) a
+  UNION ALL
+  SELECT seq FROM (SELECT o.seq FROM before w JOIN ` + t + ` o ON o.seq = w.seq WHERE ` + ready + `) b
+  LIMIT $3),
+heads AS (
+  SELECT o.seq, o.partition_key FROM ` + t + ` o WHERE o.seq IN (SELECT seq FROM cand) AND ` + ready + `
   FOR UPDATE OF o SKIP LOCKED),
 runs AS (
   SELECT h.seq AS head, r.seq, r.free FROM heads h CROSS JOIN LATERAL (
@@ -118,10 +143,17 @@ pick AS (
   SELECT seq FROM heads
   UNION ALL
   SELECT seq FROM (SELECT seq, bool_and(free) OVER (PARTITION BY head ORDER BY seq) AS ok FROM runs) x WHERE ok
-  ORDER BY seq LIMIT $3)
-UPDATE ` + t + ` t SET lease_owner = $1, lease_until = now() + $2 * interval '1 millisecond', attempts = t.attempts + 1
-FROM pick WHERE t.seq = pick.seq AND t.published_at IS NULL
-RETURNING t.seq, t.id, t.subject, t.payload, t.headers, t.partition_key, t.enqueued_at, t.attempts - 1`
+  ORDER BY seq LIMIT $3),
+leased AS (
+  UPDATE ` + t + ` t SET lease_owner = $1, lease_until = now() + $2 * interval '1 millisecond', attempts = t.attempts + 1
+  FROM pick WHERE t.seq = pick.seq AND t.published_at IS NULL
+  RETURNING t.seq, t.id, t.subject, t.payload, t.headers, t.partition_key, t.enqueued_at, t.attempts - 1 AS attempts)
+SELECT seq, id, subject, payload, headers, partition_key, enqueued_at, attempts, false FROM leased
+UNION ALL
+SELECT 0, '', '', ''::bytea, NULL, CASE WHEN (SELECT max(depth) FROM after) >= $6
+    THEN (SELECT partition_key FROM after ORDER BY depth DESC LIMIT 1)
+    ELSE (SELECT partition_key FROM before ORDER BY depth DESC LIMIT 1) END, now(), 0, true
+WHERE (SELECT count(*) FROM cand) < $3`
 	o.markSQL = "UPDATE " + t + " SET published_at = now(), lease_owner = NULL, lease_until = NULL WHERE seq = ANY($2) AND lease_owner = $1 AND published_at IS NULL"
 	o.retrySQL = "UPDATE " + t + " SET lease_owner = NULL, lease_until = NULL, next_attempt_at = now() + $3 * interval '1 millisecond', last_error = $4 WHERE seq = $2 AND lease_owner = $1 AND published_at IS NULL"
 	o.deadSQL = "WITH moved AS (DELETE FROM " + t + " WHERE seq = $2 AND lease_owner = $1 AND published_at IS NULL RETURNING " + cols + ", attempts)\n" +
@@ -203,11 +235,13 @@ func (o *Outbox) Migrate(ctx context.Context) error {
 // idem executes it fails with outbox.ErrNoID, with a payload over MaxPayload
 // with outbox.ErrTooLarge.
 //
-// Enqueue locks m's partition until tx ends (a transaction-scoped advisory
-// lock), so that the messages of one partition are numbered in the order
-// their transactions commit: two transactions that enqueue to one partition
-// run their Enqueue-to-commit parts one after the other. The default
-// partition, the request's key, is already one request's at a time.
+// Enqueue takes no lock beyond the inserted row's: transactions that
+// enqueue into the same partitions, in any order, neither wait for nor
+// deadlock with one another. The message's seq comes from the table's
+// identity when Enqueue runs, so a transaction that enqueued earlier but
+// commits later has the lower seq: the relay publishes it as soon as it
+// commits (it is then its partition's head), after what committed before it.
+// docs/outbox.md says exactly what order holds.
 func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, m outbox.Message) error {
 	if tx == nil {
 		tx = pgstore.Tx(ctx)
@@ -228,22 +262,10 @@ func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, m outbox.Message) error
 		s := string(b)
 		headers = &s
 	}
-	b := &pgx.Batch{}
-	b.Queue("SELECT pg_advisory_xact_lock($1)", o.partitionLock(m.PartitionKey))
-	b.Queue(o.insertSQL, m.ID, m.Subject, m.Payload, headers, m.PartitionKey)
-	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+	if _, err := tx.Exec(ctx, o.insertSQL, m.ID, m.Subject, m.Payload, headers, m.PartitionKey); err != nil {
 		return fmt.Errorf("pgoutbox: enqueue into %s: %w", o.table, err)
 	}
 	return nil
-}
-
-func (o *Outbox) partitionLock(partition string) int64 {
-	h := sha256.New()
-	h.Write([]byte("idem/pgoutbox/partition\x00"))
-	h.Write([]byte(o.lockNS))
-	h.Write([]byte{0})
-	h.Write([]byte(partition))
-	return int64(binary.BigEndian.Uint64(h.Sum(nil)))
 }
 
 func ms(d time.Duration) int64 { return d.Milliseconds() }
@@ -251,20 +273,37 @@ func ms(d time.Duration) int64 { return d.Milliseconds() }
 // maxRun is the most messages Lease takes behind a head in its partition.
 const maxRun = 63
 
-// Lease implements outbox.Source.
+// maxWalk (plus 4 per message asked for) bounds the partitions one Lease
+// walks each way from its cursor.
+const maxWalk = 200
+
+// Lease implements outbox.Source. It takes the heads partition by
+// partition, from where its previous call stopped (round robin over the
+// partitions, wrapping around), not the oldest first: the cost of a lease is
+// the partitions it walks, whatever the backlog behind their heads.
 func (o *Outbox) Lease(ctx context.Context, owner string, n int, d time.Duration) ([]outbox.Stored, error) {
-	rows, err := o.pool.Query(ctx, o.leaseSQL, owner, ms(d), n, max(0, min(n-1, maxRun)))
+	o.mu.Lock()
+	cursor := o.cursor
+	o.mu.Unlock()
+	rows, err := o.pool.Query(ctx, o.leaseSQL, owner, ms(d), n, max(0, min(n-1, maxRun)), cursor, maxWalk+4*n)
 	if err != nil {
 		return nil, fmt.Errorf("pgoutbox: lease: %w", err)
 	}
 	defer rows.Close()
 	var out []outbox.Stored
+	var frontier *string
 	for rows.Next() {
 		var s outbox.Stored
-		var headers *string
-		if err := rows.Scan(&s.Seq, &s.ID, &s.Subject, &s.Payload, &headers, &s.PartitionKey, &s.EnqueuedAt, &s.Attempts); err != nil {
+		var headers, part *string
+		var isFrontier bool
+		if err := rows.Scan(&s.Seq, &s.ID, &s.Subject, &s.Payload, &headers, &part, &s.EnqueuedAt, &s.Attempts, &isFrontier); err != nil {
 			return nil, fmt.Errorf("pgoutbox: lease: %w", err)
 		}
+		if isFrontier {
+			frontier = part
+			continue
+		}
+		s.PartitionKey = *part
 		if headers != nil {
 			if err := json.Unmarshal([]byte(*headers), &s.Headers); err != nil {
 				return nil, fmt.Errorf("pgoutbox: lease: headers of message %d: %w", s.Seq, err)
@@ -275,6 +314,23 @@ func (o *Outbox) Lease(ctx context.Context, owner string, n int, d time.Duration
 	if err := rows.Err(); err != nil {
 		return nil, fmt.Errorf("pgoutbox: lease: %w", err)
 	}
+	next := cursor
+	switch {
+	case frontier != nil:
+		// Fewer than n found: from where the walk stopped.
+		next = *frontier
+	case len(out) > 0:
+		// From the last partition leased (by Go's byte order, which
+		// may not be the column's collation: the walk covers every
+		// partition wherever it starts).
+		next = out[0].PartitionKey
+		for _, s := range out[1:] {
+			next = max(next, s.PartitionKey)
+		}
+	}
+	o.mu.Lock()
+	o.cursor = next
+	o.mu.Unlock()
 	sortSeq(out)
 	return out, nil
 }
@@ -371,21 +427,6 @@ func (o *Outbox) Redrive(ctx context.Context, seqs ...int64) (int, error) {
 		return 0, fmt.Errorf("pgoutbox: redrive: %w", err)
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	// The partitions' locks first, as Enqueue takes them, so that the
-	// redriven messages are numbered in commit order too.
-	rows, err := tx.Query(ctx, "SELECT DISTINCT partition_key FROM "+o.dead+" WHERE seq = ANY($1) ORDER BY 1", seqs)
-	if err != nil {
-		return 0, fmt.Errorf("pgoutbox: redrive: %w", err)
-	}
-	parts, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	if err != nil {
-		return 0, fmt.Errorf("pgoutbox: redrive: %w", err)
-	}
-	for _, p := range parts {
-		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", o.partitionLock(p)); err != nil {
-			return 0, fmt.Errorf("pgoutbox: redrive: %w", err)
-		}
-	}
 	tag, err := tx.Exec(ctx, "WITH moved AS (DELETE FROM "+o.dead+" WHERE seq = ANY($1) RETURNING seq, id, subject, payload, headers, partition_key, enqueued_at)\n"+
 		"INSERT INTO "+o.table+" (id, subject, payload, headers, partition_key, enqueued_at) SELECT id, subject, payload, headers, partition_key, enqueued_at FROM moved ORDER BY seq", seqs)
 	if err != nil {
@@ -405,7 +446,5 @@ func clean(reason string) string {
 	}
 	return reason
 }
-
-var _ outbox.Source = (*Outbox)(nil)
 
 var _ outbox.Source = (*Outbox)(nil)

@@ -22,7 +22,7 @@ func randHex(n int) string {
 }
 
 // testDB is a pool on a fresh schema, dropped when t ends.
-func testDB(t *testing.T) (*pgxpool.Pool, string) {
+func testDB(t testing.TB) (*pgxpool.Pool, string) {
 	t.Helper()
 	url := testenv.PostgresURL(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -31,7 +31,7 @@ func testDB(t *testing.T) (*pgxpool.Pool, string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg.MaxConns = 10
+	cfg.MaxConns = 40
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -85,4 +85,123 @@ func TestSource(t *testing.T) {
 			return tx.Commit(ctx)
 		},
 	})
+}
+
+// TestLeaseRoundRobin: Lease walks the partitions from where its last call
+// stopped and wraps around, so small leases reach every partition's head,
+// including a partition enqueued behind the cursor, and never one that
+// is not a head.
+func TestLeaseRoundRobin(t *testing.T) {
+	pool, schema := testDB(t)
+	ctx := context.Background()
+	o, err := pgoutbox.New(pool, &pgoutbox.Config{Table: schema + ".outbox"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := o.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	enqueue := func(msgs ...outbox.Message) {
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range msgs {
+			if err := o.Enqueue(ctx, tx, m); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	m := func(id, part string) outbox.Message {
+		return outbox.Message{ID: id, Subject: "rr.x", PartitionKey: part}
+	}
+	enqueue(m("c1", "c"), m("c2", "c"), m("d1", "d"), m("e1", "e"), m("f1", "f"))
+	seen := map[string]int{}
+	lease := func() []string {
+		got, err := o.Lease(ctx, "r", 1, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var ids []string
+		for _, s := range got {
+			ids = append(ids, s.ID)
+			seen[s.ID]++
+			if _, err := o.MarkPublished(ctx, "r", s.Seq); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return ids
+	}
+	var order []string
+	for range 2 {
+		order = append(order, lease()...)
+	}
+	// Behind the cursor now: a new partition "a", and b.
+	enqueue(m("a1", "a"), m("b1", "b"))
+	for range 6 {
+		order = append(order, lease()...)
+	}
+	for _, id := range []string{"a1", "b1", "c1", "c2", "d1", "e1", "f1"} {
+		if seen[id] != 1 {
+			t.Fatalf("leases of 1 in turn leased %v: %s %d times, want every message once", order, id, seen[id])
+		}
+	}
+	pos := map[string]int{}
+	for i, id := range order {
+		pos[id] = i
+	}
+	if pos["c2"] < pos["c1"] {
+		t.Fatalf("c2 leased before c1: %v", order)
+	}
+	if got := lease(); len(got) != 0 {
+		t.Fatalf("leased %v from an empty outbox", got)
+	}
+}
+
+// TestLeaseWalksPastStuckHeads: 5,000 partitions whose heads wait for a
+// retry (a broker refusing them for now) sort before the one ready
+// partition. One Lease walks a bounded number of partitions, so it may find
+// nothing; the next ones must go on from where it stopped and reach the
+// ready head within a few calls, not walk the same stuck heads again.
+func TestLeaseWalksPastStuckHeads(t *testing.T) {
+	pool, schema := testDB(t)
+	ctx := context.Background()
+	o, err := pgoutbox.New(pool, &pgoutbox.Config{Table: schema + ".outbox"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := o.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO `+o.Table()+` (id, subject, payload, partition_key, next_attempt_at)
+SELECT 's' || g, 'stuck.x', '\x00', 'a' || lpad(g::text, 5, '0'), now() + interval '1 hour' FROM generate_series(1, 5000) g`); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := o.Enqueue(ctx, tx, outbox.Message{ID: "ready", Subject: "ready.x", PartitionKey: "z"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for i := 1; i <= 100; i++ {
+		got, err := o.Lease(ctx, "r", 1, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(got) == 1 {
+			if got[0].ID != "ready" {
+				t.Fatalf("leased %s, a head waiting for its retry", got[0].ID)
+			}
+			t.Logf("the ready head leased by lease %d", i)
+			return
+		}
+	}
+	t.Fatal("100 leases did not reach the one ready head behind 5,000 partitions waiting for a retry")
 }

@@ -32,8 +32,18 @@ func TestSource(t *testing.T) {
 			}
 			return o
 		},
-		// No Begin: a write transaction holds SQLite's only write lock, so
-		// commit order is enqueue order (and a relay waits meanwhile).
+		// A write transaction holds SQLite's only write lock from its BEGIN
+		// (IMMEDIATE), so a second one waits for the first's commit: commit
+		// order is enqueue order. Few pairs: the waits queue up behind one
+		// another within the busy timeout.
+		Serial: true, Pairs: 4,
+		Begin: func(ctx context.Context, src outbox.Source) (func(outbox.Message) error, func() error, error) {
+			tx, err := db.BeginTx(ctx, nil)
+			if err != nil {
+				return nil, nil, err
+			}
+			return func(m outbox.Message) error { return src.(*sqliteoutbox.Outbox).Enqueue(ctx, tx, m) }, tx.Commit, nil
+		},
 		Enqueue: func(ctx context.Context, src outbox.Source, msgs ...outbox.Message) error {
 			tx, err := db.BeginTx(ctx, nil)
 			if err != nil {
