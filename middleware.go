@@ -88,21 +88,31 @@ type request struct {
 
 	renewal
 
-	// Memory of the request's own for what would otherwise be three small
-	// allocations: the default fingerprint (fp aliases it), the claim's lock
-	// token, and a small body. A request is never reused, so nothing that
-	// aliases them sees them change.
-	fpBuf   [fingerprintV3Len]byte
-	tokBuf  [tokenLen]byte
-	tokUsed bool // tokBuf holds a token
+	// own holds the default fingerprint (fp aliases it) and the claim's first
+	// lock token in one small allocation instead of two. It is apart from the
+	// request on purpose: a store that keeps either string (a Store of the
+	// user's that holds ClaimRequest.Fingerprint in its record) pins these
+	// 96 bytes, not the request with its recorder and buffered answer.
+	own     *ownStrings
+	tokUsed bool // own.tok holds a token
+	// bodyBuf is the request's own memory for a small body (it is handed to
+	// no store). A request is never reused, so nothing that aliases it sees
+	// it change.
 	bodyBuf [smallBody]byte
+}
+
+// ownStrings is the memory of a request's default fingerprint and first lock
+// token (request.own).
+type ownStrings struct {
+	fp  [fingerprintV3Len]byte
+	tok [tokenLen]byte
 }
 
 // smallBody is the longest body read into the request's own memory; with it
 // a request (1272 bytes on 64-bit platforms, and the allocator's 8-byte header)
 // fills the 1280-byte size class. A larger buffer would cost every request
 // more memory than the body allocation it saves some.
-const smallBody = 48
+const smallBody = 112
 
 func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if !h.isKeyed(r.Method) {
@@ -141,7 +151,8 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	req.scope = StoredScope(h.ScopeFunc(r))
 	if h.defaultFP {
-		req.fp = fingerprintV3Into(&req.fpBuf, r, req.body)
+		req.own = new(ownStrings)
+		req.fp = fingerprintV3Into(&req.own.fp, r, req.body)
 	} else {
 		req.fp = h.FingerprintFunc(r, req.body)
 	}

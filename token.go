@@ -34,15 +34,15 @@ func newToken() string {
 	return string(tokenInto(&out))
 }
 
-// newToken returns a lock token no other claim has, in the request's own
-// memory the first time (a later token gets memory of its own: the first may
-// still be in use).
+// newToken returns a lock token no other claim has, in the memory of
+// req.own the first time (a later token, or one of a request with a custom
+// fingerprint, gets memory of its own: the first may still be in use).
 func (req *request) newToken() string {
-	if req.tokUsed {
+	if req.tokUsed || req.own == nil {
 		return newToken()
 	}
 	req.tokUsed = true
-	b := tokenInto(&req.tokBuf)
+	b := tokenInto(&req.own.tok)
 	return unsafe.String(&b[0], len(b))
 }
 

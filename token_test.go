@@ -75,7 +75,7 @@ func TestTokensDifferAcrossProcesses(t *testing.T) {
 // (the single-transaction flow may claim after its transaction) must not
 // overwrite it, since the first may still be in use.
 func TestRequestTokenKeepsTheFirst(t *testing.T) {
-	req := &request{}
+	req := &request{own: new(ownStrings)}
 	first := req.newToken()
 	kept := strings.Clone(first)
 	second := req.newToken()
