@@ -1,0 +1,125 @@
+package idem_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem"
+)
+
+// otherRequestServer serves a handler that charges the body's amount as the
+// step "charge", answers 503 while fail is set, and otherwise ignores a Step
+// error: it answers 201 whatever Step said, with a body of size bytes unless
+// the amount is 10 (the first request, whose answer is kept whole). It
+// returns the URL, the provider's call counter and the switch.
+func otherRequestServer(t *testing.T, store idem.Store, cfg *idem.Config, size int) (string, *atomic.Int32, *atomic.Bool, *[]error, *sync.Mutex) {
+	t.Helper()
+	cfg.KeepFunc = func(s int) bool { return s < 500 }
+	mw, err := idem.New(store, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int32
+	var fail atomic.Bool
+	fail.Store(true)
+	var mu sync.Mutex
+	var errs []error
+	srv := serveLoopback(t, mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var in struct{ Amount int }
+		_ = json.NewDecoder(r.Body).Decode(&in)
+		charged, err := idem.Step(r.Context(), "charge", func(ctx context.Context, key string) (int, error) {
+			calls.Add(1)
+			return in.Amount, nil
+		})
+		if err != nil {
+			mu.Lock()
+			errs = append(errs, err)
+			mu.Unlock()
+		}
+		if fail.Load() {
+			http.Error(w, "the database went away", http.StatusServiceUnavailable)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+		msg := fmt.Sprintf("order of %d paid by the charge of %d;", in.Amount, charged)
+		_, _ = io.WriteString(w, msg)
+		if pad := size - len(msg); pad > 0 && in.Amount != 10 {
+			_, _ = io.WriteString(w, strings.Repeat("x", pad))
+		}
+	})))
+	return srv.URL + "/orders", &calls, &fail, &errs, &mu
+}
+
+// postKey posts body with key, retrying on 409 (a single-transaction
+// rollback still under way), and returns the status and body.
+func postKey(t *testing.T, url, key, body string) (int, string) {
+	t.Helper()
+	for range 100 {
+		req, _ := http.NewRequest(http.MethodPost, url, strings.NewReader(body))
+		req.Header.Set("Idempotency-Key", key)
+		resp, err := (&http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 30 * time.Second}).Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusConflict {
+			return resp.StatusCode, string(b)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Fatal("409 for 5 s")
+	return 0, ""
+}
+
+// TestStepOtherRequestIgnoredByHandler: the second request's handler ignores
+// ErrStepOtherRequest and answers 201 anyway, with a small body and with one
+// larger than MaxStoredBody (which, on a store without transactions, would
+// stream and be stored as complete without its body). Either way the
+// middleware answers 422 idempotency_key_reused, stores nothing under the
+// second request, and the first request retried as sent gets 201 with its
+// recorded charge, the provider called once in all.
+func TestStepOtherRequestIgnoredByHandler(t *testing.T) {
+	const maxStored = 1 << 10
+	check := func(t *testing.T, store idem.Store, flow idem.Flow) {
+		for _, size := range []int{10, 64 << 10} {
+			t.Run(fmt.Sprintf("body%d", size), func(t *testing.T) {
+				url, calls, fail, errs, mu := otherRequestServer(t, store, &idem.Config{Flow: flow, MaxStoredBody: maxStored}, size)
+				key := fmt.Sprintf("ignored-%d-%d", flow, size)
+				if st, b := postKey(t, url, key, `{"amount":10}`); st != http.StatusServiceUnavailable || calls.Load() != 1 {
+					t.Fatalf("first request: %d %.80s, %d calls; want 503 after one call", st, b, calls.Load())
+				}
+				fail.Store(false)
+				st, b := postKey(t, url, key, `{"amount":20}`)
+				var p idem.Problem
+				_ = json.Unmarshal([]byte(b), &p)
+				if st != http.StatusUnprocessableEntity || p.Code != idem.CodeKeyReused {
+					t.Errorf("another request whose handler ignored the Step error: %d %.80s; want 422 %s", st, b, idem.CodeKeyReused)
+				}
+				mu.Lock()
+				if len(*errs) != 1 || !errors.Is((*errs)[0], idem.ErrStepOtherRequest) {
+					t.Errorf("Step errors %v, want one ErrStepOtherRequest", *errs)
+				}
+				mu.Unlock()
+				st, b = postKey(t, url, key, `{"amount":10}`)
+				if st != http.StatusCreated || !strings.HasPrefix(b, "order of 10 paid by the charge of 10;") || calls.Load() != 1 {
+					t.Errorf("the first request retried: %d %.80s, %d calls; want 201 with the recorded charge of 10, one call", st, b, calls.Load())
+				}
+			})
+		}
+	}
+	t.Run("memstore", func(t *testing.T) {
+		t.Parallel()
+		check(t, newMem(t), idem.FlowAuto)
+	})
+	fpStores(t, check)
+}
