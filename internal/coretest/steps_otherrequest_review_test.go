@@ -123,3 +123,78 @@ func TestStepOtherRequestIgnoredByHandler(t *testing.T) {
 	})
 	fpStores(t, check)
 }
+
+// TestStepOtherRequestRace: after the first request charged 10 and was
+// answered 503 (the key released, the step recorded), 16 retries of it and
+// 16 requests of another body with the same key are released at once by one
+// barrier. The provider is never called again; a retry of the first request
+// gets 201 with the recorded charge or 409, another request 422 or 409 (never
+// 201, never a charge of its own); afterwards the first request gets 201.
+func TestStepOtherRequestRace(t *testing.T) {
+	check := func(t *testing.T, store idem.Store, flow idem.Flow) {
+		url, calls, fail, _, _ := otherRequestServer(t, store, &idem.Config{Flow: flow}, 0)
+		key := fmt.Sprintf("race-%d", flow)
+		if st, b := postKey(t, url, key, `{"amount":10}`); st != http.StatusServiceUnavailable || calls.Load() != 1 {
+			t.Fatalf("first request: %d %.80s, %d calls; want 503 after one call", st, b, calls.Load())
+		}
+		fail.Store(false)
+		const n = 16
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		type result struct {
+			first bool
+			st    int
+			body  string
+		}
+		results := make(chan result, 2*n)
+		client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 2 * n}, Timeout: time.Minute}
+		for i := range 2 * n {
+			first := i%2 == 0
+			body := `{"amount":20}`
+			if first {
+				body = `{"amount":10}`
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				req, _ := http.NewRequest(http.MethodPost, url, strings.NewReader(body))
+				req.Header.Set("Idempotency-Key", key)
+				<-start
+				resp, err := client.Do(req)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				b, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				results <- result{first, resp.StatusCode, string(b)}
+			}()
+		}
+		close(start)
+		wg.Wait()
+		close(results)
+		counts := map[string]int{}
+		for r := range results {
+			counts[fmt.Sprintf("first=%v %d", r.first, r.st)]++
+			switch {
+			case r.st == http.StatusConflict:
+			case r.first && r.st == http.StatusCreated && strings.HasPrefix(r.body, "order of 10 paid by the charge of 10;"):
+			case !r.first && r.st == http.StatusUnprocessableEntity:
+			default:
+				t.Errorf("first request %v: %d %.100s", r.first, r.st, r.body)
+			}
+		}
+		t.Logf("answers: %v", counts)
+		if calls.Load() != 1 {
+			t.Errorf("the provider was called %d times, want once", calls.Load())
+		}
+		if st, b := postKey(t, url, key, `{"amount":10}`); st != http.StatusCreated || !strings.HasPrefix(b, "order of 10 paid by the charge of 10;") || calls.Load() != 1 {
+			t.Errorf("the first request afterwards: %d %.80s, %d calls", st, b, calls.Load())
+		}
+	}
+	t.Run("memstore", func(t *testing.T) {
+		t.Parallel()
+		check(t, newMem(t), idem.FlowAuto)
+	})
+	fpStores(t, check)
+}
