@@ -14,6 +14,10 @@ import (
 	"time"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/pgstore"
+	"github.com/idemkit/idem/sqlitestore"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // otherRequestServer serves a handler that charges the body's amount as the
@@ -196,5 +200,98 @@ func TestStepOtherRequestRace(t *testing.T) {
 		t.Parallel()
 		check(t, newMem(t), idem.FlowAuto)
 	})
+	fpStores(t, check)
+}
+
+// TestStepOtherRequestRollsBack: the second request's handler writes a
+// business row in idem's transaction before its Step is refused, and then
+// ignores the refusal: the 422 is answered and the row is not committed, in
+// both flows, on SQLite and PostgreSQL; the first request's retry commits its
+// own row once.
+func TestStepOtherRequestRollsBack(t *testing.T) {
+	check := func(t *testing.T, store idem.Store, flow idem.Flow) {
+		var exec func(ctx context.Context, amount int) error
+		var count func() int
+		switch s := store.(type) {
+		case *sqlitestore.Store:
+			db := s.DB()
+			if _, err := db.Exec(`CREATE TABLE orders_rb (amount INTEGER)`); err != nil {
+				t.Fatal(err)
+			}
+			exec = func(ctx context.Context, amount int) error {
+				_, err := sqlitestore.Tx(ctx).ExecContext(ctx, `INSERT INTO orders_rb VALUES (?)`, amount)
+				return err
+			}
+			count = func() int {
+				var n int
+				_ = db.QueryRow(`SELECT count(*) FROM orders_rb`).Scan(&n)
+				return n
+			}
+		case *pgstore.Store:
+			_ = s
+			table := fmt.Sprintf("idem_rb_orders_%d_%d", flow, time.Now().UnixNano())
+			pool, err := pgxpool.New(context.Background(), testenv.PostgresURL(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(pool.Close)
+			if _, err := pool.Exec(context.Background(), `CREATE TABLE `+table+` (amount int)`); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _, _ = pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+table) })
+			exec = func(ctx context.Context, amount int) error {
+				_, err := pgstore.Tx(ctx).Exec(ctx, `INSERT INTO `+table+` VALUES ($1)`, amount)
+				return err
+			}
+			count = func() int {
+				var n int
+				_ = pool.QueryRow(context.Background(), `SELECT count(*) FROM `+table).Scan(&n)
+				return n
+			}
+		default:
+			t.Fatalf("store %T", store)
+		}
+		mw, err := idem.New(store, &idem.Config{Flow: flow, KeepFunc: func(s int) bool { return s < 500 }})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var fail atomic.Bool
+		fail.Store(true)
+		var calls atomic.Int32
+		url := serveLoopback(t, mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			var in struct{ Amount int }
+			_ = json.NewDecoder(r.Body).Decode(&in)
+			if err := exec(r.Context(), in.Amount); err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			_, _ = idem.Step(r.Context(), "charge", func(ctx context.Context, key string) (int, error) {
+				calls.Add(1)
+				return in.Amount, nil
+			})
+			if fail.Load() {
+				http.Error(w, "later", http.StatusServiceUnavailable)
+				return
+			}
+			w.WriteHeader(http.StatusCreated)
+		}))).URL
+		key := fmt.Sprintf("rollback-%d", flow)
+		if st, b := postKey(t, url, key, `{"amount":10}`); st != http.StatusServiceUnavailable {
+			t.Fatalf("first request: %d %s", st, b)
+		}
+		fail.Store(false)
+		if st, b := postKey(t, url, key, `{"amount":20}`); st != http.StatusUnprocessableEntity {
+			t.Errorf("another request: %d %.80s, want 422", st, b)
+		}
+		if n := count(); n != 0 {
+			t.Errorf("%d business rows committed after a 503 and a 422, want none", n)
+		}
+		if st, b := postKey(t, url, key, `{"amount":10}`); st != http.StatusCreated {
+			t.Errorf("the first request retried: %d %.80s, want 201", st, b)
+		}
+		if n := count(); n != 1 || calls.Load() != 1 {
+			t.Errorf("%d business rows and %d provider calls, want one each", n, calls.Load())
+		}
+	}
 	fpStores(t, check)
 }
