@@ -24,7 +24,8 @@ import (
 //
 // A body larger than limit is not buffered past it: the recorder either spills
 // (spill.spillOutcome stores the outcome without its body and the rest streams
-// to the client) or, when spill is nil, counts and discards the rest.
+// to the client) or, when spill is nil or a Step was refused as another
+// request's (otherRequest), counts and discards the rest.
 type recorder struct {
 	w       http.ResponseWriter
 	status  int
@@ -227,7 +228,10 @@ func (rw *recorder) Write(p []byte) (int, error) {
 		return len(p), nil
 	}
 	if rw.limited && rw.size > rw.limit {
-		if rw.spill != nil {
+		// A request one of whose steps was refused as another request's
+		// (ErrStepOtherRequest) is answered 422 and keeps nothing: its body is
+		// discarded rather than streamed and its outcome stored under it.
+		if rw.spill != nil && !rw.otherRequest.Load() {
 			rw.spill.spillOutcome()
 			late := rw.settleHeader()
 			rw.w.WriteHeader(rw.statusOrOK())

@@ -512,7 +512,11 @@ func (req *request) stepRun() (*stepRun, error) {
 // (its start plus TTL), before its handler runs.
 func (h *handler) keepSteps(req *request, token string) {
 	if ss, ok := h.store.(StepStore); ok {
-		keepSteps(req.r.Context(), ss, req.scope, req.key, token, req.fp, h.NowFunc(), req.start.Add(h.TTL), h.CleanupTimeout)
+		same := func(stored string) bool {
+			match, _ := sameRequest(req.fp, stored, req.r, req.body)
+			return match
+		}
+		keepSteps(req.r.Context(), ss, req.scope, req.key, token, req.fp, same, h.NowFunc(), req.start.Add(h.TTL), h.CleanupTimeout)
 	}
 }
 
@@ -522,23 +526,34 @@ func (h *handler) keepSteps(req *request, token string) {
 // execution, which the taking one does not reach before that execution's
 // step expiry, would otherwise count as absent while the operation lives and
 // run again with a new derived key. Best effort, and only on takeovers: a
-// store that fails here leaves the expiries as they were.
-func keepSteps(ctx context.Context, ss StepStore, scope, key, owner, fp string, now, exp time.Time, timeout time.Duration) {
+// store that fails here leaves the expiries as they were. A record of another
+// fingerprint is left alone unless same (nil: none is) says it is this
+// request's under an older fingerprint version; it is then asked for under
+// the fingerprint it was stored with.
+func keepSteps(ctx context.Context, ss StepStore, scope, key, owner, fp string, same func(stored string) bool, now, exp time.Time, timeout time.Duration) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
 	defer cancel()
 	recs, err := ss.GetSteps(ctx, scope, key, now)
 	if err != nil {
 		return
 	}
+	sameAs := "" // the last other fingerprint same said is this request's
 	for _, rec := range recs {
-		if !rec.ExpiresAt.Before(exp) || otherFingerprint(fp, rec.Fingerprint) {
+		if !rec.ExpiresAt.Before(exp) {
 			continue
+		}
+		recFP := fp
+		if otherFingerprint(fp, rec.Fingerprint) {
+			if rec.Fingerprint != sameAs && (same == nil || !same(rec.Fingerprint)) {
+				continue
+			}
+			sameAs, recFP = rec.Fingerprint, rec.Fingerprint
 		}
 		// Rerun unset: a step another execution began stays its (and
 		// unknown); a done or failed one only has its expiry moved.
 		_, began, err := ss.BeginStep(ctx, BeginStepRequest{
 			Scope: scope, Key: key, Name: rec.Name, Owner: owner, Holder: true,
-			DerivedKey: deriveStepKey(scope, key, rec.Name), Fingerprint: fp, Now: now, ExpiresAt: exp,
+			DerivedKey: deriveStepKey(scope, key, rec.Name), Fingerprint: recFP, Now: now, ExpiresAt: exp,
 		})
 		if err != nil {
 			return
@@ -614,7 +629,7 @@ func WithSteps(ctx context.Context, op StepOperation) context.Context {
 		run.owner = newToken()
 	}
 	if op.TakenOver && op.Holder && ss != nil {
-		keepSteps(ctx, ss, run.scope, run.key, run.owner, run.fp, run.now(), run.expiresAt, run.cleanup)
+		keepSteps(ctx, ss, run.scope, run.key, run.owner, run.fp, nil, run.now(), run.expiresAt, run.cleanup)
 	}
 	return context.WithValue(ctx, stepsKey{}, run)
 }

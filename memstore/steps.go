@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -67,9 +68,13 @@ func (s *Store) BeginStep(_ context.Context, req idem.BeginStepRequest) (*idem.S
 	id := stepID{req.Scope, req.Key, req.Name}
 	r := t.live(id, req.Now)
 	if r == nil {
+		// The strings are copied: the middleware's alias the request's own
+		// memory (its fingerprint, its lock token), which a record kept for
+		// its TTL would otherwise keep alive, the buffered response with it.
+		id = stepID{strings.Clone(req.Scope), strings.Clone(req.Key), strings.Clone(req.Name)}
 		r = &idem.StepRecord{
-			Scope: req.Scope, Key: req.Key, Name: req.Name, State: idem.StepStarted,
-			Owner: req.Owner, DerivedKey: req.DerivedKey, Fingerprint: req.Fingerprint, StartedAt: req.Now, ExpiresAt: req.ExpiresAt,
+			Scope: id.scope, Key: id.key, Name: id.name, State: idem.StepStarted,
+			Owner: strings.Clone(req.Owner), DerivedKey: strings.Clone(req.DerivedKey), Fingerprint: strings.Clone(req.Fingerprint), StartedAt: req.Now, ExpiresAt: req.ExpiresAt,
 		}
 		t.recs[id] = r
 		return copyStep(r), true, nil
@@ -82,7 +87,7 @@ func (s *Store) BeginStep(_ context.Context, req idem.BeginStepRequest) (*idem.S
 	}
 	began := r.State == idem.StepStarted && r.Owner != req.Owner && (r.Owner == "" || req.Rerun)
 	if began {
-		r.Owner = req.Owner
+		r.Owner = strings.Clone(req.Owner)
 	}
 	return copyStep(r), began, nil
 }

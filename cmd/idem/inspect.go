@@ -32,9 +32,10 @@ request fingerprint, and the stored status, headers, body size and resource
 reference, with what the next request with this key will get. Use it when a
 client asks why a request was replayed (or answered 409 or 422). Then come the
 key's step records (idem.Step: calls to other services), each with its state
-(started, done, failed), derived key and recorded result: a step started and
-never recorded is one whose outcome is unknown, which idem resolve --step
-settles. A key without a record may still have steps (an attempt that died in
+(started, done, failed), derived key, the fingerprint of the request it
+belongs to (another request with the key gets 422) and recorded result: a
+step started and never recorded is one whose outcome is unknown, which idem
+resolve --step settles. A key without a record may still have steps (an attempt that died in
 the single-transaction flow leaves its steps and no record).
 
 With --summary (and no KEY) it counts the records by state instead — complete,
@@ -118,7 +119,7 @@ func runInspect(ctx context.Context, args []string, stdout, stderr io.Writer) in
 		}
 		// The single-transaction flow: the attempt that began the steps died
 		// and its record rolled back, but the steps were committed on their own.
-		fmt.Fprintf(stdout, "no record for key %q in scope %q (%s): no request with it is running or complete; the next one runs the handler, which finds these steps.\n\n", key, *scope, h.KeysAt)
+		fmt.Fprintf(stdout, "no record for key %q in scope %q (%s): no request with it is running or complete; the next one runs the handler, which finds these steps (a request other than the one they belong to gets 422 at the first of them).\n\n", key, *scope, h.KeysAt)
 	} else {
 		inspectPrint(stdout, rec, now, *showBody)
 	}
@@ -136,6 +137,9 @@ func inspectPrintSteps(w io.Writer, steps []idem.StepRecord, now time.Time) {
 	for _, st := range steps {
 		fmt.Fprintf(w, "%-12s %q %s\n", "step:", st.Name, st.State)
 		fmt.Fprintf(w, "%-12s %s\n", "  derived key", st.DerivedKey)
+		if st.Fingerprint != "" {
+			fmt.Fprintf(w, "%-12s %s (the request the step belongs to: one with another fingerprint gets 422 idempotency_key_reused)\n", "  request", st.Fingerprint)
+		}
 		fmt.Fprintf(w, "%-12s %s ago (%s), expires in %s\n", "  started", now.Sub(st.StartedAt).Round(time.Millisecond), st.StartedAt.UTC().Format(time.RFC3339Nano), st.ExpiresAt.Sub(now).Round(time.Second))
 		switch st.State {
 		case idem.StepStarted:
