@@ -354,7 +354,14 @@ func runGrowth(ctx context.Context, cfg *Config, suffix string) (*GrowthReport, 
 	}
 	backlog := min(cfg.JanitorBacklog, largest)
 	l := &growthLoader{pool: pool, conns: cfg.GrowthConns, chunk: 200_000, expired: max(backlog, 0), start: runStart}
-	g.Loader = fmt.Sprintf("COPY of %d-record chunks (one transaction each) on %d connections, synchronous_commit=off and wal_compression=on for the loading sessions only; logged table; autovacuum on, table settings: %s", l.chunk, l.conns, Autovacuum)
+	var autovacuum string
+	if err := pool.QueryRow(ctx, "SHOW autovacuum").Scan(&autovacuum); err != nil {
+		return g, err
+	}
+	g.Loader = fmt.Sprintf("COPY of %d-record chunks (one transaction each) on %d connections, synchronous_commit=off and wal_compression=on for the loading sessions only; logged table; the server's autovacuum is %s; table settings: %s", l.chunk, l.conns, autovacuum, Autovacuum)
+	if autovacuum != "on" {
+		g.Loader += " (they take effect only with the server's autovacuum on: the VACUUM after the sweep stands in for it)"
+	}
 	g.RefRecords = cfg.GrowthSizes[0]
 	ref0 := &growthLoader{pool: pool, conns: 1, chunk: l.chunk, start: runStart}
 	if _, err := ref0.load(ctx, refTable, "r", 1, g.RefRecords); err != nil {

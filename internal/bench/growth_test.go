@@ -39,6 +39,9 @@ func TestGrowthSmall(t *testing.T) {
 			t.Errorf("step %d: indexes %+v; want idem_records_pkey, idem_records_expires_at_idx", s.Records, s.Sizes.Indexes)
 		}
 	}
+	if !strings.Contains(g.Loader, "the server's autovacuum is ") {
+		t.Errorf("loader %q does not say whether the server's autovacuum is on", g.Loader)
+	}
 	j := g.Janitor
 	if j == nil {
 		t.Fatal("no janitor step")
