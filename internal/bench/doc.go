@@ -75,11 +75,13 @@
 // pgstore table up to each of GrowthSizes, and times store.Claim on fresh keys at
 // each size, alternating every claim with one on a reference table that keeps the
 // smallest size, so that both are timed in the same window. The loader sends
-// records generated in Go (UUID keys spread over the key space, so every insert
-// lands on a random leaf of the primary key as in production) with COPY, 200 000
-// records per transaction, on GrowthConns connections (default 2) whose sessions
+// records generated in Go (UUID keys spread over the key space, as in
+// production) with COPY, 1 000 000 records per transaction sorted by key (each
+// chunk walks the primary key's leaves once instead of missing shared_buffers
+// on every record; the leaves split where the keys fall, as with random
+// inserts), on GrowthConns connections (default 2) whose sessions
 // set synchronous_commit=off and, where allowed, wal_compression=on; the table
-// stays logged, with autovacuum on and the per-table settings docs/operating.md
+// stays logged, with the server's autovacuum setting and the per-table settings docs/operating.md
 // recommends (Autovacuum). Each step records the heap, each index and the total
 // size. With GrowthBudget, a size whose projected load would not end in time is
 // not loaded, and the report's note says so.
