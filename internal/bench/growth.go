@@ -256,7 +256,11 @@ func (r *growthRows) Values() ([]any, error) {
 	f := sha256.Sum256(h[:])
 	x := hex.EncodeToString(h[:])
 	key := x[0:8] + "-" + x[8:12] + "-" + x[12:16] + "-" + x[16:20] + "-" + x[20:32]
-	created, expires := r.now, r.now.Add(idem.DefaultTTL)
+	// A microsecond apart, in the order sent, as requests arriving one by one:
+	// equal expiries would be deduplicated into a much smaller expires_at
+	// index than production's.
+	created := r.now.Add(time.Duration(r.at) * time.Microsecond)
+	expires := created.Add(idem.DefaultTTL)
 	if i <= r.l.expired {
 		// Spread over the hour before the load began, oldest first.
 		expires = r.l.start.Add(-time.Hour + time.Duration(int64(time.Hour)*int64(i)/int64(r.l.expired+1)))

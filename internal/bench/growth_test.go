@@ -132,3 +132,42 @@ func TestGrowthMarkdown(t *testing.T) {
 		}
 	}
 }
+
+// TestGrowthRowsOrder: a chunk is sent in key order, each record with an expiry
+// of its own that grows in the order sent, as requests arriving one by one
+// leave them (equal expiries would be deduplicated into a far smaller
+// expires_at index than production's); the oldest records are expired.
+func TestGrowthRowsOrder(t *testing.T) {
+	t.Parallel()
+	l := &growthLoader{expired: 10, start: time.Now()}
+	rows := newGrowthRows(l, "g", 1, 1000)
+	var lastKey []byte
+	var lastLive time.Time
+	seen, expired := map[time.Time]bool{}, 0
+	for rows.Next() {
+		v, err := rows.Values()
+		if err != nil {
+			t.Fatal(err)
+		}
+		key, exp := v[1].([]byte), v[7].(time.Time)
+		if lastKey != nil && bytes.Compare(key, lastKey) <= 0 {
+			t.Fatalf("key %s sent after %s", key, lastKey)
+		}
+		lastKey = append([]byte(nil), key...)
+		if seen[exp] {
+			t.Fatalf("two records expire at %v", exp)
+		}
+		seen[exp] = true
+		if exp.Before(l.start) {
+			expired++
+			continue
+		}
+		if !exp.After(lastLive) {
+			t.Fatalf("expiry %v sent after %v", exp, lastLive)
+		}
+		lastLive = exp
+	}
+	if len(seen) != 1000 || expired != 10 {
+		t.Errorf("%d records, %d of them expired; want 1000, 10", len(seen), expired)
+	}
+}
