@@ -42,7 +42,9 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	growth := fs.Bool("growth", false, "also run the PostgreSQL growth benchmark: claim latency at growing table sizes, and during a janitor sweep")
 	growthSizes := fs.String("growth-sizes", "10000,1000000,10000000", "comma-separated record counts for --growth")
 	growthClaims := fs.Int("growth-claims", 3000, "claims timed at each size for --growth")
-	backlog := fs.Int("janitor-backlog", 1_000_000, "expired records the janitor deletes while claims are timed (--growth); negative skips it")
+	backlog := fs.Int("janitor-backlog", 1_000_000, "expired records (the oldest of the table) the janitor deletes while claims are timed (--growth); negative skips it")
+	growthConns := fs.Int("growth-conns", 2, "connections that bulk-load the table in parallel for --growth")
+	growthBudget := fs.Duration("growth-budget", 0, "for --growth: skip the sizes whose load, projected at the last step's rate, would not end within this time of the run's start (0: no limit)")
 	isolate := fs.Bool("isolate", true, "run each server in a process of its own (this binary, re-executed) and measure its CPU, allocations and memory per request; false runs server and load generator in one process")
 	pin := fs.Bool("pin", true, "with --isolate, pin the server process to CPU 0 and the load generator to CPU 1 with taskset (needs 2 CPUs and taskset)")
 	memRecords := fs.Int("memory-records", 150_000, "with --isolate, first-time requests sent to a fresh memstore and a fresh Fiber server to measure memory per stored record; 0 skips it")
@@ -81,7 +83,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	cfg := bench.Config{
 		Duration: *duration, Rounds: *rounds, Fiber: *fiber, PoolSize: *pool, ReplayKeys: *replayKeys,
 		PostgresURL: *pgURL, MySQLDSN: myDSN, RedisURL: *redisURL,
-		Growth: *growth, GrowthClaims: *growthClaims, JanitorBacklog: *backlog, Log: stderr,
+		Growth: *growth, GrowthClaims: *growthClaims, JanitorBacklog: *backlog, GrowthConns: *growthConns, GrowthBudget: *growthBudget, Log: stderr,
 	}
 	if *backlog == 0 {
 		cfg.JanitorBacklog = -1

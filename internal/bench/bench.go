@@ -10,6 +10,7 @@ import (
 	"os"
 	"runtime"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -56,9 +57,17 @@ type Config struct {
 	// GrowthClaims is how many claims are timed at each size. Defaults to 3000.
 	GrowthClaims int
 	// JanitorBacklog is how many expired records the janitor deletes while claims
-	// are timed, after the growth steps. Defaults to 1 000 000; a negative value
-	// skips that phase.
+	// are timed, after the growth steps: the oldest records of the table (the
+	// first loaded) are loaded expired. Defaults to 1 000 000 (at most the
+	// largest size); a negative value skips that phase.
 	JanitorBacklog int
+	// GrowthConns is how many connections bulk-load the growth table in
+	// parallel. Defaults to 2.
+	GrowthConns int
+	// GrowthBudget, when positive, bounds the growth run's time: a size whose
+	// load, projected at the last step's rate, would not end within the budget
+	// is not loaded, and the report says why.
+	GrowthBudget time.Duration
 	// Isolate runs the server of each target in a process of its own, started
 	// as ServerCommand with the spec in the environment variable ServeEnv, while
 	// the load generator runs in this process. Only then are the server's CPU
@@ -118,6 +127,9 @@ func (c *Config) defaults() {
 	}
 	if c.JanitorBacklog == 0 {
 		c.JanitorBacklog = 1_000_000
+	}
+	if c.GrowthConns <= 0 {
+		c.GrowthConns = 2
 	}
 	if c.Log == nil {
 		c.Log = io.Discard
@@ -625,6 +637,16 @@ func machine() Machine {
 		m.MemoryGiB = float64(int(kb/1024/1024*10+0.5)) / 10
 	}
 	return m
+}
+
+// loadAvg1 is /proc/loadavg's 1-minute figure, or 0.
+func loadAvg1() float64 {
+	f := strings.Fields(loadavg())
+	if len(f) == 0 {
+		return 0
+	}
+	v, _ := strconv.ParseFloat(f[0], 64)
+	return v
 }
 
 func loadavg() string {

@@ -71,13 +71,29 @@
 //
 // # Growth
 //
-// With Config.Growth, runGrowth bulk-loads complete records (INSERT … SELECT
-// FROM generate_series, 500 000 rows per statement, UUID keys spread over the key
-// space) into a dedicated pgstore table up to each of GrowthSizes, and times
-// store.Claim on fresh keys at each size, alternating every claim with one on a
-// reference table that keeps the smallest size, so that both are timed in the
-// same window. It then loads JanitorBacklog expired records and times claims
-// while idem.Janitor{BatchSize: 1000}.Sweep deletes them.
+// With Config.Growth, runGrowth bulk-loads complete records into a dedicated
+// pgstore table up to each of GrowthSizes, and times store.Claim on fresh keys at
+// each size, alternating every claim with one on a reference table that keeps the
+// smallest size, so that both are timed in the same window. The loader sends
+// records generated in Go (UUID keys spread over the key space, as in
+// production) with COPY, 1 000 000 records per transaction sorted by key (each
+// chunk walks the primary key's leaves once instead of missing shared_buffers
+// on every record; the leaves split where the keys fall, as with random
+// inserts), on GrowthConns connections (default 2) whose sessions
+// set synchronous_commit=off and, where allowed, wal_compression=on; the table
+// stays logged, with the server's autovacuum setting and the per-table settings docs/operating.md
+// recommends (Autovacuum). Each step records the heap, each index and the total
+// size. With GrowthBudget, a size whose projected load would not end in time is
+// not loaded, and the report's note says so.
+//
+// The first JanitorBacklog records loaded expired during the hour before the
+// run (the oldest records, as in a table whose janitor stopped for a while).
+// After the steps, claims are timed while idem.Janitor{BatchSize: 1000}.Sweep
+// deletes them; then n_dead_tup is read, the table is vacuumed, and the heap's
+// free and dead space is measured with pgstattuple_approx (the extension is
+// created when available, and dropped again if the run created it). Last, fresh
+// records are loaded (as many as were deleted, at most 1 000 000) to show how
+// much of the freed space they reuse.
 //
 // # Tables and cleanup
 //
@@ -85,7 +101,7 @@
 // idem_bench_<suffix> and orders_bench_<suffix> (PostgreSQL, MySQL, and the
 // SQLite file in a temporary directory), idem_bench_<suffix>_migrations (MySQL),
 // the Redis key prefix idembench_<suffix>:, and idem_growth_<suffix> and
-// idem_growth_ref_<suffix> for the growth run. A run killed with SIGKILL leaves
+// idem_growth_ref_<suffix> (with their _steps tables) for the growth run. A run killed with SIGKILL leaves
 // them behind; Redis records expire after an hour (the TTL the harness sets).
 //
 // # Limits

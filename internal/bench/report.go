@@ -313,19 +313,7 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 		b.WriteString("\n")
 	}
 	if g := r.Growth; g != nil {
-		fmt.Fprintf(&b, "Growth (%s, store.Claim on fresh keys, one client, alternating with a claim on a reference table of %s records):\n\n", g.Version, count(g.RefRecords))
-		b.WriteString("| records | load s | table MB | claims | claim p50 µs | claim p99 µs | mean µs | reference p50 µs | reference p99 µs |\n|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
-		for _, s := range g.Steps {
-			fmt.Fprintf(&b, "| %s | %.1f | %.0f | %d | %.0f | %.0f | %.0f | %.0f | %.0f |\n", count(s.Records), s.LoadSeconds, s.TableMB, s.Claims, s.P50Micros, s.P99Micros, s.MeanMicros, s.RefP50Micros, s.RefP99Micros)
-		}
-		if j := g.Janitor; j != nil {
-			fmt.Fprintf(&b, "\nJanitor: %s expired records (loaded in %.1f s) deleted by Janitor.Sweep (BatchSize %d) in %.1f s (%.0f rows/s); meanwhile %d claims on that table: p50 %.0f µs, p99 %.0f µs, mean %.0f µs (reference table in the same window: p50 %.0f µs, p99 %.0f µs).\n",
-				count(j.Backlog), j.LoadSeconds, j.BatchSize, j.SweepSeconds, float64(j.Deleted)/math.Max(j.SweepSeconds, 1e-9), j.Claims, j.P50Micros, j.P99Micros, j.MeanMicros, j.RefP50Micros, j.RefP99Micros)
-		}
-		if g.Note != "" {
-			b.WriteString("\n" + g.Note + "\n")
-		}
-		b.WriteString("\n")
+		writeGrowth(&b, g)
 	}
 	if len(r.Goals) > 0 {
 		b.WriteString("| target | want | measured (by clients) | met |\n|---|---|---|---|\n")
@@ -467,4 +455,84 @@ func (r *Report) WriteSVG(w io.Writer) error {
 	b.WriteString("</svg>\n")
 	_, err := io.WriteString(w, b.String())
 	return err
+}
+
+// writeGrowth writes the growth run's tables.
+func writeGrowth(b *strings.Builder, g *GrowthReport) {
+	fmt.Fprintf(b, "Growth (%s, store.Claim on fresh keys, one client, alternating with a claim on a reference table of %s records):\n\n", g.Version, count(g.RefRecords))
+	if g.Loader != "" {
+		fmt.Fprintf(b, "Loaded by %s.\n\n", g.Loader)
+	}
+	var names []string
+	if len(g.Steps) > 0 {
+		for _, ix := range g.Steps[0].Sizes.Indexes {
+			names = append(names, ix.Name)
+		}
+	}
+	b.WriteString("| records | load s | load rows/s | heap MB |")
+	for _, n := range names {
+		fmt.Fprintf(b, " %s MB |", n)
+	}
+	b.WriteString(" total MB | total MB per 1M records | claims | claim p50 µs | claim p99 µs | mean µs | reference p50 µs | reference p99 µs | loadavg |\n|--:|--:|--:|--:|")
+	b.WriteString(strings.Repeat("--:|", len(names)))
+	b.WriteString("--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
+	for _, s := range g.Steps {
+		fmt.Fprintf(b, "| %s | %.1f | %.0f | %.0f |", count(s.Records), s.LoadSeconds, s.LoadRate, s.Sizes.HeapMB)
+		for i := range names {
+			if i < len(s.Sizes.Indexes) {
+				fmt.Fprintf(b, " %.0f |", s.Sizes.Indexes[i].MB)
+			} else {
+				b.WriteString(" — |")
+			}
+		}
+		fmt.Fprintf(b, " %.0f | %.0f | %d | %.0f | %.0f | %.0f | %.0f | %.0f | %.2f |\n", s.TableMB, s.MBPerMillion(s.TableMB), s.Claims, s.P50Micros, s.P99Micros, s.MeanMicros, s.RefP50Micros, s.RefP99Micros, s.LoadAvg)
+	}
+	if len(g.Steps) > 0 {
+		s := g.Steps[len(g.Steps)-1]
+		fmt.Fprintf(b, "\nPer million records at %s: heap %.0f MB", count(s.Records), s.MBPerMillion(s.Sizes.HeapMB))
+		for _, ix := range s.Sizes.Indexes {
+			fmt.Fprintf(b, ", %s %.0f MB", ix.Name, s.MBPerMillion(ix.MB))
+		}
+		fmt.Fprintf(b, ", all indexes %.0f MB, total %.0f MB.\n", s.MBPerMillion(s.Sizes.IndexMB), s.MBPerMillion(s.TableMB))
+	}
+	if j := g.Janitor; j != nil {
+		fmt.Fprintf(b, "\nJanitor: of %s records, the oldest %s had expired; Janitor.Sweep (BatchSize %d) deleted %s in %.1f s (%.0f rows/s); meanwhile %d claims on that table: p50 %.0f µs, p99 %.0f µs, mean %.0f µs (reference table in the same window: p50 %.0f µs, p99 %.0f µs; loadavg %.2f).\n",
+			count(j.Records), count(j.Backlog), j.BatchSize, count(j.Deleted), j.SweepSeconds, float64(j.Deleted)/math.Max(j.SweepSeconds, 1e-9), j.Claims, j.P50Micros, j.P99Micros, j.MeanMicros, j.RefP50Micros, j.RefP99Micros, j.LoadAvg)
+		fmt.Fprintf(b, "\nBloat, with the table's autovacuum set to (%s): the autovacuum starts at %d dead rows. Dead rows (n_dead_tup) after the sweep: %d; VACUUM then took %.1f s, leaving %d (autovacuums of the table that finished during the run: %d).", j.Autovacuum, j.AutovacuumTrigger, j.DeadAfterSweep, j.VacuumSeconds, j.DeadAfterVacuum, j.Autovacuums)
+		if j.FreePercent >= 0 {
+			fmt.Fprintf(b, " pgstattuple_approx after the VACUUM: %.1f%% of the heap free (reusable, not returned to the OS), %.1f%% dead.", j.FreePercent, j.DeadPercent)
+		} else {
+			b.WriteString(" (pgstattuple is not available: free space not measured.)")
+		}
+		b.WriteString("\n\n| MB | before the sweep | after the sweep and VACUUM |")
+		if j.Refill > 0 {
+			fmt.Fprintf(b, " after %s fresh records |", count(j.Refill))
+		}
+		b.WriteString("\n|---|--:|--:|")
+		if j.Refill > 0 {
+			b.WriteString("--:|")
+		}
+		b.WriteString("\n")
+		row := func(name string, f func(Sizes) float64) {
+			fmt.Fprintf(b, "| %s | %.0f | %.0f |", name, f(j.Before), f(j.AfterVacuum))
+			if j.Refill > 0 {
+				fmt.Fprintf(b, " %.0f |", f(j.AfterRefill))
+			}
+			b.WriteString("\n")
+		}
+		row("heap", func(s Sizes) float64 { return s.HeapMB })
+		for i, ix := range j.Before.Indexes {
+			row(ix.Name, func(s Sizes) float64 {
+				if i < len(s.Indexes) {
+					return s.Indexes[i].MB
+				}
+				return 0
+			})
+		}
+		row("total", func(s Sizes) float64 { return s.TotalMB })
+	}
+	if g.Note != "" {
+		b.WriteString("\n" + g.Note + "\n")
+	}
+	b.WriteString("\n")
 }
