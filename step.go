@@ -40,7 +40,9 @@ var (
 	// handler should answer 5xx.
 	ErrStepNotRecorded = errors.New("idem: the step ran but its outcome could not be recorded")
 	// ErrStepOtherRequest is returned by Step, which does not run the step,
-	// when the step is recorded for another request with the same key: the
+	// when the step is recorded for another request with the same key, or,
+	// at an execution's first Step, when any step of the key is (a step the
+	// first request never recorded is not run for another either): the
 	// key was released (an answer not kept, after the step had begun or been
 	// recorded) and then reused with a different request, and the recorded
 	// outcome and derived key belong to the first one. The HTTP middleware
