@@ -784,11 +784,24 @@ func testStepExpiryMovedLater(t *testing.T, _ idem.Store, ss idem.StepStore) {
 // too.
 func testStepBeginRace(t *testing.T, _ idem.Store, ss idem.StepStore) {
 	const n = 16
-	for _, sameOwner := range []bool{false, true} {
-		t.Run(fmt.Sprintf("same owner %v", sameOwner), func(t *testing.T) {
+	const fp = "v3:aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+	for _, c := range []struct{ sameOwner, first bool }{{false, false}, {true, false}, {false, true}} {
+		sameOwner := c.sameOwner
+		name := fmt.Sprintf("same owner %v", sameOwner)
+		if c.first {
+			// First, with a record of the same request already there: the
+			// check of the key's other records decides nothing here.
+			name = "first"
+		}
+		t.Run(name, func(t *testing.T) {
 			st := newStep(t, "charge")
 			now := time.Now()
 			owner := "own-" + randToken()
+			if c.first {
+				r := stepOf{st.fixture, "reserve"}.begin("own-"+randToken(), now, longTTL)
+				r.Fingerprint = fp
+				mustBegin(t, ss, r)
+			}
 			var (
 				wg    sync.WaitGroup
 				start = make(chan struct{})
@@ -804,6 +817,9 @@ func testStepBeginRace(t *testing.T, _ idem.Store, ss idem.StepStore) {
 					req := st.begin(owner, now, longTTL)
 					if !sameOwner {
 						req.Owner = fmt.Sprintf("own-%d-%s", i, randToken())
+					}
+					if c.first {
+						req.First, req.Fingerprint = true, fp
 					}
 					<-start
 					rec, ok, err := ss.BeginStep(ctxFor(t), req)
@@ -833,6 +849,53 @@ func testStepBeginRace(t *testing.T, _ idem.Store, ss idem.StepStore) {
 			}
 		})
 	}
+	t.Run("first, another request", func(t *testing.T) {
+		// n BeginSteps with First of another request, of n new names, at
+		// once, while the key has a record of the first request: none
+		// begins, nothing is written.
+		const other = "v3:bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"
+		st := newStep(t, "reserve")
+		now := time.Now()
+		r := st.begin("own-"+randToken(), now, longTTL)
+		r.Fingerprint = fp
+		mustBegin(t, ss, r)
+		var (
+			wg    sync.WaitGroup
+			start = make(chan struct{})
+			mu    sync.Mutex
+			began int
+			errs  []error
+		)
+		for i := range n {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				req := stepOf{st.fixture, fmt.Sprintf("ship-%d", i)}.begin(fmt.Sprintf("own-%d-%s", i, randToken()), now, longTTL)
+				req.First, req.Fingerprint = true, other
+				<-start
+				rec, ok, err := ss.BeginStep(ctxFor(t), req)
+				mu.Lock()
+				defer mu.Unlock()
+				switch {
+				case err != nil:
+					errs = append(errs, err)
+				case ok || rec == nil || rec.Fingerprint != fp:
+					began++
+				}
+			}()
+		}
+		close(start)
+		wg.Wait()
+		if len(errs) > 0 {
+			t.Fatalf("%d of %d concurrent BeginSteps failed: %v", len(errs), n, errs[0])
+		}
+		if began != 0 {
+			t.Fatalf("%d concurrent BeginSteps with First of another request: %d began or did not return the first request's record; want none", n, began)
+		}
+		if recs := getSteps(t, ss, st.fixture, now); len(recs) != 1 {
+			t.Fatalf("after %d refused BeginSteps the key has steps %v, want reserve only", n, recs)
+		}
+	})
 }
 
 // testStepSettle: SettleStep writes an outcome into a step whatever its
