@@ -40,7 +40,9 @@ var (
 	// handler should answer 5xx.
 	ErrStepNotRecorded = errors.New("idem: the step ran but its outcome could not be recorded")
 	// ErrStepOtherRequest is returned by Step, which does not run the step,
-	// when the step is recorded for another request with the same key: the
+	// when the step is recorded for another request with the same key, or,
+	// at an execution's first Step, when any step of the key is (a step the
+	// first request never recorded is not run for another either): the
 	// key was released (an answer not kept, after the step had begun or been
 	// recorded) and then reused with a different request, and the recorded
 	// outcome and derived key belong to the first one. The HTTP middleware
@@ -239,18 +241,37 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 		Rerun: cfg.unknown == StepRerun, DerivedKey: deriveStepKey(run.scope, run.key, name),
 		Fingerprint: run.fp, Now: run.now(), ExpiresAt: run.expiresAt,
 	}
+	// The first BeginStep of the execution also looks at every other step
+	// record of the key: a step the first request with the key never
+	// recorded is not run for another request either.
+	breq.First = breq.Fingerprint != "" && !run.checked.Load()
 	rec, began, err := run.store.BeginStep(ctx, breq)
-	if err == nil && rec != nil && !began && otherFingerprint(breq.Fingerprint, rec.Fingerprint) {
-		if run.sameRequest == nil || !run.sameRequest(rec.Fingerprint) {
+	for try := 0; err == nil && rec != nil && !began && otherFingerprint(breq.Fingerprint, rec.Fingerprint); try++ {
+		other := try >= 2 || run.sameRequest == nil || !run.sameRequest(rec.Fingerprint)
+		if !other && breq.First {
+			// A record of the key is this request's, fingerprinted under an
+			// older algorithm: ask about every record, one by one.
+			other, err = run.otherSteps(ctx)
+			breq.First = false
+		}
+		if err != nil {
+			break
+		}
+		if other {
 			if run.otherRequest != nil {
 				run.otherRequest()
 			}
-			return zero, fmt.Errorf("%w: step %q was not run: it is recorded for the request this key was first used with, and this request differs from it; a key names one operation, so send a new key for a new request", ErrStepOtherRequest, name)
+			return zero, fmt.Errorf("%w: step %q was not run: this key's steps are recorded for the request it was first used with, and this request differs from it; a key names one operation, so send a new key for a new request", ErrStepOtherRequest, name)
 		}
-		// The same request, fingerprinted under an older algorithm when the
-		// step was recorded: ask again as that request.
-		breq.Fingerprint = rec.Fingerprint
+		if rec.Name == name {
+			// The step's own record, of this request under an older
+			// fingerprint version: ask again as that request.
+			breq.Fingerprint = rec.Fingerprint
+		}
 		rec, began, err = run.store.BeginStep(ctx, breq)
+	}
+	if err == nil && rec != nil {
+		run.checked.Store(true)
 	}
 	switch {
 	case errors.Is(err, ErrLockLost):
@@ -436,9 +457,37 @@ type stepRun struct {
 	sameRequest  func(stored string) bool
 	otherRequest func()       // marks the request as reusing another request's key
 	returned     *atomic.Bool // set when the request's handler returned (nil outside HTTP)
+	// checked is set once a BeginStep of the execution looked at every step
+	// record of the key for another request's (BeginStepRequest.First).
+	checked atomic.Bool
 
 	mu   sync.Mutex
 	keys map[string]string // derived keys by name, for StepKey
+}
+
+// otherSteps reports whether a live step record of the operation belongs to
+// another request: its fingerprint differs from the request's and is not the
+// request's under another fingerprint version.
+func (r *stepRun) otherSteps(ctx context.Context) (bool, error) {
+	recs, err := r.store.GetSteps(ctx, r.scope, r.key, r.now())
+	if err != nil {
+		return false, err
+	}
+	same := map[string]bool{}
+	for _, rec := range recs {
+		if !otherFingerprint(r.fp, rec.Fingerprint) {
+			continue
+		}
+		ok, seen := same[rec.Fingerprint]
+		if !seen {
+			ok = r.sameRequest != nil && r.sameRequest(rec.Fingerprint)
+			same[rec.Fingerprint] = ok
+		}
+		if !ok {
+			return true, nil
+		}
+	}
+	return false, nil
 }
 
 func (r *stepRun) noteKey(name, key string) {

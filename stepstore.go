@@ -90,6 +90,16 @@ type BeginStepRequest struct {
 	// when the record is new; "" when the operation has none (a consumer's
 	// message).
 	Fingerprint string
+	// First, when true with a Fingerprint set, makes BeginStep first look at
+	// every live step record of (Scope, Key), whatever its name: when one has
+	// a Fingerprint that is set and differs from req.Fingerprint (the key was
+	// released and reused for another request), nothing is written and that
+	// record is returned, began false, whatever req.Name's own record says;
+	// rec.Name is then the other record's. The middleware sets it on the
+	// first BeginStep of an execution, so that a step the first request never
+	// recorded is not run for another request. It is decided in the same
+	// atomic operation as the rest of BeginStep.
+	First bool
 	// Now is the middleware's clock reading.
 	Now time.Time
 	// ExpiresAt is the expiry of a new record; an existing live record's
@@ -108,6 +118,9 @@ type StepStore interface {
 	//   - no live record (absent, or ExpiresAt <= req.Now): a StepStarted
 	//     record of req.Owner with req.DerivedKey and req.Fingerprint is
 	//     written; began is true.
+	//   - with req.First, a live record of (Scope, Key), of any name, whose
+	//     Fingerprint and req.Fingerprint are both set and differ: nothing is
+	//     written; began is false, and rec is that record.
 	//   - a live record whose Fingerprint and req.Fingerprint are both set and
 	//     differ (the key was released and reused for another request): nothing
 	//     is written, not even the expiry; began is false, and rec is the

@@ -17,13 +17,18 @@ import (
 // is rare next to the claims and completions of every request. A BeginStep
 // fenced on the request record (Holder) holds that record's shard lock while
 // it decides, so that no takeover of the record comes between the check and
-// the write; the lock order is always shard, then steps.
+// the write; the lock order is always shard, then steps. The records are
+// kept by operation, then by name: an execution's first BeginStep (First)
+// and GetSteps look at the operation's records only.
 
 // stepTable is the store's step records.
 type stepTable struct {
-	mu   sync.Mutex
-	recs map[stepID]*idem.StepRecord
+	mu  sync.Mutex
+	ops map[opID]map[string]*idem.StepRecord // by operation, then name
+	n   int                                  // records held
 }
+
+type opID struct{ scope, key string }
 
 type stepID struct{ scope, key, name string }
 
@@ -31,11 +36,53 @@ var _ idem.StepStore = (*Store)(nil)
 
 // live returns the live record of id at now, or nil. The caller holds mu.
 func (t *stepTable) live(id stepID, now time.Time) *idem.StepRecord {
-	r := t.recs[id]
+	r := t.ops[opID{id.scope, id.key}][id.name]
 	if r == nil || !r.ExpiresAt.After(now) {
 		return nil
 	}
 	return r
+}
+
+// put stores r under its (scope, key, name). The caller holds mu.
+func (t *stepTable) put(r *idem.StepRecord) {
+	if t.ops == nil {
+		t.ops = make(map[opID]map[string]*idem.StepRecord)
+	}
+	op := opID{r.Scope, r.Key}
+	m := t.ops[op]
+	if m == nil {
+		m = make(map[string]*idem.StepRecord, 2)
+		t.ops[op] = m
+	}
+	if _, ok := m[r.Name]; !ok {
+		t.n++
+	}
+	m[r.Name] = r
+}
+
+// remove deletes the record of id. The caller holds mu.
+func (t *stepTable) remove(id stepID) {
+	op := opID{id.scope, id.key}
+	m := t.ops[op]
+	if _, ok := m[id.name]; !ok {
+		return
+	}
+	delete(m, id.name)
+	t.n--
+	if len(m) == 0 {
+		delete(t.ops, op)
+	}
+}
+
+// otherOf returns a live record of (scope, key) whose fingerprint is set and
+// differs from fp, or nil. The caller holds mu.
+func (t *stepTable) otherOf(scope, key, fp string, now time.Time) *idem.StepRecord {
+	for _, r := range t.ops[opID{scope, key}] {
+		if r.ExpiresAt.After(now) && r.Fingerprint != "" && r.Fingerprint != fp {
+			return r
+		}
+	}
+	return nil
 }
 
 // copyStep returns a copy of r that shares no memory with the store.
@@ -62,8 +109,10 @@ func (s *Store) BeginStep(_ context.Context, req idem.BeginStepRequest) (*idem.S
 	t := &s.steps
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if t.recs == nil {
-		t.recs = make(map[stepID]*idem.StepRecord)
+	if req.First && req.Fingerprint != "" {
+		if o := t.otherOf(req.Scope, req.Key, req.Fingerprint, req.Now); o != nil {
+			return copyStep(o), false, nil // another request's key: nothing written
+		}
 	}
 	id := stepID{req.Scope, req.Key, req.Name}
 	r := t.live(id, req.Now)
@@ -76,7 +125,7 @@ func (s *Store) BeginStep(_ context.Context, req idem.BeginStepRequest) (*idem.S
 			Scope: id.scope, Key: id.key, Name: id.name, State: idem.StepStarted,
 			Owner: strings.Clone(req.Owner), DerivedKey: strings.Clone(req.DerivedKey), Fingerprint: strings.Clone(req.Fingerprint), StartedAt: req.Now, ExpiresAt: req.ExpiresAt,
 		}
-		t.recs[id] = r
+		t.put(r)
 		return copyStep(r), true, nil
 	}
 	if r.Fingerprint != "" && req.Fingerprint != "" && r.Fingerprint != req.Fingerprint {
@@ -138,8 +187,8 @@ func (s *Store) GetSteps(_ context.Context, scope, key string, now time.Time) ([
 	t := &s.steps
 	t.mu.Lock()
 	var out []idem.StepRecord
-	for id, r := range t.recs {
-		if id.scope == scope && id.key == key && r.ExpiresAt.After(now) {
+	for _, r := range t.ops[opID{scope, key}] {
+		if r.ExpiresAt.After(now) {
 			out = append(out, *copyStep(r))
 		}
 	}
@@ -170,7 +219,7 @@ func (s *Store) SettleStep(_ context.Context, scope, key, name string, st idem.S
 		return idem.ErrNotFound
 	}
 	if st == 0 {
-		delete(t.recs, id)
+		t.remove(id)
 		return nil
 	}
 	r.State, r.Result, r.Owner = st, append([]byte{}, result...), ""
@@ -186,13 +235,15 @@ func (s *Store) DeleteExpiredSteps(ctx context.Context, now time.Time, limit int
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	deleted := 0
-	for id, r := range t.recs {
-		if deleted >= limit {
-			break
-		}
-		if !r.ExpiresAt.After(now) {
-			delete(t.recs, id)
-			deleted++
+	for _, m := range t.ops {
+		for _, r := range m {
+			if deleted >= limit {
+				return deleted, nil
+			}
+			if !r.ExpiresAt.After(now) {
+				t.remove(stepID{r.Scope, r.Key, r.Name})
+				deleted++
+			}
 		}
 	}
 	return deleted, nil
@@ -202,5 +253,5 @@ func (s *Store) DeleteExpiredSteps(ctx context.Context, now time.Time, limit int
 func (s *Store) StepLen() int {
 	s.steps.mu.Lock()
 	defer s.steps.mu.Unlock()
-	return len(s.steps.recs)
+	return s.steps.n
 }

@@ -80,6 +80,65 @@ func (s *Store) stepQueries() (insert, insertHolder, upsert, upsertHolder, read 
 	return
 }
 
+// otherOf is the FROM and WHERE of the live rows of a key whose fingerprint
+// is set and differs from a request's, in the step table t (quoted).
+// Parameters: scope, key, now, fingerprint. A range of the primary key
+// (scope, key, name).
+func otherOf(t string) string {
+	return " FROM " + t + " AS `o` WHERE `o`.`scope` = ? AND `o`.`key` = ? AND `o`.`expires_at` > ? AND `o`.`fingerprint` <> '' AND `o`.`fingerprint` <> ?"
+}
+
+// firstInsertQueries are stepQueries' insert and insertHolder for a
+// BeginStep with First: they insert nothing while another request's row of
+// the key lives (parameters after the others: scope, key, now, fingerprint).
+func (s *Store) firstInsertQueries() (insert, insertHolder string) {
+	t := quote(s.StepsTable())
+	cols := "(`scope`, `key`, `name`, `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `attempt`, `fingerprint`)"
+	vals := " SELECT ?, ?, ?, 1, ?, ?, NULL, ?, ?, ?, ?"
+	none := "NOT EXISTS (SELECT 1" + otherOf(t) + ")"
+	insert = "INSERT INTO " + t + " " + cols + vals + " FROM DUAL WHERE " + none
+	insertHolder = "INSERT INTO " + t + " " + cols + vals + " FROM " + s.q.table +
+		" WHERE `scope` = ? AND `key` = ? AND `state` = 1 AND `token` = ? AND `expires_at` > ? AND " + none + " LOCK IN SHARE MODE"
+	return
+}
+
+// otherStep returns a live row of req's key of another request than req's
+// fingerprint, or nil; with req.Holder, ErrLockLost when the request record
+// is not held by req.Owner.
+func (s *Store) otherStep(ctx context.Context, d *stepDB, req idem.BeginStepRequest) (*idem.StepRecord, error) {
+	t := quote(s.StepsTable())
+	held := "1"
+	args := []any{}
+	if req.Holder {
+		held = "EXISTS (SELECT 1 FROM " + s.q.table + " WHERE `scope` = ? AND `key` = ? AND `state` = 1 AND `token` = ? AND `expires_at` > ?)"
+		args = append(args, []byte(req.Scope), []byte(req.Key), []byte(req.Owner), req.Now.UnixMicro())
+	}
+	args = append(args, []byte(req.Scope), []byte(req.Key), req.Now.UnixMicro(), []byte(req.Fingerprint))
+	q := "SELECT " + held + ", `o`.`name`, `o`.`state`, `o`.`owner`, `o`.`derived_key`, `o`.`result`, `o`.`started_at`, `o`.`expires_at`, `o`.`fingerprint`" +
+		" FROM (SELECT 1 AS `one`) AS `d` LEFT JOIN (SELECT *" + otherOf(t) + " LIMIT 1) AS `o` ON 1"
+	row, err := d.queryRow(ctx, q, args...)
+	if err != nil {
+		return nil, s.wrapSteps(err)
+	}
+	var h bool
+	var name, owner, dk, fp []byte
+	var state sql.NullInt16
+	var started, expires sql.NullInt64
+	r := &idem.StepRecord{Scope: req.Scope, Key: req.Key}
+	if err := row.Scan(&h, &name, &state, &owner, &dk, &r.Result, &started, &expires, &fp); err != nil {
+		return nil, s.wrapSteps(err)
+	}
+	if !h {
+		return nil, idem.ErrLockLost
+	}
+	if !state.Valid {
+		return nil, nil
+	}
+	r.Name, r.State, r.Owner, r.DerivedKey, r.Fingerprint = string(name), idem.StepState(state.Int16), string(owner), string(dk), string(fp)
+	r.StartedAt, r.ExpiresAt = time.UnixMicro(started.Int64), time.UnixMicro(expires.Int64)
+	return r, nil
+}
+
 // checkStep refuses what the columns cannot hold or no caller may pass:
 // empty or overlong names, NUL bytes in names and owners.
 func checkStep(scope, key, name, owner string) error {
@@ -295,9 +354,19 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	now, exp := req.Now.UnixMicro(), req.ExpiresAt.UnixMicro()
 	nonce := stepNonce()
 	args := []any{scope, key, name, owner, dk, now, exp, nonce, fp}
+	first := req.First && req.Fingerprint != ""
+	if first {
+		// The INSERT selects nothing while another request's row of the key
+		// lives: the check costs no round trip more.
+		insert, insertHolder = s.firstInsertQueries()
+	}
 	if req.Holder {
 		insert, upsert = insertHolder, upsertHolder
 		args = append(args, scope, key, owner, now)
+	}
+	iargs := args
+	if first {
+		iargs = append(append([]any{}, args...), scope, key, now, fp)
 	}
 	mine := &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name, State: idem.StepStarted, Owner: req.Owner,
 		DerivedKey: req.DerivedKey, Fingerprint: req.Fingerprint, StartedAt: req.Now, ExpiresAt: req.ExpiresAt}
@@ -307,11 +376,17 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 		return nil, false, err
 	}
 	defer d.close()
-	res, err := d.exec(ctx, insert, args...)
+	res, err := d.exec(ctx, insert, iargs...)
 	if err == nil {
 		n, err := res.RowsAffected()
 		if err != nil {
 			return nil, false, s.wrapSteps(err)
+		}
+		if n == 0 && first {
+			// The fence failed, or another request's row lives: which one?
+			if o, err := s.otherStep(ctx, d, req); err != nil || o != nil {
+				return o, false, err
+			}
 		}
 		if n == 0 {
 			return nil, false, idem.ErrLockLost
@@ -329,6 +404,15 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 		return rec, began, nil
 	}
 
+	if first {
+		// Rare (the row changed under every optimistic round): a read of its
+		// own before the transaction. The request record, held while the
+		// execution's steps are begun, keeps another request from writing
+		// one meanwhile.
+		if o, err := s.otherStep(ctx, d, req); err != nil || o != nil {
+			return o, false, err
+		}
+	}
 	rerun := req.Rerun
 	take := []any{now, fp, fp, rerun, owner}
 	ours := append([]any{nonce}, take...)
@@ -424,25 +508,32 @@ func (s *Store) casStep(ctx context.Context, d *stepDB, req idem.BeginStepReques
 		hargs = []any{[]byte(req.Scope), []byte(req.Key), []byte(req.Owner), req.Now.UnixMicro()}
 	}
 	pkArgs := []any{[]byte(req.Scope), []byte(req.Key), []byte(req.Name)}
-	read := "SELECT " + held + ", `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `seq`, `attempt`, `fingerprint` FROM " + t + pk
+	// With First, the read also says whether another request's row of the
+	// key lives, in the same round trip.
+	oth, oargs := "0", []any(nil)
+	if req.First && req.Fingerprint != "" {
+		oth = "EXISTS (SELECT 1" + otherOf(t) + ")"
+		oargs = []any{[]byte(req.Scope), []byte(req.Key), req.Now.UnixMicro(), []byte(req.Fingerprint)}
+	}
+	read := "SELECT " + held + ", " + oth + ", `state`, `owner`, `derived_key`, `result`, `started_at`, `expires_at`, `seq`, `attempt`, `fingerprint` FROM " + t + pk
 	now, exp := req.Now.UnixMicro(), req.ExpiresAt.UnixMicro()
 	rounds := maxCASRounds
 	if s.noStepCAS.Load() {
 		rounds = 0
 	}
 	for range rounds {
-		var h bool
+		var h, o bool
 		var state uint8
 		var owner, dk []byte
 		var started, expires int64
 		var seq uint64
 		var attempt, rfp []byte
 		r := &idem.StepRecord{Scope: req.Scope, Key: req.Key, Name: req.Name}
-		row, err := d.queryRow(ctx, read, append(append([]any{}, hargs...), pkArgs...)...)
+		row, err := d.queryRow(ctx, read, append(append(append([]any{}, hargs...), oargs...), pkArgs...)...)
 		if err != nil {
 			return nil, false, false, s.wrapSteps(err)
 		}
-		err = row.Scan(&h, &state, &owner, &dk, &r.Result, &started, &expires, &seq, &attempt, &rfp)
+		err = row.Scan(&h, &o, &state, &owner, &dk, &r.Result, &started, &expires, &seq, &attempt, &rfp)
 		if errors.Is(err, sql.ErrNoRows) {
 			return nil, false, false, nil
 		}
@@ -451,6 +542,13 @@ func (s *Store) casStep(ctx context.Context, d *stepDB, req idem.BeginStepReques
 		}
 		if !h {
 			return nil, false, false, idem.ErrLockLost
+		}
+		if o {
+			other, err := s.otherStep(ctx, d, req)
+			if err != nil || other != nil {
+				return other, false, err == nil, err
+			}
+			continue // gone meanwhile: read again
 		}
 		r.State, r.Owner, r.DerivedKey, r.Fingerprint = idem.StepState(state), string(owner), string(dk), string(rfp)
 		r.StartedAt, r.ExpiresAt = time.UnixMicro(started), time.UnixMicro(expires)

@@ -66,20 +66,30 @@ func (s *Store) buildStepSQL(parts []string) {
 	//
 	// A live row of another request (both fingerprints set, and different:
 	// the key released and reused) is cur, whatever else, and the upsert,
-	// which meets it only when it came meanwhile, leaves it as it is.
+	// which meets it only when it came meanwhile, leaves it as it is. With
+	// First ($12), oth is a live row of another request under any name of
+	// (scope, key) — a range of the primary key (scope, key, name), read in
+	// the same statement, so no round trip more — and it is then the answer,
+	// nothing written.
 	other := `(s.fingerprint <> ''::bytea AND excluded.fingerprint <> ''::bytea AND s.fingerprint <> excluded.fingerprint)`
 	take := `(s.expires_at <= $6 OR (NOT ` + other + ` AND s.state = 1 AND (s.owner = '' OR ($10 AND s.owner <> excluded.owner))))`
 	expired := `s.expires_at <= $6`
 	begin := func(held, guard string) string {
-		return `cur AS (
-	SELECT state, owner, derived_key, result, started_at, expires_at, fingerprint FROM ` + t + `
+		return `oth AS (
+	SELECT state, owner, derived_key, result, started_at, expires_at, fingerprint, name FROM ` + t + `
+	WHERE $12 AND $11::bytea <> ''::bytea AND scope = $1 AND key = $2 AND expires_at > $6
+	  AND fingerprint <> ''::bytea AND fingerprint <> $11::bytea` + held + `
+	LIMIT 1
+), cur AS (
+	SELECT state, owner, derived_key, result, started_at, expires_at, fingerprint, $3::text FROM ` + t + `
 	WHERE scope = $1 AND key = $2 AND name = $3 AND expires_at > $6
 	  AND ((fingerprint <> ''::bytea AND $11::bytea <> ''::bytea AND fingerprint <> $11::bytea)
 	    OR (expires_at >= $7 AND NOT (state = 1 AND (owner = '' OR ($10 AND owner <> $4)))))` + held + `
+	  AND NOT EXISTS (SELECT FROM oth)
 ), ins AS (
 	INSERT INTO ` + t + ` AS s (scope, key, name, state, owner, derived_key, result, started_at, expires_at, attempt, fingerprint)
 	SELECT $1::bytea, $2::bytea, $3::text, 1, $4::text, $5::text, NULL, $6::timestamptz, $7::timestamptz, $9::text, $11::bytea
-	WHERE CASE WHEN EXISTS (SELECT FROM cur) THEN false ELSE ` + guard + ` END
+	WHERE CASE WHEN EXISTS (SELECT FROM cur) OR EXISTS (SELECT FROM oth) THEN false ELSE ` + guard + ` END
 	ON CONFLICT (scope, key, name) DO UPDATE SET
 		attempt = CASE WHEN ` + take + ` THEN excluded.attempt ELSE s.attempt END,
 		owner = CASE WHEN ` + take + ` THEN excluded.owner ELSE s.owner END,
@@ -89,11 +99,13 @@ func (s *Store) buildStepSQL(parts []string) {
 		started_at = CASE WHEN ` + expired + ` THEN excluded.started_at ELSE s.started_at END,
 		fingerprint = CASE WHEN ` + expired + ` THEN excluded.fingerprint ELSE s.fingerprint END,
 		expires_at = CASE WHEN ` + expired + ` THEN excluded.expires_at WHEN ` + other + ` THEN s.expires_at ELSE GREATEST(s.expires_at, excluded.expires_at) END
-	RETURNING attempt = $9, state, owner, derived_key, result, started_at, expires_at, fingerprint
+	RETURNING attempt = $9, state, owner, derived_key, result, started_at, expires_at, fingerprint, name
 )
 SELECT * FROM ins
 UNION ALL
-SELECT false, * FROM cur`
+SELECT false, * FROM cur
+UNION ALL
+SELECT false, * FROM oth`
 	}
 	st.beginSQL = `WITH h AS (SELECT $8::text), ` + begin("", "true")
 	// beginHolderSQL is beginSQL fenced on the request record: cur counts
@@ -254,8 +266,8 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	var state int16
 	var fp []byte
 	found, err := s.queryStep(ctx, sql,
-		[]any{[]byte(req.Scope), []byte(req.Key), req.Name, req.Owner, req.DerivedKey, req.Now, req.ExpiresAt, req.Owner, stepNonce(), req.Rerun, []byte(req.Fingerprint)},
-		&began, &state, &rec.Owner, &rec.DerivedKey, &rec.Result, &rec.StartedAt, &rec.ExpiresAt, &fp)
+		[]any{[]byte(req.Scope), []byte(req.Key), req.Name, req.Owner, req.DerivedKey, req.Now, req.ExpiresAt, req.Owner, stepNonce(), req.Rerun, []byte(req.Fingerprint), req.First},
+		&began, &state, &rec.Owner, &rec.DerivedKey, &rec.Result, &rec.StartedAt, &rec.ExpiresAt, &fp, &rec.Name)
 	if err != nil {
 		return nil, false, s.wrapStep("begin step", err)
 	}

@@ -50,9 +50,13 @@ const (
 var (
 	// beginStepScript: KEYS = step hash, steps index, request record. ARGV =
 	// name, owner, derived key, now, expiresAt, ttl (expiresAt − now in ms, at
-	// least 1), holder ("1" or ""), rerun ("1" or ""), call id, fingerprint.
-	// Reply: {0} when the Holder fence failed; else {began, state, owner,
-	// derived key, started, expires, result, fingerprint}. A live record of
+	// least 1), holder ("1" or ""), rerun ("1" or ""), call id, fingerprint,
+	// first ("1" or ""). Reply: {0} when the Holder fence failed; else {began,
+	// state, owner, derived key, started, expires, result, fingerprint}, and
+	// with first, when a live record of the operation (any step the index
+	// lists, its hash beside the step's, under the same hash tag) has another
+	// request's fingerprint, that record's fields and its name, nothing
+	// written. A live record of
 	// another request (both fingerprints set, and different) is left as it
 	// is, its expiry too. The fence reads the request record as
 	// claimScript wrote it (state "1", token, expires), in the same atomic
@@ -67,6 +71,16 @@ if ARGV[7] == '1' then
   local r = redis.call('HMGET', KEYS[3], 'state', 'token', 'expires')
   if r[1] ~= '1' or r[2] ~= ARGV[2] or not r[3] or tonumber(r[3]) <= now then
     return {0}
+  end
+end
+if ARGV[11] == '1' and ARGV[10] ~= '' then
+  local prefix = string.sub(h, 1, #h - #ARGV[1])
+  for _, n in ipairs(redis.call('ZRANGE', idx, 0, -1)) do
+    local o = redis.call('HMGET', prefix .. n, 'e', 'f')
+    if o[1] and tonumber(o[1]) > now and o[2] and o[2] ~= '' and o[2] ~= ARGV[10] then
+      local rec = redis.call('HMGET', prefix .. n, 's', 'o', 'd', 't', 'e', 'r', 'f')
+      return {0, rec[1], rec[2], rec[3], rec[4], rec[5], rec[6], rec[7], n}
+    end
   end
 end
 local cur = redis.call('HMGET', h, 's', 'o', 'e', 'a', 'f')
@@ -187,14 +201,17 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	}
 	res, err := beginStepScript.Run(ctx, s.client, []string{s.stepKey(req.Scope, req.Key, req.Name), s.stepsKey(req.Scope, req.Key), s.recordKey(req.Scope, req.Key)},
 		req.Name, req.Owner, req.DerivedKey, ms(req.Now), ms(req.ExpiresAt), ttl(req.Now, req.ExpiresAt),
-		flag(req.Holder), flag(req.Rerun), callID(), req.Fingerprint).Slice()
+		flag(req.Holder), flag(req.Rerun), callID(), req.Fingerprint, flag(req.First)).Slice()
 	if err != nil {
 		return nil, false, storeErr("begin step", err)
 	}
 	if len(res) == 1 {
 		return nil, false, idem.ErrLockLost
 	}
-	if len(res) != 8 {
+	name := req.Name
+	if len(res) == 9 {
+		name, _ = res[8].(string) // another request's record of the operation
+	} else if len(res) != 8 {
 		return nil, false, fmt.Errorf("redisstore: begin step: unexpected reply of %d values", len(res))
 	}
 	began, _ := res[0].(int64)
@@ -204,7 +221,7 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 			f[name] = v
 		}
 	}
-	rec, err := decodeStep(req.Scope, req.Key, req.Name, f)
+	rec, err := decodeStep(req.Scope, req.Key, name, f)
 	if err != nil {
 		return nil, false, err
 	}

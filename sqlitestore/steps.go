@@ -39,7 +39,7 @@ type stepsState struct {
 }
 
 type stepQueries struct {
-	begin, peek, finish, abandon, settle, forget, get, deleteExpired, lock, schema, columns, addFingerprint string
+	begin, beginFirst, other, peek, finish, abandon, settle, forget, get, deleteExpired, lock, schema, columns, addFingerprint string
 }
 
 // stepsHandles holds the step database sqlitestore opened for each records
@@ -77,6 +77,17 @@ func stepsHandleFor(db *sql.DB) *stepsHandle {
 }
 
 func newStepQueries(table string) stepQueries {
+	q := newStepQueries0(table)
+	// beginFirst is begin with First: nothing inserted nor updated (no row
+	// returned) while another request's row of the key lives.
+	t := quoteIdent(table + "_steps")
+	q.beginFirst = strings.Replace(q.begin, "VALUES (?1, ?2, ?3, 1, ?4, ?5, NULL, ?6, ?7, ?8, ?10)",
+		"SELECT ?1, ?2, ?3, 1, ?4, ?5, NULL, ?6, ?7, ?8, ?10 WHERE NOT EXISTS (SELECT 1 FROM "+t+
+			" AS o WHERE o.scope = ?1 AND o.key = ?2 AND o.expires_at > ?6 AND o.fingerprint <> '' AND o.fingerprint <> ?10)", 1)
+	return q
+}
+
+func newStepQueries0(table string) stepQueries {
 	t := quoteIdent(table + "_steps")
 	idx := quoteIdent(table + "_steps_expires_at_idx")
 	// other: a live row of another request (both fingerprints set, and
@@ -119,6 +130,10 @@ ON CONFLICT (scope, key, name) DO UPDATE SET
     fingerprint = CASE WHEN ` + expired + ` THEN excluded.fingerprint ELSE s.fingerprint END,
     expires_at = CASE WHEN ` + expired + ` THEN excluded.expires_at WHEN ` + other + ` THEN s.expires_at ELSE MAX(s.expires_at, excluded.expires_at) END
 RETURNING attempt = ?8, state, owner, derived_key, result, started_at, expires_at, fingerprint`,
+		// other: a live row of the key, of any name, of another request
+		// than ?4's fingerprint (a range of the primary key).
+		other: `SELECT name, state, owner, derived_key, result, started_at, expires_at, fingerprint FROM ` + t +
+			` WHERE scope = ?1 AND key = ?2 AND expires_at > ?3 AND fingerprint <> '' AND fingerprint <> ?4 LIMIT 1`,
 		peek:          `SELECT state, owner, derived_key, result, started_at, expires_at, fingerprint FROM ` + t + ` WHERE scope = ? AND key = ? AND name = ?`,
 		finish:        `UPDATE ` + t + ` SET state = ?, result = ? WHERE ` + live + ` AND state = 1 AND owner = ? AND owner <> ''`,
 		abandon:       `UPDATE ` + t + ` SET owner = '' WHERE ` + live + ` AND state = 1 AND owner = ? AND owner <> ''`,
@@ -526,9 +541,22 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	var began bool
 	var state, started, expires int64
 	var result []byte
-	err = q.QueryRowContext(ctx, s.st.q.begin, req.Scope, req.Key, req.Name, req.Owner, req.DerivedKey,
+	first := req.First && req.Fingerprint != ""
+	begin := s.st.q.begin
+	if first {
+		begin = s.st.q.beginFirst
+	}
+	err = q.QueryRowContext(ctx, begin, req.Scope, req.Key, req.Name, req.Owner, req.DerivedKey,
 		nanos(req.Now), nanos(req.ExpiresAt), stepNonce(), req.Rerun, req.Fingerprint).
 		Scan(&began, &state, &rec.Owner, &rec.DerivedKey, &result, &started, &expires, &rec.Fingerprint)
+	if first && errors.Is(err, sql.ErrNoRows) {
+		// Another request's row of the key lives: nothing written.
+		o, err := s.otherStep(ctx, q, req)
+		if err == nil && o == nil {
+			err = errors.New("sqlitestore: begin step: the step was neither begun nor refused as another request's; retry")
+		}
+		return o, false, err
+	}
 	if err != nil {
 		return nil, false, wrap("begin step", err)
 	}
@@ -589,6 +617,18 @@ func (s *Store) peekStep(ctx context.Context, db *sql.DB, req idem.BeginStepRequ
 	if expires <= nanos(req.Now) || (!other && (takeable || nanos(req.ExpiresAt) > expires)) {
 		return nil, false, nil
 	}
+	if !other && req.First && req.Fingerprint != "" {
+		// The answer without a write, unless another request's row of the
+		// key lives: read in the same way, before the request record.
+		o, err := s.otherStep(ctx, db, req)
+		if err != nil {
+			return nil, false, err
+		}
+		if o != nil {
+			rec, other = o, true
+			started, expires = nanos(o.StartedAt), nanos(o.ExpiresAt)
+		}
+	}
 	if req.Holder {
 		held, err := s.holds(ctx, s.db, req)
 		if err != nil {
@@ -603,6 +643,26 @@ func (s *Store) peekStep(ctx context.Context, db *sql.DB, req idem.BeginStepRequ
 		rec.ExpiresAt = req.ExpiresAt
 	}
 	return rec, true, nil
+}
+
+// otherStep returns a live step record of req's key, of any name, of another
+// request than req's fingerprint, or nil; read through q.
+func (s *Store) otherStep(ctx context.Context, q interface {
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}, req idem.BeginStepRequest) (*idem.StepRecord, error) {
+	rec := &idem.StepRecord{Scope: req.Scope, Key: req.Key}
+	var state, started, expires int64
+	err := q.QueryRowContext(ctx, s.st.q.other, req.Scope, req.Key, nanos(req.Now), req.Fingerprint).
+		Scan(&rec.Name, &state, &rec.Owner, &rec.DerivedKey, &rec.Result, &started, &expires, &rec.Fingerprint)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, wrap("begin step: read the key's steps", err)
+	}
+	rec.State = idem.StepState(state)
+	rec.StartedAt, rec.ExpiresAt = fromNanos(started), fromNanos(expires)
+	return rec, nil
 }
 
 // inOwnTx reports whether ctx carries an open transaction of a Store on the

@@ -65,6 +65,7 @@ func stepCases() []stepCase {
 		{"Rerun", testStepRerun},
 		{"Refuse", testStepRefuse},
 		{"OtherRequest", testStepOtherRequest},
+		{"OtherRequestFirst", testStepOtherRequestFirst},
 		{"HolderFence", testStepHolderFence},
 		{"HolderPastTTL", testStepHolderPastTTL},
 		{"Expiry", testStepExpiry},
@@ -452,6 +453,125 @@ func testStepOtherRequest(t *testing.T, s idem.Store, ss idem.StepStore) {
 	})
 }
 
+// testStepOtherRequestFirst: with First, BeginStep looks at every live step
+// record of the key: a step the first request never recorded is not begun
+// for another request (another fingerprint) when any record of the key is
+// the first request's — nothing is written, and the other record is
+// returned, began false — with and without Holder. Without First the step is
+// judged on its own record (absent: begun). The first request's own
+// fingerprint, a request without one, a record without one (a consumer's)
+// and an expired record refuse nothing.
+func testStepOtherRequestFirst(t *testing.T, s idem.Store, ss idem.StepStore) {
+	const fpA = "v3:aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+	const fpB = "v3:bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"
+	for _, holder := range []bool{false, true} {
+		t.Run(fmt.Sprintf("holder=%v", holder), func(t *testing.T) {
+			a := newStep(t, "reserve")
+			now := time.Now()
+			owner := func(fp string) string {
+				if !holder {
+					return "own-" + randToken()
+				}
+				c := a.claim(fp, now, time.Minute, longTTL)
+				mustClaim(t, s, c)
+				return c.Token
+			}
+			release := func(token string) {
+				if holder {
+					if err := s.Release(ctxFor(t), a.scope, a.key, token); err != nil {
+						t.Fatalf("Release: %v", err)
+					}
+				}
+			}
+			begin := func(name, own, fp string) idem.BeginStepRequest {
+				r := stepOf{a.fixture, name}.begin(own, now, longTTL)
+				r.Holder, r.Fingerprint, r.First = holder, fp, true
+				return r
+			}
+			ownA := owner(fpA)
+			first := mustBegin(t, ss, begin("reserve", ownA, fpA))
+			if err := ss.FinishStep(ctxFor(t), a.scope, a.key, "reserve", ownA, idem.StepDone, []byte(`1`), now); err != nil {
+				t.Fatalf("FinishStep: %v", err)
+			}
+			release(ownA)
+
+			// Another request whose first step is one the first request
+			// never recorded.
+			ownB := owner(fpB)
+			rec, began, err := ss.BeginStep(ctxFor(t), begin("ship", ownB, fpB))
+			if err != nil {
+				t.Fatalf("BeginStep(ship, First) by another request: %v", err)
+			}
+			if began || rec == nil {
+				t.Fatalf("BeginStep(ship, First) by another request (fingerprint %s) while the key has the first request's step: began %v, record %+v; want began false and the first request's record", fpB, began, rec)
+			}
+			if rec.Name != "reserve" || rec.Fingerprint != fpA || rec.DerivedKey != first.DerivedKey || rec.State != idem.StepDone {
+				t.Errorf("BeginStep(ship, First) by another request returned %+v, want the first request's record of reserve (done, fingerprint %s)", rec, fpA)
+			}
+			recs := getSteps(t, ss, a.fixture, now)
+			if _, ok := recs["ship"]; ok || len(recs) != 1 {
+				t.Errorf("after a refused BeginStep(ship, First) the key has steps %v, want reserve only (nothing written)", recs)
+			}
+			if got := recs["reserve"]; !sameTime(got.ExpiresAt, first.ExpiresAt) {
+				t.Errorf("a refused BeginStep(ship, First) moved reserve's expiry from %v to %v", first.ExpiresAt, got.ExpiresAt)
+			}
+			release(ownB)
+
+			// The first request itself: its second step begins.
+			ownA2 := owner(fpA)
+			mustBegin(t, ss, begin("ship", ownA2, fpA))
+			if err := ss.AbandonStep(ctxFor(t), a.scope, a.key, "ship", ownA2, now); err != nil {
+				t.Fatalf("AbandonStep: %v", err)
+			}
+			release(ownA2)
+
+			if !holder {
+				// No fingerprint (a consumer's): not told apart.
+				n := begin("notify", "own-"+randToken(), "")
+				mustBegin(t, ss, n)
+				// A step whose own record has no fingerprint is refused too
+				// while the key has the first request's.
+				rec, began, err := ss.BeginStep(ctxFor(t), begin("notify", "own-"+randToken(), fpB))
+				if err != nil {
+					t.Fatalf("BeginStep(notify, First) by another request: %v", err)
+				}
+				if began || rec == nil || rec.Fingerprint != fpA || rec.Name == "notify" {
+					t.Errorf("BeginStep(notify, First) by another request, notify recorded without a fingerprint and the key with the first request's steps: began %v, record %+v; want began false and a record of the first request", began, rec)
+				}
+				if got := getSteps(t, ss, a.fixture, now)["notify"]; got.Owner != n.Owner {
+					t.Errorf("a refused BeginStep(notify, First) changed notify's record: %+v", got)
+				}
+				// Without First, a step is judged on its own record.
+				b := begin("audit", "own-"+randToken(), fpB)
+				b.First = false
+				mustBegin(t, ss, b)
+			}
+		})
+	}
+	t.Run("unfingerprinted", func(t *testing.T) {
+		a := newStep(t, "reserve")
+		now := time.Now()
+		r := a.begin("own-"+randToken(), now, longTTL)
+		mustBegin(t, ss, r) // a record without fingerprint
+		b := stepOf{a.fixture, "ship"}.begin("own-"+randToken(), now, longTTL)
+		b.Fingerprint, b.First = fpB, true
+		mustBegin(t, ss, b)
+	})
+	t.Run("expired", func(t *testing.T) {
+		const ttl = 300 * time.Millisecond
+		a := newStep(t, "reserve")
+		now := time.Now()
+		r := a.begin("own-"+randToken(), now, ttl)
+		r.Fingerprint = fpA
+		mustBegin(t, ss, r)
+		time.Sleep(ttl + 50*time.Millisecond)
+		later := time.Now()
+		b := stepOf{a.fixture, "ship"}.begin("own-"+randToken(), later, longTTL)
+		b.Fingerprint, b.First = fpB, true
+		mustBegin(t, ss, b)
+	})
+}
+
 // testStepHolderFence: with Holder, BeginStep begins only for the holder of
 // the request record (in flight under Owner, not expired); otherwise it is
 // ErrLockLost and writes nothing. After a takeover of the request record the
@@ -664,11 +784,24 @@ func testStepExpiryMovedLater(t *testing.T, _ idem.Store, ss idem.StepStore) {
 // too.
 func testStepBeginRace(t *testing.T, _ idem.Store, ss idem.StepStore) {
 	const n = 16
-	for _, sameOwner := range []bool{false, true} {
-		t.Run(fmt.Sprintf("same owner %v", sameOwner), func(t *testing.T) {
+	const fp = "v3:aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+	for _, c := range []struct{ sameOwner, first bool }{{false, false}, {true, false}, {false, true}} {
+		sameOwner := c.sameOwner
+		name := fmt.Sprintf("same owner %v", sameOwner)
+		if c.first {
+			// First, with a record of the same request already there: the
+			// check of the key's other records decides nothing here.
+			name = "first"
+		}
+		t.Run(name, func(t *testing.T) {
 			st := newStep(t, "charge")
 			now := time.Now()
 			owner := "own-" + randToken()
+			if c.first {
+				r := stepOf{st.fixture, "reserve"}.begin("own-"+randToken(), now, longTTL)
+				r.Fingerprint = fp
+				mustBegin(t, ss, r)
+			}
 			var (
 				wg    sync.WaitGroup
 				start = make(chan struct{})
@@ -684,6 +817,9 @@ func testStepBeginRace(t *testing.T, _ idem.Store, ss idem.StepStore) {
 					req := st.begin(owner, now, longTTL)
 					if !sameOwner {
 						req.Owner = fmt.Sprintf("own-%d-%s", i, randToken())
+					}
+					if c.first {
+						req.First, req.Fingerprint = true, fp
 					}
 					<-start
 					rec, ok, err := ss.BeginStep(ctxFor(t), req)
@@ -713,6 +849,53 @@ func testStepBeginRace(t *testing.T, _ idem.Store, ss idem.StepStore) {
 			}
 		})
 	}
+	t.Run("first, another request", func(t *testing.T) {
+		// n BeginSteps with First of another request, of n new names, at
+		// once, while the key has a record of the first request: none
+		// begins, nothing is written.
+		const other = "v3:bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"
+		st := newStep(t, "reserve")
+		now := time.Now()
+		r := st.begin("own-"+randToken(), now, longTTL)
+		r.Fingerprint = fp
+		mustBegin(t, ss, r)
+		var (
+			wg    sync.WaitGroup
+			start = make(chan struct{})
+			mu    sync.Mutex
+			began int
+			errs  []error
+		)
+		for i := range n {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				req := stepOf{st.fixture, fmt.Sprintf("ship-%d", i)}.begin(fmt.Sprintf("own-%d-%s", i, randToken()), now, longTTL)
+				req.First, req.Fingerprint = true, other
+				<-start
+				rec, ok, err := ss.BeginStep(ctxFor(t), req)
+				mu.Lock()
+				defer mu.Unlock()
+				switch {
+				case err != nil:
+					errs = append(errs, err)
+				case ok || rec == nil || rec.Fingerprint != fp:
+					began++
+				}
+			}()
+		}
+		close(start)
+		wg.Wait()
+		if len(errs) > 0 {
+			t.Fatalf("%d of %d concurrent BeginSteps failed: %v", len(errs), n, errs[0])
+		}
+		if began != 0 {
+			t.Fatalf("%d concurrent BeginSteps with First of another request: %d began or did not return the first request's record; want none", n, began)
+		}
+		if recs := getSteps(t, ss, st.fixture, now); len(recs) != 1 {
+			t.Fatalf("after %d refused BeginSteps the key has steps %v, want reserve only", n, recs)
+		}
+	})
 }
 
 // testStepSettle: SettleStep writes an outcome into a step whatever its

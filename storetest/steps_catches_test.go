@@ -32,6 +32,7 @@ const (
 	sweepDeletesLive  stepBug = "sweep-deletes-live"   // DeleteExpiredSteps deletes live steps
 	abandonForgetsKey stepBug = "abandon-forgets-key"  // AbandonStep deletes the record: a new derived key
 	settleAnyState    stepBug = "settle-absent-writes" // SettleStep of an absent step is not ErrNotFound
+	firstIgnored      stepBug = "first-ignored"        // BeginStep ignores First: only the step's own record is compared
 )
 
 // stepBugStore is memstore with one planted step bug.
@@ -54,6 +55,8 @@ func (s stepBugStore) BeginStep(ctx context.Context, req idem.BeginStepRequest) 
 		req.Holder = false
 	case rerunIgnored:
 		req.Rerun = false
+	case firstIgnored:
+		req.First = false
 	case checkThenBegin:
 		recs, err := s.Store.GetSteps(ctx, req.Scope, req.Key, req.Now)
 		if err != nil {
@@ -171,6 +174,7 @@ func TestRunStepsCatchesPlantedBugs(t *testing.T) {
 		sweepDeletesLive:  {"DeleteExpiredSteps"},
 		abandonForgetsKey: {"Abandon"},
 		settleAnyState:    {"Settle"},
+		firstIgnored:      {"OtherRequestFirst"},
 	}
 	for b, want := range cases {
 		t.Run(string(b), func(t *testing.T) {
