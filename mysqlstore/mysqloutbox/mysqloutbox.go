@@ -5,7 +5,11 @@
 // table: the heads of the partitions are locked with FOR UPDATE SKIP LOCKED at
 // READ COMMITTED, each with, behind it, up to 63 of the messages that follow
 // it in its partition (a run, which the relay publishes in order), so the
-// order per partition holds.
+// order per partition holds. Lease finds the heads by walking the partitions
+// in partition-key order from where its previous call stopped (round robin,
+// bounded; the index head_idx, which Migrate adds to a table an earlier
+// release created): a lease costs the partitions it walks, not the messages
+// queued behind their heads.
 //
 // Times are the database's (NOW(6)); the columns are TIMESTAMP(6), stored
 // as instants, so sessions in different fixed-offset time zones (+13:00 and
@@ -63,11 +67,14 @@ type Outbox struct {
 	db          *sql.DB
 	table, dead string
 	maxPayload  int
+	// walkSQL[inclusive][bounded]: a page of the walk from after (or at)
+	// a key, to the end of the keys or up to (and with) a key.
+	walkSQL [2][2]string
 
 	mu     sync.Mutex
 	cursor string // the partition key the last lease's walk got to
 
-	insertSQL, walkFromSQL, walkAfterSQL, walkBeforeSQL, walkBeforeFromSQL, lockHeadsSQL, runSQL, leaseSQL, readSQL, markSQL, retrySQL, deadInsertSQL, deadDeleteSQL, deleteSQL, statsSQL string
+	insertSQL, lockHeadsSQL, runSQL, leaseSQL, readSQL, markSQL, retrySQL, deadInsertSQL, deadDeleteSQL, deleteSQL, statsSQL string
 }
 
 var identRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,57}$`)
@@ -128,10 +135,10 @@ func New(db *sql.DB, cfg *Config) (*Outbox, error) {
 		"    SELECT partition_key, seq FROM " + t + " FORCE INDEX (head_idx) WHERE published_at IS NULL AND partition_key %s ?%s ORDER BY partition_key, seq LIMIT ?) w\n" +
 		"  GROUP BY w.partition_key) h\n" +
 		"JOIN " + t + " o ON o.seq = h.seq ORDER BY h.partition_key"
-	o.walkFromSQL = fmt.Sprintf(walk, ">=", "")
-	o.walkAfterSQL = fmt.Sprintf(walk, ">", "")
-	o.walkBeforeSQL = fmt.Sprintf(walk, ">", " AND partition_key < ?")
-	o.walkBeforeFromSQL = fmt.Sprintf(walk, ">=", " AND partition_key < ?")
+	o.walkSQL = [2][2]string{
+		{fmt.Sprintf(walk, ">", ""), fmt.Sprintf(walk, ">", " AND partition_key <= ?")},
+		{fmt.Sprintf(walk, ">=", ""), fmt.Sprintf(walk, ">=", " AND partition_key <= ?")},
+	}
 	o.lockHeadsSQL = "SELECT seq FROM " + t + " WHERE seq IN (%s) AND published_at IS NULL AND " + strings.ReplaceAll(ready, "%", "%%") + " FOR UPDATE SKIP LOCKED"
 	// Behind a locked head, the messages that follow it in its partition
 	// (up to ? of them, by the partition index), with whether each is free;
@@ -328,14 +335,13 @@ type head struct {
 	ready bool
 }
 
-// walk reads the heads of the partitions from the cursor: those with a key
-// at or after from (or, when before is set, after from and before before),
-// in key order, until want ready ones or limit partitions. It returns the
-// ready heads and the last partition walked, and whether it stopped at the
-// limit (rather than at the end of the keys).
-func (o *Outbox) walk(ctx context.Context, from string, before *string, want, limit int) (ready []head, last *string, full bool, err error) {
+// walk reads the heads of the partitions with a key after from (at or after
+// it, when inclusive) and, when upTo is set, at most *upTo, in key order,
+// until want ready ones or limit partitions. It returns the ready heads and
+// the last partition walked, and whether it stopped at a bound (rather than
+// at the end of the keys).
+func (o *Outbox) walk(ctx context.Context, from string, inclusive bool, upTo *string, want, limit int) (ready []head, last *string, full bool, err error) {
 	walked := 0
-	first := true
 	// A statement walks at least one partition (a long one fills a page
 	// alone): at most 16 + want statements each way.
 	for pages := 0; walked < limit && len(ready) < want; pages++ {
@@ -343,15 +349,14 @@ func (o *Outbox) walk(ctx context.Context, from string, before *string, want, li
 			return ready, last, true, nil
 		}
 		var rows *sql.Rows
-		switch {
-		case before != nil && first:
-			rows, err = o.db.QueryContext(ctx, o.walkBeforeFromSQL, from, *before, walkPage)
-		case before != nil:
-			rows, err = o.db.QueryContext(ctx, o.walkBeforeSQL, from, *before, walkPage)
-		case first:
-			rows, err = o.db.QueryContext(ctx, o.walkFromSQL, from, walkPage)
-		default:
-			rows, err = o.db.QueryContext(ctx, o.walkAfterSQL, from, walkPage)
+		incl := 0
+		if inclusive {
+			incl = 1
+		}
+		if upTo != nil {
+			rows, err = o.db.QueryContext(ctx, o.walkSQL[incl][1], from, *upTo, walkPage)
+		} else {
+			rows, err = o.db.QueryContext(ctx, o.walkSQL[incl][0], from, walkPage)
 		}
 		if err != nil {
 			return nil, nil, false, err
@@ -387,7 +392,7 @@ func (o *Outbox) walk(ctx context.Context, from string, before *string, want, li
 		}
 		// The next page from after the last partition seen (its head was
 		// the page's first row of it).
-		from, first = prev, false
+		from, inclusive = prev, false
 	}
 	return ready, last, walked >= limit, nil
 }
@@ -396,18 +401,18 @@ func (o *Outbox) lease(ctx context.Context, owner string, n int, d time.Duration
 	o.mu.Lock()
 	cursor := o.cursor
 	o.mu.Unlock()
-	// Round robin: from the cursor to the end of the partition keys, then
-	// from the start up to the cursor, each way at most maxWalk + 4n
+	// Round robin: from after the cursor to the end of the partition
+	// keys, then from the start up to the cursor (with it), each way at most maxWalk + 4n
 	// partitions. The cost is the partitions walked (and walkPage rows a
 	// statement), not the messages queued behind their heads.
 	limit := maxWalk + 4*n
-	found, last, full, err := o.walk(ctx, cursor, nil, n, limit)
+	found, last, full, err := o.walk(ctx, cursor, false, nil, n, limit)
 	if err != nil {
 		return nil, err
 	}
 	frontier := last
-	if len(found) < n && cursor != "" {
-		more, lastBefore, _, err := o.walk(ctx, "", &cursor, n-len(found), limit)
+	if len(found) < n {
+		more, lastBefore, _, err := o.walk(ctx, "", true, &cursor, n-len(found), limit)
 		if err != nil {
 			return nil, err
 		}
