@@ -88,15 +88,20 @@ func testDatabaseCut(t *testing.T, kind string) {
 		}
 		src = o
 	}
-	const n, partitions = 300, 10
-	var msgs []outbox.Message
-	for i := range n {
-		msgs = append(msgs, outbox.Message{ID: fmt.Sprintf("c%05d", i), Subject: b.subject + ".orders", Payload: []byte(strconv.Itoa(i)), PartitionKey: fmt.Sprint("p", i%partitions)})
-	}
-	for i := 0; i < n; i += 50 {
-		if err := d.enqueue(ctx, msgs[i:i+50]...); err != nil {
+	const partitions = 10
+	n := 0
+	enqueue := func(k int) {
+		var msgs []outbox.Message
+		for i := n; i < n+k; i++ {
+			msgs = append(msgs, outbox.Message{ID: fmt.Sprintf("c%05d", i), Subject: b.subject + ".orders", Payload: []byte(strconv.Itoa(i)), PartitionKey: fmt.Sprint("p", i%partitions)})
+		}
+		if err := d.enqueue(ctx, msgs...); err != nil {
 			t.Fatal(err)
 		}
+		n += k
+	}
+	for range 6 {
+		enqueue(50)
 	}
 	stop := proxy.CutEveryOlderThan(40*time.Millisecond, 150*time.Millisecond)
 	rctx, cancel := context.WithCancel(ctx)
@@ -107,6 +112,14 @@ func testDatabaseCut(t *testing.T, kind string) {
 			StatsInterval: -1, Retention: -1}
 		wg.Add(1)
 		go func() { defer wg.Done(); _ = r.Run(rctx) }()
+	}
+	// Relays that lease a page of heads at a time may publish the 300
+	// before the connections are old enough to be cut: messages keep
+	// coming (50 every 20 ms, at most 20,000) until the connections have
+	// been cut 5 times, so that the cuts fall on relays with work in hand.
+	for proxy.Cuts() < 5 && n < 20000 {
+		time.Sleep(20 * time.Millisecond)
+		enqueue(50)
 	}
 	deadline := time.Now().Add(180 * time.Second)
 	for {
