@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -162,6 +163,49 @@ func TestLeaseRoundRobin(t *testing.T) {
 		}
 	}
 	if got, want := strings.Join(ids, " "), "a0 b0 c0 a1 b1 c1 a2 b2 c2"; got != want {
+		t.Fatalf("leased %s, want %s", got, want)
+	}
+}
+
+// TestLeaseRoundRobinWraps: five partitions of three messages, leases of
+// three, each published before the next: a lease that wraps around the keys
+// (d, e, then a) leaves the next to start after a, so every partition gets
+// its turn before any gets another.
+func TestLeaseRoundRobinWraps(t *testing.T) {
+	db := testDB(t)
+	o := newOutbox(t, db)
+	ctx := context.Background()
+	tx, err := db.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		for _, p := range []string{"a", "b", "c", "d", "e"} {
+			if err := o.Enqueue(ctx, tx, outbox.Message{ID: fmt.Sprintf("%s%d", p, i), Subject: "rr.x", PartitionKey: p}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	var leases []string
+	for range 5 {
+		got, err := o.Lease(ctx, "r", 3, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var ids []string
+		for _, s := range got {
+			ids = append(ids, s.ID)
+			if _, err := o.MarkPublished(ctx, "r", s.Seq); err != nil {
+				t.Fatal(err)
+			}
+		}
+		slices.Sort(ids)
+		leases = append(leases, strings.Join(ids, " "))
+	}
+	if got, want := strings.Join(leases, " | "), "a0 b0 c0 | a1 d0 e0 | b1 c1 d1 | a2 b2 e1 | c2 d2 e2"; got != want {
 		t.Fatalf("leased %s, want %s", got, want)
 	}
 }

@@ -402,8 +402,8 @@ func (o *Outbox) lease(ctx context.Context, owner string, n int, d time.Duration
 	cursor := o.cursor
 	o.mu.Unlock()
 	// Round robin: from after the cursor to the end of the partition
-	// keys, then from the start up to the cursor (with it), each way at most maxWalk + 4n
-	// partitions. The cost is the partitions walked (and walkPage rows a
+	// keys, then from the start up to the cursor (with it), each way at
+	// most maxWalk + 4n partitions. The cost is the partitions walked (and walkPage rows a
 	// statement), not the messages queued behind their heads.
 	limit := maxWalk + 4*n
 	found, last, full, err := o.walk(ctx, cursor, false, nil, n, limit)
@@ -431,11 +431,10 @@ func (o *Outbox) lease(ctx context.Context, owner string, n int, d time.Duration
 			next = *frontier
 		}
 	default:
-		// From the last partition leased (keys are bytes: Go's order).
+		// From after the last partition found in the walk's order (after
+		// a wrap-around, one before the cursor: the largest key found would
+		// give the partitions at the start of the keys a second turn).
 		next = found[len(found)-1].part
-		for _, h := range found {
-			next = max(next, h.part)
-		}
 	}
 	o.mu.Lock()
 	o.cursor = next
