@@ -5,7 +5,11 @@
 // table: the heads of the partitions are locked with FOR UPDATE SKIP LOCKED at
 // READ COMMITTED, each with, behind it, up to 63 of the messages that follow
 // it in its partition (a run, which the relay publishes in order), so the
-// order per partition holds.
+// order per partition holds. Lease finds the heads by walking the partitions
+// in partition-key order from where its previous call stopped (round robin,
+// bounded; the index head_idx, which Migrate adds to a table an earlier
+// release created): a lease costs the partitions it walks, not the messages
+// queued behind their heads.
 //
 // Times are the database's (NOW(6)); the columns are TIMESTAMP(6), stored
 // as instants, so sessions in different fixed-offset time zones (+13:00 and
@@ -26,7 +30,9 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/idemkit/idem/mysqlstore"
@@ -61,8 +67,14 @@ type Outbox struct {
 	db          *sql.DB
 	table, dead string
 	maxPayload  int
+	// walkSQL[inclusive][bounded]: a page of the walk from after (or at)
+	// a key, to the end of the keys or up to (and with) a key.
+	walkSQL [2][2]string
 
-	insertSQL, candSQL, lockHeadsSQL, runSQL, leaseSQL, readSQL, markSQL, retrySQL, deadInsertSQL, deadDeleteSQL, deleteSQL, statsSQL string
+	mu     sync.Mutex
+	cursor string // the partition key the last lease's walk got to
+
+	insertSQL, lockHeadsSQL, runSQL, leaseSQL, readSQL, markSQL, retrySQL, deadInsertSQL, deadDeleteSQL, deleteSQL, statsSQL string
 }
 
 var identRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,57}$`)
@@ -111,23 +123,27 @@ func New(db *sql.DB, cfg *Config) (*Outbox, error) {
 	o := &Outbox{db: db, table: t, dead: d, maxPayload: c.MaxPayload}
 	cols := "seq, id, subject, payload, headers, partition_key, enqueued_at, attempts"
 	o.insertSQL = "INSERT INTO " + t + " (id, subject, payload, headers, partition_key) VALUES (?, ?, ?, ?, ?)"
-	// The heads, by a plain read; then the ones still free, locked. A
-	// subquery inside the locking read would skip a predecessor another
-	// relay has locked and take the next message for a head.
-	o.candSQL = `SELECT o.seq FROM ` + t + ` o
-WHERE o.published_at IS NULL AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= NOW(6))
-  AND (o.lease_until IS NULL OR o.lease_until <= NOW(6))
-  AND NOT EXISTS (SELECT 1 FROM ` + t + ` p WHERE p.partition_key = o.partition_key AND p.published_at IS NULL AND p.seq < o.seq)
-ORDER BY o.seq LIMIT ?`
-	o.lockHeadsSQL = "SELECT seq FROM " + t + " WHERE seq IN (%s) AND published_at IS NULL AND (next_attempt_at IS NULL OR next_attempt_at <= NOW(6)) AND (lease_until IS NULL OR lease_until <= NOW(6)) FOR UPDATE SKIP LOCKED"
-	// Behind each locked head, the messages that follow it in its partition
-	// while they are free (a run), up to ? per partition.
-	o.runSQL = `SELECT seq FROM (
-  SELECT p.seq,
-    SUM(CASE WHEN p.lease_until IS NULL OR p.lease_until <= NOW(6) THEN 0 ELSE 1 END) OVER (PARTITION BY p.partition_key ORDER BY p.seq) AS blocked,
-    ROW_NUMBER() OVER (PARTITION BY p.partition_key ORDER BY p.seq) AS rn
-  FROM ` + t + ` p WHERE p.partition_key IN (SELECT h.partition_key FROM ` + t + ` h WHERE h.seq IN (%s)) AND p.published_at IS NULL) x
-WHERE blocked = 0 AND rn <= ? ORDER BY seq`
+	// The walk: the pending rows in partition-key order from a cursor (the
+	// head index, published_at IS NULL its first column, so the scan stops
+	// at the LIMIT), a page at a time, each partition's first row its head
+	// (its oldest unpublished message), with whether the head is ready. A
+	// plain read; the ready heads are then locked.
+	ready := "(next_attempt_at IS NULL OR next_attempt_at <= NOW(6)) AND (lease_until IS NULL OR lease_until <= NOW(6))"
+	// The page is read from the index alone; only its heads are looked up.
+	walk := "SELECT h.partition_key, h.seq, h.n, " + strings.ReplaceAll(strings.ReplaceAll(ready, "next_attempt_at", "o.next_attempt_at"), "lease_until", "o.lease_until") + " FROM (\n" +
+		"  SELECT w.partition_key, MIN(w.seq) AS seq, COUNT(*) AS n FROM (\n" +
+		"    SELECT partition_key, seq FROM " + t + " FORCE INDEX (head_idx) WHERE published_at IS NULL AND partition_key %s ?%s ORDER BY partition_key, seq LIMIT ?) w\n" +
+		"  GROUP BY w.partition_key) h\n" +
+		"JOIN " + t + " o ON o.seq = h.seq ORDER BY h.partition_key"
+	o.walkSQL = [2][2]string{
+		{fmt.Sprintf(walk, ">", ""), fmt.Sprintf(walk, ">", " AND partition_key <= ?")},
+		{fmt.Sprintf(walk, ">=", ""), fmt.Sprintf(walk, ">=", " AND partition_key <= ?")},
+	}
+	o.lockHeadsSQL = "SELECT seq FROM " + t + " WHERE seq IN (%s) AND published_at IS NULL AND " + strings.ReplaceAll(ready, "%", "%%") + " FOR UPDATE SKIP LOCKED"
+	// Behind a locked head, the messages that follow it in its partition
+	// (up to ? of them, by the partition index), with whether each is free;
+	// Lease keeps them while they are (a run). One such subquery per head.
+	o.runSQL = "(SELECT partition_key, seq, lease_until IS NULL OR lease_until <= NOW(6) FROM " + t + " FORCE INDEX (partition_idx) WHERE partition_key = ? AND published_at IS NULL AND seq > ? ORDER BY seq LIMIT ?)"
 	o.leaseSQL = "UPDATE " + t + " SET lease_owner = ?, lease_until = NOW(6) + INTERVAL ? MICROSECOND, attempts = attempts + 1 WHERE seq IN (%s) AND published_at IS NULL"
 	o.readSQL = "SELECT seq, id, subject, payload, headers, partition_key, CAST(ROUND(UNIX_TIMESTAMP(enqueued_at) * 1000000) AS SIGNED), attempts - 1 FROM " + t + " WHERE seq IN (%s) AND lease_owner = ? AND published_at IS NULL ORDER BY seq"
 	o.markSQL = "UPDATE " + t + " SET published_at = NOW(6), lease_owner = NULL, lease_until = NULL WHERE seq IN (%s) AND lease_owner = ? AND published_at IS NULL"
@@ -144,7 +160,10 @@ WHERE blocked = 0 AND rn <= ? ORDER BY seq`
 // Table returns the outbox table's name, quoted.
 func (o *Outbox) Table() string { return o.table }
 
-// Migrate creates the outbox and dead-letter tables if they do not exist.
+// Migrate creates the outbox and dead-letter tables if they do not exist,
+// and adds the index Lease walks the partitions by (head_idx) to an outbox
+// table an earlier release created (an online ALTER TABLE ... ADD INDEX: it
+// reads the table once, and needs the ALTER privilege).
 func (o *Outbox) Migrate(ctx context.Context) error {
 	ddl := []string{
 		`CREATE TABLE IF NOT EXISTS ` + o.table + ` (
@@ -162,7 +181,8 @@ func (o *Outbox) Migrate(ctx context.Context) error {
   last_error TEXT CHARACTER SET utf8mb4 NULL,
   published_at TIMESTAMP(6) NULL DEFAULT NULL,
   KEY pending_idx (published_at, seq),
-  KEY partition_idx (partition_key, published_at, seq)
+  KEY partition_idx (partition_key, published_at, seq),
+  KEY head_idx (published_at, partition_key, seq)
 ) ENGINE=InnoDB`,
 		`CREATE TABLE IF NOT EXISTS ` + o.dead + ` (
   seq BIGINT NOT NULL PRIMARY KEY,
@@ -182,7 +202,36 @@ func (o *Outbox) Migrate(ctx context.Context) error {
 			return fmt.Errorf("mysqloutbox: migrate %s: %w", o.table, err)
 		}
 	}
+	// head_idx, on a table created before it (MySQL has no ADD INDEX IF
+	// NOT EXISTS). Two Migrates at once: the second one's ALTER fails (the
+	// index is there, error 1061), which it checks.
+	has, err := o.hasHeadIndex(ctx)
+	if err != nil {
+		return err
+	}
+	if !has {
+		if _, err := o.db.ExecContext(ctx, "ALTER TABLE "+o.table+" ADD INDEX head_idx (published_at, partition_key, seq)"); err != nil {
+			if has, _ := o.hasHeadIndex(ctx); !has {
+				return fmt.Errorf("mysqloutbox: migrate %s: adding index head_idx: %w (the user needs the ALTER privilege on the table)", o.table, err)
+			}
+		}
+	}
 	return nil
+}
+
+func (o *Outbox) hasHeadIndex(ctx context.Context) (bool, error) {
+	rows, err := o.db.QueryContext(ctx, "SHOW INDEX FROM "+o.table+" WHERE Key_name = 'head_idx'")
+	if err != nil {
+		return false, fmt.Errorf("mysqloutbox: migrate %s: %w", o.table, err)
+	}
+	n := 0
+	for rows.Next() {
+		n++
+	}
+	if err := errors.Join(rows.Err(), rows.Close()); err != nil {
+		return false, fmt.Errorf("mysqloutbox: migrate %s: %w", o.table, err)
+	}
+	return n > 0, nil
 }
 
 // Enqueue writes m into the outbox in tx; a nil tx means the transaction of
@@ -257,16 +306,147 @@ const maxBatch = 10000
 // time, whatever n.
 func (o *Outbox) Lease(ctx context.Context, owner string, n int, d time.Duration) ([]outbox.Stored, error) {
 	out, err := o.lease(ctx, owner, min(n, maxBatch), d)
+	if err != nil && strings.Contains(err.Error(), "head_idx") {
+		return nil, fmt.Errorf("mysqloutbox: lease: %w (run Migrate: it adds the index head_idx to a table an earlier release created)", err)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("mysqloutbox: lease: %w", err)
 	}
 	return out, nil
 }
 
+// maxWalk (plus 4 per message asked for) bounds the partitions one Lease
+// walks each way from its cursor; walkPage is the pending rows one statement
+// of the walk reads (so a walk over partitions of one message reads
+// walkPage heads a statement, over longer partitions fewer, down to one),
+// and a walk makes at most 16 + n statements each way.
+const (
+	maxWalk  = 200
+	walkPage = 64
+)
+
+// runChunk is the most heads one statement reads the runs of.
+const runChunk = 500
+
+// head is a partition's oldest unpublished message, as the walk found it.
+type head struct {
+	part  string
+	seq   int64
+	ready bool
+}
+
+// walk reads the heads of the partitions with a key after from (at or after
+// it, when inclusive) and, when upTo is set, at most *upTo, in key order,
+// until want ready ones or limit partitions. It returns the ready heads and
+// the last partition walked, and whether it stopped at a bound (rather than
+// at the end of the keys).
+func (o *Outbox) walk(ctx context.Context, from string, inclusive bool, upTo *string, want, limit int) (ready []head, last *string, full bool, err error) {
+	walked := 0
+	// A statement walks at least one partition (a long one fills a page
+	// alone): at most 16 + want statements each way.
+	for pages := 0; walked < limit && len(ready) < want; pages++ {
+		if pages >= 16+want {
+			return ready, last, true, nil
+		}
+		var rows *sql.Rows
+		incl := 0
+		if inclusive {
+			incl = 1
+		}
+		if upTo != nil {
+			rows, err = o.db.QueryContext(ctx, o.walkSQL[incl][1], from, *upTo, walkPage)
+		} else {
+			rows, err = o.db.QueryContext(ctx, o.walkSQL[incl][0], from, walkPage)
+		}
+		if err != nil {
+			return nil, nil, false, err
+		}
+		got := 0 // the page's rows
+		prev := ""
+		for rows.Next() {
+			var h head
+			var part []byte
+			var rowsOf int
+			if err := rows.Scan(&part, &h.seq, &rowsOf, &h.ready); err != nil {
+				rows.Close()
+				return nil, nil, false, err
+			}
+			h.part = string(part)
+			got += rowsOf
+			prev = h.part
+			if walked >= limit || len(ready) >= want {
+				continue
+			}
+			walked++
+			p := h.part
+			last = &p
+			if h.ready {
+				ready = append(ready, h)
+			}
+		}
+		if err := errors.Join(rows.Err(), rows.Close()); err != nil {
+			return nil, nil, false, err
+		}
+		if got < walkPage {
+			return ready, last, walked >= limit, nil // the end of the keys
+		}
+		// The next page from after the last partition seen (its head was
+		// the page's first row of it).
+		from, inclusive = prev, false
+	}
+	return ready, last, walked >= limit, nil
+}
+
 func (o *Outbox) lease(ctx context.Context, owner string, n int, d time.Duration) ([]outbox.Stored, error) {
-	cand, err := querySeqs(ctx, o.db, o.candSQL, n)
-	if err != nil || len(cand) == 0 {
+	o.mu.Lock()
+	cursor := o.cursor
+	o.mu.Unlock()
+	// Round robin: from after the cursor to the end of the partition
+	// keys, then from the start up to the cursor (with it), each way at
+	// most maxWalk + 4n partitions. The cost is the partitions walked (and walkPage rows a
+	// statement), not the messages queued behind their heads.
+	limit := maxWalk + 4*n
+	found, last, full, err := o.walk(ctx, cursor, false, nil, n, limit)
+	if err != nil {
 		return nil, err
+	}
+	frontier := last
+	if len(found) < n {
+		more, lastBefore, _, err := o.walk(ctx, "", true, &cursor, n-len(found), limit)
+		if err != nil {
+			return nil, err
+		}
+		found = append(found, more...)
+		if !full && lastBefore != nil {
+			frontier = lastBefore
+		}
+	}
+	next := cursor
+	switch {
+	case len(found) < n:
+		// Fewer than n found: the next lease goes on from where this walk
+		// stopped, so heads waiting for a retry are walked over once per
+		// turn, not once per lease.
+		if frontier != nil {
+			next = *frontier
+		}
+	default:
+		// From after the last partition found in the walk's order (after
+		// a wrap-around, one before the cursor: the largest key found would
+		// give the partitions at the start of the keys a second turn).
+		next = found[len(found)-1].part
+	}
+	o.mu.Lock()
+	o.cursor = next
+	o.mu.Unlock()
+	if len(found) == 0 {
+		return nil, nil
+	}
+	cand := make([]int64, len(found))
+	partOf := make(map[int64]string, len(found))
+	for i, h := range found {
+		cand[i] = h.seq
+		partOf[h.seq] = h.part
 	}
 	tx, err := o.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
@@ -278,26 +458,54 @@ func (o *Outbox) lease(ctx context.Context, owner string, n int, d time.Duration
 		return nil, err
 	}
 	pick := heads
-	if run := min(n, maxRun+1); run > 1 {
-		// The heads with the runs behind them (each head is the first row
-		// of its partition's window), oldest first, at most n in all.
-		all, err := querySeqs(ctx, tx, fmt.Sprintf(o.runSQL, placeholders(len(heads))), append(seqArgs(heads), run)...)
-		if err != nil {
-			return nil, err
+	if need := n - len(heads); need > 0 && maxRun > 0 {
+		// Behind each locked head, its run (the free messages that follow
+		// it, at most maxRun, and no more than the lease has room for);
+		// every head kept, then the runs' messages in seq order up to n in
+		// all.
+		run := min(maxRun, need)
+		var behind []int64
+		for i := 0; i < len(heads); i += runChunk {
+			chunk := heads[i:min(len(heads), i+runChunk)]
+			q := make([]string, len(chunk))
+			args := make([]any, 0, 3*len(chunk))
+			for j, h := range chunk {
+				q[j] = o.runSQL
+				args = append(args, partOf[h], h, run)
+			}
+			rows, err := tx.QueryContext(ctx, strings.Join(q, " UNION ALL "), args...)
+			if err != nil {
+				return nil, err
+			}
+			// Each subquery's rows come in seq order: a partition's run
+			// ends at its first row not free.
+			blocked := map[string]bool{}
+			for rows.Next() {
+				var part []byte
+				var seq int64
+				var free bool
+				if err := rows.Scan(&part, &seq, &free); err != nil {
+					rows.Close()
+					return nil, err
+				}
+				if !free {
+					blocked[string(part)] = true
+				}
+				if !blocked[string(part)] {
+					behind = append(behind, seq)
+				}
+			}
+			if err := errors.Join(rows.Err(), rows.Close()); err != nil {
+				return nil, err
+			}
 		}
-		isHead := map[int64]bool{}
-		for _, h := range heads {
-			isHead[h] = true
-		}
-		// Keep every head; fill up to n with run rows in seq order.
+		slices.Sort(behind)
 		pick = append([]int64(nil), heads...)
-		for _, s := range all {
+		for _, s := range behind {
 			if len(pick) >= n {
 				break
 			}
-			if !isHead[s] {
-				pick = append(pick, s)
-			}
+			pick = append(pick, s)
 		}
 	}
 	args := append([]any{owner, d.Microseconds()}, seqArgs(pick)...)

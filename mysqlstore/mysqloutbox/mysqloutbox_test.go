@@ -21,7 +21,7 @@ func randHex(n int) string {
 	return hex.EncodeToString(b)
 }
 
-func testDB(t *testing.T) *sql.DB {
+func testDB(t testing.TB) *sql.DB {
 	t.Helper()
 	db, err := sql.Open("mysql", testenv.MySQLDSN(testenv.MySQLURL(t)))
 	if err != nil {
@@ -32,7 +32,7 @@ func testDB(t *testing.T) *sql.DB {
 	return db
 }
 
-func newOutbox(t *testing.T, db *sql.DB) *mysqloutbox.Outbox {
+func newOutbox(t testing.TB, db *sql.DB) *mysqloutbox.Outbox {
 	t.Helper()
 	table := "outbox_" + randHex(5)
 	o, err := mysqloutbox.New(db, &mysqloutbox.Config{Table: table})
