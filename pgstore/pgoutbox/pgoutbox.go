@@ -101,35 +101,42 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Outbox, error) {
 	o := &Outbox{pool: pool, table: t, dead: d, lockNS: c.Table, maxPayload: c.MaxPayload}
 	cols := "seq, id, subject, payload, headers, partition_key, enqueued_at"
 	o.insertSQL = "INSERT INTO " + t + " (id, subject, payload, headers, partition_key) VALUES ($1, $2, $3, $4, $5)"
-	// The heads: walking the partitions in partition_key order from a
-	// cursor $5 to the end, then from the start up to it (a loose index
-	// scan of the pending index: one index descent per partition, each
-	// landing on its lowest pending seq, its head), at most $6 partitions
-	// each way, keeping the ready heads, at most $3; locked with SKIP
-	// LOCKED (a head another relay is leasing right now is its). Then,
-	// behind each head, the messages that follow it in its partition while
-	// they are free (a run, up to $4), all in seq order, at most $3 in all.
-	// The cost is the partitions walked (at most 2·$6), not the messages
-	// behind their heads. When fewer than $3 were found, a last row (its
-	// frontier column true) names where the walk stopped, the next cursor,
-	// so that heads waiting for a retry are walked over once per turn, not
-	// once per lease.
+	// The heads: walking the partitions in partition_key order from after a
+	// cursor $5 to the end, then from the start up to it, with it (a loose
+	// index scan of the pending index: one index descent per partition,
+	// each landing on its lowest pending seq, its head), at most $6
+	// partitions each way, keeping the first ready heads in the walk's
+	// order, at most $3 (ord: their place in it); locked with SKIP LOCKED
+	// (a head another relay is leasing right now is its). Then every head
+	// kept and, behind each, the messages that follow it in its partition
+	// while they are free (a run, up to $4), in seq order, up to $3 in all
+	// (a run never takes a found head's place: that head would lose its
+	// turn). The cost is the partitions walked (at most 2·$6), not the
+	// messages behind their heads. A last row (its frontier column true)
+	// names the next cursor: the last partition found in the walk's order
+	// (not the largest key: after a wrap-around that would give the first
+	// keys a second turn before the rest had one); when fewer than $3 were
+	// found, where the walk stopped, so that heads waiting for a retry are
+	// walked over once per turn, not once per lease.
+	readyOf := func(a string) string {
+		return a + ".published_at IS NULL AND " + a + ".next_attempt_at <= now() AND (" + a + ".lease_until IS NULL OR " + a + ".lease_until <= now())"
+	}
 	walk := func(name, from, step string) string {
-		return name + `(partition_key, seq, depth) AS (
-  (SELECT p.partition_key, p.seq, 1 FROM ` + t + ` p WHERE p.published_at IS NULL AND p.partition_key ` + from + ` ORDER BY p.partition_key, p.seq LIMIT 1)
+		return name + `(partition_key, seq, ready, depth) AS (
+  (SELECT p.partition_key, p.seq, ` + readyOf("p") + `, 1 FROM ` + t + ` p WHERE p.published_at IS NULL AND p.partition_key ` + from + ` ORDER BY p.partition_key, p.seq LIMIT 1)
   UNION ALL
-  SELECT n.partition_key, n.seq, w.depth + 1 FROM ` + name + ` w CROSS JOIN LATERAL (
-    SELECT p.partition_key, p.seq FROM ` + t + ` p WHERE p.published_at IS NULL AND p.partition_key > w.partition_key` + step + `
+  SELECT n.partition_key, n.seq, n.ready, w.depth + 1 FROM ` + name + ` w CROSS JOIN LATERAL (
+    SELECT p.partition_key, p.seq, ` + readyOf("p") + ` AS ready FROM ` + t + ` p WHERE p.published_at IS NULL AND p.partition_key > w.partition_key` + step + `
     ORDER BY p.partition_key, p.seq LIMIT 1) n
   WHERE w.depth < $6)`
 	}
-	ready := "o.published_at IS NULL AND o.next_attempt_at <= now() AND (o.lease_until IS NULL OR o.lease_until <= now())"
-	o.leaseSQL = `WITH RECURSIVE ` + walk("after", ">= $5", "") + `,
-` + walk("before", "< $5", " AND p.partition_key < $5") + `,
+	ready := readyOf("o")
+	o.leaseSQL = `WITH RECURSIVE ` + walk("after", "> $5", "") + `,
+` + walk("before", "<= $5", " AND p.partition_key <= $5") + `,
 cand AS (
-  SELECT seq FROM (SELECT o.seq FROM after w JOIN ` + t + ` o ON o.seq = w.seq WHERE ` + ready + `) a
+  SELECT seq, partition_key, depth AS ord FROM after WHERE ready
   UNION ALL
-  SELECT seq FROM (SELECT o.seq FROM before w JOIN ` + t + ` o ON o.seq = w.seq WHERE ` + ready + `) b
+  SELECT seq, partition_key, $6 + depth FROM before WHERE ready
   LIMIT $3),
 heads AS (
   SELECT o.seq, o.partition_key FROM ` + t + ` o WHERE o.seq IN (SELECT seq FROM cand) AND ` + ready + `
@@ -140,20 +147,23 @@ runs AS (
     WHERE p.partition_key = h.partition_key AND p.published_at IS NULL AND p.seq > h.seq
     ORDER BY p.seq LIMIT $4) r),
 pick AS (
-  SELECT seq FROM heads
+  SELECT seq, false AS run FROM heads
   UNION ALL
-  SELECT seq FROM (SELECT seq, bool_and(free) OVER (PARTITION BY head ORDER BY seq) AS ok FROM runs) x WHERE ok
-  ORDER BY seq LIMIT $3),
+  SELECT seq, true FROM (SELECT seq, bool_and(free) OVER (PARTITION BY head ORDER BY seq) AS ok FROM runs) x WHERE ok
+  ORDER BY run, seq LIMIT $3),
 leased AS (
   UPDATE ` + t + ` t SET lease_owner = $1, lease_until = now() + $2 * interval '1 millisecond', attempts = t.attempts + 1
   FROM pick WHERE t.seq = pick.seq AND t.published_at IS NULL
   RETURNING t.seq, t.id, t.subject, t.payload, t.headers, t.partition_key, t.enqueued_at, t.attempts - 1 AS attempts)
 SELECT seq, id, subject, payload, headers, partition_key, enqueued_at, attempts, false FROM leased
 UNION ALL
-SELECT 0, '', '', ''::bytea, NULL, CASE WHEN (SELECT max(depth) FROM after) >= $6
+SELECT 0, '', '', ''::bytea, NULL, CASE
+    WHEN (SELECT count(*) FROM cand) >= $3
+    THEN (SELECT partition_key FROM cand ORDER BY ord DESC LIMIT 1)
+    WHEN (SELECT max(depth) FROM after) >= $6
     THEN (SELECT partition_key FROM after ORDER BY depth DESC LIMIT 1)
     ELSE (SELECT partition_key FROM before ORDER BY depth DESC LIMIT 1) END, now(), 0, true
-WHERE (SELECT count(*) FROM cand) < $3`
+`
 	o.markSQL = "UPDATE " + t + " SET published_at = now(), lease_owner = NULL, lease_until = NULL WHERE seq = ANY($2) AND lease_owner = $1 AND published_at IS NULL"
 	o.retrySQL = "UPDATE " + t + " SET lease_owner = NULL, lease_until = NULL, next_attempt_at = now() + $3 * interval '1 millisecond', last_error = $4 WHERE seq = $2 AND lease_owner = $1 AND published_at IS NULL"
 	o.deadSQL = "WITH moved AS (DELETE FROM " + t + " WHERE seq = $2 AND lease_owner = $1 AND published_at IS NULL RETURNING " + cols + ", attempts)\n" +
@@ -278,7 +288,7 @@ const maxRun = 63
 const maxWalk = 200
 
 // Lease implements outbox.Source. It takes the heads partition by
-// partition, from where its previous call stopped (round robin over the
+// partition, from after where its previous call stopped (round robin over the
 // partitions, wrapping around), not the oldest first: the cost of a lease is
 // the partitions it walks, whatever the backlog behind their heads.
 func (o *Outbox) Lease(ctx context.Context, owner string, n int, d time.Duration) ([]outbox.Stored, error) {
@@ -315,18 +325,9 @@ func (o *Outbox) Lease(ctx context.Context, owner string, n int, d time.Duration
 		return nil, fmt.Errorf("pgoutbox: lease: %w", err)
 	}
 	next := cursor
-	switch {
-	case frontier != nil:
-		// Fewer than n found: from where the walk stopped.
+	if frontier != nil {
+		// The next walk starts after it (nil: nothing pending).
 		next = *frontier
-	case len(out) > 0:
-		// From the last partition leased (by Go's byte order, which
-		// may not be the column's collation: the walk covers every
-		// partition wherever it starts).
-		next = out[0].PartitionKey
-		for _, s := range out[1:] {
-			next = max(next, s.PartitionKey)
-		}
 	}
 	o.mu.Lock()
 	o.cursor = next

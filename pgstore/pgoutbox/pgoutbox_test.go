@@ -4,6 +4,9 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"fmt"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -204,4 +207,118 @@ SELECT 's' || g, 'stuck.x', '\x00', 'a' || lpad(g::text, 5, '0'), now() + interv
 		}
 	}
 	t.Fatal("100 leases did not reach the one ready head behind 5,000 partitions waiting for a retry")
+}
+
+// newOutbox is an Outbox on a fresh table of its own schema, migrated, with
+// msgs enqueued in one transaction, in their order.
+func newOutbox(t *testing.T, msgs ...outbox.Message) *pgoutbox.Outbox {
+	t.Helper()
+	pool, schema := testDB(t)
+	ctx := context.Background()
+	o, err := pgoutbox.New(pool, &pgoutbox.Config{Table: schema + ".outbox"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := o.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	for _, m := range msgs {
+		if err := o.Enqueue(ctx, tx, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	return o
+}
+
+// partitions is rounds messages in each of parts, enqueued round by round:
+// a0 b0 c0 a1 b1 c1 ... (ID: partition and round).
+func partitions(rounds int, parts ...string) []outbox.Message {
+	var msgs []outbox.Message
+	for i := range rounds {
+		for _, p := range parts {
+			msgs = append(msgs, outbox.Message{ID: fmt.Sprintf("%s%d", p, i), Subject: "rr.x", PartitionKey: p})
+		}
+	}
+	return msgs
+}
+
+// leaseAll leases n at a time, times times, publishing each lease before
+// the next, and returns each lease's IDs sorted, the leases joined by " | ".
+func leaseAll(t *testing.T, o *pgoutbox.Outbox, n, times int) string {
+	t.Helper()
+	ctx := context.Background()
+	var leases []string
+	for range times {
+		got, err := o.Lease(ctx, "r", n, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var ids []string
+		for _, s := range got {
+			ids = append(ids, s.ID)
+			if _, err := o.MarkPublished(ctx, "r", s.Seq); err != nil {
+				t.Fatal(err)
+			}
+		}
+		slices.Sort(ids)
+		leases = append(leases, strings.Join(ids, " "))
+	}
+	return strings.Join(leases, " | ")
+}
+
+// TestLeaseRoundRobinOrder: three partitions of three messages, leases of
+// one, each published before the next: the leases go round the partitions
+// (a, b, c, a, ...: the next lease starts after the partition the last one
+// took, so a partition with a backlog does not hold the others up), each
+// its partition's head.
+func TestLeaseRoundRobinOrder(t *testing.T) {
+	o := newOutbox(t, partitions(3, "a", "b", "c")...)
+	if got, want := leaseAll(t, o, 1, 10), "a0 | b0 | c0 | a1 | b1 | c1 | a2 | b2 | c2 | "; got != want {
+		t.Fatalf("leased %s, want %s", got, want)
+	}
+}
+
+// TestLeaseRoundRobinWraps: five partitions of three messages, leases of
+// three, each published before the next: a lease that wraps around the keys
+// (d, e, then a) leaves the next to start after a, so every partition gets
+// its turn before any gets another.
+func TestLeaseRoundRobinWraps(t *testing.T) {
+	o := newOutbox(t, partitions(3, "a", "b", "c", "d", "e")...)
+	if got, want := leaseAll(t, o, 3, 6), "a0 b0 c0 | a1 d0 e0 | b1 c1 d1 | a2 b2 e1 | c2 d2 e2 | "; got != want {
+		t.Fatalf("leased %s, want %s", got, want)
+	}
+}
+
+// TestLeaseRoundRobinWrapsOne: leases of one over partitions of unequal
+// backlogs, the cursor wrapping around several times: strictly a, b, c, a,
+// ... while each has messages left, then the rest in their turn.
+func TestLeaseRoundRobinWrapsOne(t *testing.T) {
+	msgs := partitions(2, "a", "b", "c")
+	msgs = append(msgs, outbox.Message{ID: "a2", Subject: "rr.x", PartitionKey: "a"}, outbox.Message{ID: "c2", Subject: "rr.x", PartitionKey: "c"})
+	o := newOutbox(t, msgs...)
+	if got, want := leaseAll(t, o, 1, 9), "a0 | b0 | c0 | a1 | b1 | c1 | a2 | c2 | "; got != want {
+		t.Fatalf("leased %s, want %s", got, want)
+	}
+}
+
+// TestLeaseKeepsEveryHead: a lease of three finds the heads of a, b and c
+// and takes them, not a's run (a1 a2, lower seqs than b's and c's heads,
+// which would lose their turn); then a's run in turn.
+func TestLeaseKeepsEveryHead(t *testing.T) {
+	m := func(id, part string) outbox.Message {
+		return outbox.Message{ID: id, Subject: "rr.x", PartitionKey: part}
+	}
+	o := newOutbox(t, m("a0", "a"), m("a1", "a"), m("a2", "a"), m("b0", "b"), m("c0", "c"), m("a3", "a"))
+	got := leaseAll(t, o, 3, 1) + " | " + leaseAll(t, o, 1, 4)
+	if want := "a0 b0 c0 | a1 | a2 | a3 | "; got != want {
+		t.Fatalf("leased %s, want %s", got, want)
+	}
 }
