@@ -265,7 +265,11 @@ func (r *Relay) PublishBatch(ctx context.Context) (int, error) {
 					// Marked before the next one goes: a crash then
 					// republishes this one message at most, so each
 					// partition's confirmations stay in seq order.
-					n, err := c.Source.MarkPublished(context.WithoutCancel(ctx), c.Owner, batch[i].Seq)
+					// Even after ctx ended (the broker confirmed it), but
+					// within PublishTimeout, like the batch's other marks.
+					mctx, mcancel := context.WithTimeout(context.WithoutCancel(ctx), c.PublishTimeout)
+					n, err := c.Source.MarkPublished(mctx, c.Owner, batch[i].Seq)
+					mcancel()
 					if err != nil || n != 1 {
 						if err != nil {
 							c.Observer.SourceFailed(err)
@@ -312,7 +316,7 @@ func (r *Relay) PublishBatch(ctx context.Context) (int, error) {
 			c.Observer.DeadLettered(m, reason)
 		case errors.Is(err, errNotTried):
 			// Behind a failure in its partition: released as it was.
-			if e := c.Source.Retry(context.WithoutCancel(ctx), c.Owner, m.Seq, 0, err.Error()); e != nil {
+			if e := c.Source.Retry(fctx, c.Owner, m.Seq, 0, err.Error()); e != nil {
 				c.Observer.SourceFailed(e)
 				srcErr = errors.Join(srcErr, e)
 			}
