@@ -3,6 +3,8 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -66,5 +68,70 @@ func TestRelayStuckDatabaseMidRun(t *testing.T) {
 		case <-time.After(20 * time.Second):
 			t.Fatalf("fail=%v: PublishBatch still waiting for the database 20 s after its shutdown began (PublishTimeout 200ms)", fail)
 		}
+	}
+}
+
+// deadFailSource leases one run of three messages of one partition, once;
+// it marks and releases them, but its DeadLetter fails (the database
+// refused the statement, or the relay died before it).
+type deadFailSource struct {
+	stuckSource
+	mu     sync.Mutex
+	marked []string
+	dead   int
+}
+
+func (s *deadFailSource) MarkPublished(_ context.Context, _ string, seqs ...int64) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, q := range seqs {
+		s.marked = append(s.marked, fmt.Sprint(q))
+	}
+	return len(seqs), nil
+}
+
+func (s *deadFailSource) Retry(context.Context, string, int64, time.Duration, string) error {
+	return nil
+}
+
+func (s *deadFailSource) DeadLetter(context.Context, string, int64, string) error {
+	s.mu.Lock()
+	s.dead++
+	s.mu.Unlock()
+	return errors.New("database refused the dead letter")
+}
+
+// TestRelayRunWaitsForItsDeadLetter: when a run's first message fails for
+// good, the messages behind it are published only once it is dead-lettered;
+// if that fails, they are not published (the first is still the partition's
+// head, published or dead-lettered again after its lease lapses, and only
+// then the rest). Before, the rest of the run was published and marked
+// first and the first dead-lettered at the end of the batch: a dead letter
+// that failed (or a relay that died before it) left the first in the
+// outbox, to be published after the messages that follow it.
+func TestRelayRunWaitsForItsDeadLetter(t *testing.T) {
+	t.Parallel()
+	src := &deadFailSource{}
+	var mu sync.Mutex
+	var published []string
+	pub := outbox.PublisherFunc(func(_ context.Context, m *outbox.Stored) error {
+		if m.ID == "first" {
+			return outbox.Permanent(errors.New("no stream captures the subject"))
+		}
+		mu.Lock()
+		published = append(published, m.ID)
+		mu.Unlock()
+		return nil
+	})
+	r := &outbox.Relay{Source: src, Publisher: pub, StatsInterval: -1, Retention: -1}
+	if _, err := r.PublishBatch(context.Background()); err == nil {
+		t.Fatal("PublishBatch reported no error although the dead letter failed")
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	src.mu.Lock()
+	defer src.mu.Unlock()
+	if len(published) != 0 || len(src.marked) != 0 || src.dead != 1 {
+		t.Fatalf("published %v, marked %v behind a message whose dead letter failed (%d dead-letter attempts): they would go before it", published, src.marked, src.dead)
 	}
 }
