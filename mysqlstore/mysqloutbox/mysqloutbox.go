@@ -74,7 +74,7 @@ type Outbox struct {
 	mu     sync.Mutex
 	cursor string // the partition key the last lease's walk got to
 
-	insertSQL, lockHeadsSQL, runSQL, leaseSQL, readSQL, markSQL, retrySQL, deadInsertSQL, deadDeleteSQL, deleteSQL, statsSQL string
+	insertSQL, lockHeadsSQL, runSQL, leaseSQL, readSQL, markSQL, retrySQL, deadLockSQL, deadInsertSQL, deadDeleteSQL, deleteSQL, statsSQL string
 }
 
 var identRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,57}$`)
@@ -149,6 +149,7 @@ func New(db *sql.DB, cfg *Config) (*Outbox, error) {
 	o.markSQL = "UPDATE " + t + " SET published_at = NOW(6), lease_owner = NULL, lease_until = NULL WHERE seq IN (%s) AND lease_owner = ? AND published_at IS NULL"
 	o.retrySQL = "UPDATE " + t + " SET lease_owner = NULL, lease_until = NULL, next_attempt_at = NOW(6) + INTERVAL ? MICROSECOND, last_error = ? WHERE seq = ? AND lease_owner = ? AND published_at IS NULL"
 	o.deadInsertSQL = "INSERT INTO " + d + " (" + cols + ", reason) SELECT " + cols + ", ? FROM " + t + " WHERE seq = ? AND lease_owner = ? AND published_at IS NULL"
+	o.deadLockSQL = "SELECT 1 FROM " + t + " WHERE seq = ? AND lease_owner = ? AND published_at IS NULL FOR UPDATE"
 	o.deadDeleteSQL = "DELETE FROM " + t + " WHERE seq = ? AND lease_owner = ? AND published_at IS NULL"
 	o.deleteSQL = "DELETE FROM " + t + " WHERE published_at IS NOT NULL AND published_at < NOW(6) - INTERVAL ? MICROSECOND ORDER BY published_at LIMIT ?"
 	o.statsSQL = "SELECT (SELECT COUNT(*) FROM " + t + " WHERE published_at IS NULL), " +
@@ -598,6 +599,18 @@ func (o *Outbox) DeadLetter(ctx context.Context, owner string, seq int64, reason
 		return fmt.Errorf("mysqloutbox: dead-letter: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
+	// The row locked first: INSERT … SELECT at READ COMMITTED reads it
+	// without a lock, and another relay could take the lease (after it
+	// lapsed) between the copy and the DELETE, leaving the message in both
+	// tables.
+	var one int
+	err = tx.QueryRowContext(ctx, o.deadLockSQL, seq, owner).Scan(&one)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil // no longer this owner's
+	}
+	if err != nil {
+		return fmt.Errorf("mysqloutbox: dead-letter: %w", err)
+	}
 	if _, err := tx.ExecContext(ctx, o.deadInsertSQL, clean(reason), seq, owner); err != nil {
 		return fmt.Errorf("mysqloutbox: dead-letter: %w", err)
 	}
