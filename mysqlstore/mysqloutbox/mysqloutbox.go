@@ -143,7 +143,10 @@ func New(db *sql.DB, cfg *Config) (*Outbox, error) {
 	// Behind a locked head, the messages that follow it in its partition
 	// (up to ? of them, by the partition index), with whether each is free;
 	// Lease keeps them while they are (a run). One such subquery per head.
-	o.runSQL = "(SELECT partition_key, seq, lease_until IS NULL OR lease_until <= NOW(6) FROM " + t + " FORCE INDEX (partition_idx) WHERE partition_key = ? AND published_at IS NULL AND seq > ? ORDER BY seq LIMIT ?)"
+	// A locking read: another relay's lease of one of them (its head, once
+	// transactions overlapped) may be uncommitted, and a plain read would
+	// take the row as free, and the UPDATE lease it twice.
+	o.runSQL = "(SELECT partition_key, seq, lease_until IS NULL OR lease_until <= NOW(6) FROM " + t + " FORCE INDEX (partition_idx) WHERE partition_key = ? AND published_at IS NULL AND seq > ? ORDER BY seq LIMIT ? FOR UPDATE)"
 	o.leaseSQL = "UPDATE " + t + " SET lease_owner = ?, lease_until = NOW(6) + INTERVAL ? MICROSECOND, attempts = attempts + 1 WHERE seq IN (%s) AND published_at IS NULL"
 	o.readSQL = "SELECT seq, id, subject, payload, headers, partition_key, CAST(ROUND(UNIX_TIMESTAMP(enqueued_at) * 1000000) AS SIGNED), attempts - 1 FROM " + t + " WHERE seq IN (%s) AND lease_owner = ? AND published_at IS NULL ORDER BY seq"
 	o.markSQL = "UPDATE " + t + " SET published_at = NOW(6), lease_owner = NULL, lease_until = NULL WHERE seq IN (%s) AND lease_owner = ? AND published_at IS NULL"
