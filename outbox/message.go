@@ -30,7 +30,10 @@ type Message struct {
 	// ID. Messages of one request that share a Name are numbered in the order
 	// they are enqueued: the first gets MessageID(scope, key, Name), the n-th
 	// NthMessageID(scope, key, Name, n), the same on every attempt that
-	// enqueues them in the same order.
+	// enqueues them in the same order. Every Enqueue of the Name that passed
+	// its checks counts, one rolled back with a savepoint too: a handler that
+	// rolls back to a savepoint and enqueues the Name again gives the message
+	// that commits the next number, not the first's ID.
 	Name string
 	// Subject is where the publisher sends it: the NATS subject, the AMQP
 	// routing key, the Watermill topic. 1 to 255 bytes of printable UTF-8

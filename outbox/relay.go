@@ -215,8 +215,8 @@ func (r *Relay) PublishBatch(ctx context.Context) (int, error) {
 	}
 	// The batch by partition, each in seq order: a Source may lease, after
 	// the head of a partition, the messages that follow it (a run). A run is
-	// published in order, one message after the other, each marked before
-	// the next goes, and stops at the first failure that is not permanent;
+	// published in order, one message after the other, each marked (or
+	// dead-lettered) before the next goes, and stops at the first failure that is not permanent;
 	// runs of different partitions are published at once, Concurrency at a
 	// time, and the last (or only) message of each is marked with the rest
 	// of the batch.
@@ -233,6 +233,7 @@ func (r *Relay) PublishBatch(ctx context.Context) (int, error) {
 	}
 	errs := make([]error, len(batch))
 	marked := make([]bool, len(batch))
+	dead := make([]bool, len(batch)) // dead-lettered (or tried to) within its run
 	markErrs := make([]error, len(batch))
 	sem := make(chan struct{}, c.Concurrency)
 	var wg sync.WaitGroup
@@ -261,11 +262,35 @@ func (r *Relay) PublishBatch(ctx context.Context) (int, error) {
 					}
 					return
 				}
+				if errs[i] != nil && j < len(run)-1 {
+					// Dead-lettered before the next one goes, as a
+					// published one is marked: if it stayed in the outbox
+					// (a failed statement, a crash), it would be published
+					// again after the messages that follow it.
+					dctx, dcancel := context.WithTimeout(context.WithoutCancel(ctx), c.PublishTimeout)
+					err := c.Source.DeadLetter(dctx, c.Owner, batch[i].Seq, errs[i].Error())
+					dcancel()
+					dead[i] = true
+					if err != nil {
+						c.Observer.SourceFailed(err)
+						markErrs[i] = err
+						for _, k := range run[j+1:] {
+							errs[k] = errNotTried
+						}
+						return
+					}
+					c.Observer.DeadLettered(&batch[i], errs[i].Error())
+					continue
+				}
 				if errs[i] == nil && j < len(run)-1 {
 					// Marked before the next one goes: a crash then
 					// republishes this one message at most, so each
 					// partition's confirmations stay in seq order.
-					n, err := c.Source.MarkPublished(context.WithoutCancel(ctx), c.Owner, batch[i].Seq)
+					// Even after ctx ended (the broker confirmed it), but
+					// within PublishTimeout, like the batch's other marks.
+					mctx, mcancel := context.WithTimeout(context.WithoutCancel(ctx), c.PublishTimeout)
+					n, err := c.Source.MarkPublished(mctx, c.Owner, batch[i].Seq)
+					mcancel()
 					if err != nil || n != 1 {
 						if err != nil {
 							c.Observer.SourceFailed(err)
@@ -302,6 +327,9 @@ func (r *Relay) PublishBatch(ctx context.Context) (int, error) {
 				done = append(done, m.Seq)
 			}
 			c.Observer.Published(m, now.Sub(m.EnqueuedAt))
+		case dead[i]:
+			// Dead-lettered within its run; if that failed, it is
+			// the partition's head again once its lease lapses.
 		case IsPermanent(err):
 			reason := err.Error()
 			if e := c.Source.DeadLetter(fctx, c.Owner, m.Seq, reason); e != nil {
@@ -312,7 +340,7 @@ func (r *Relay) PublishBatch(ctx context.Context) (int, error) {
 			c.Observer.DeadLettered(m, reason)
 		case errors.Is(err, errNotTried):
 			// Behind a failure in its partition: released as it was.
-			if e := c.Source.Retry(context.WithoutCancel(ctx), c.Owner, m.Seq, 0, err.Error()); e != nil {
+			if e := c.Source.Retry(fctx, c.Owner, m.Seq, 0, err.Error()); e != nil {
 				c.Observer.SourceFailed(e)
 				srcErr = errors.Join(srcErr, e)
 			}

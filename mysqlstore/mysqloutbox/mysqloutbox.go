@@ -74,7 +74,7 @@ type Outbox struct {
 	mu     sync.Mutex
 	cursor string // the partition key the last lease's walk got to
 
-	insertSQL, lockHeadsSQL, runSQL, leaseSQL, readSQL, markSQL, retrySQL, deadInsertSQL, deadDeleteSQL, deleteSQL, statsSQL string
+	insertSQL, lockHeadsSQL, runSQL, leaseSQL, readSQL, markSQL, retrySQL, deadLockSQL, deadInsertSQL, deadDeleteSQL, deleteSQL, statsSQL string
 }
 
 var identRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,57}$`)
@@ -143,12 +143,16 @@ func New(db *sql.DB, cfg *Config) (*Outbox, error) {
 	// Behind a locked head, the messages that follow it in its partition
 	// (up to ? of them, by the partition index), with whether each is free;
 	// Lease keeps them while they are (a run). One such subquery per head.
-	o.runSQL = "(SELECT partition_key, seq, lease_until IS NULL OR lease_until <= NOW(6) FROM " + t + " FORCE INDEX (partition_idx) WHERE partition_key = ? AND published_at IS NULL AND seq > ? ORDER BY seq LIMIT ?)"
+	// A locking read: another relay's lease of one of them (its head, once
+	// transactions overlapped) may be uncommitted, and a plain read would
+	// take the row as free, and the UPDATE lease it twice.
+	o.runSQL = "(SELECT partition_key, seq, lease_until IS NULL OR lease_until <= NOW(6) FROM " + t + " FORCE INDEX (partition_idx) WHERE partition_key = ? AND published_at IS NULL AND seq > ? ORDER BY seq LIMIT ? FOR UPDATE)"
 	o.leaseSQL = "UPDATE " + t + " SET lease_owner = ?, lease_until = NOW(6) + INTERVAL ? MICROSECOND, attempts = attempts + 1 WHERE seq IN (%s) AND published_at IS NULL"
 	o.readSQL = "SELECT seq, id, subject, payload, headers, partition_key, CAST(ROUND(UNIX_TIMESTAMP(enqueued_at) * 1000000) AS SIGNED), attempts - 1 FROM " + t + " WHERE seq IN (%s) AND lease_owner = ? AND published_at IS NULL ORDER BY seq"
 	o.markSQL = "UPDATE " + t + " SET published_at = NOW(6), lease_owner = NULL, lease_until = NULL WHERE seq IN (%s) AND lease_owner = ? AND published_at IS NULL"
 	o.retrySQL = "UPDATE " + t + " SET lease_owner = NULL, lease_until = NULL, next_attempt_at = NOW(6) + INTERVAL ? MICROSECOND, last_error = ? WHERE seq = ? AND lease_owner = ? AND published_at IS NULL"
 	o.deadInsertSQL = "INSERT INTO " + d + " (" + cols + ", reason) SELECT " + cols + ", ? FROM " + t + " WHERE seq = ? AND lease_owner = ? AND published_at IS NULL"
+	o.deadLockSQL = "SELECT 1 FROM " + t + " WHERE seq = ? AND lease_owner = ? AND published_at IS NULL FOR UPDATE"
 	o.deadDeleteSQL = "DELETE FROM " + t + " WHERE seq = ? AND lease_owner = ? AND published_at IS NULL"
 	o.deleteSQL = "DELETE FROM " + t + " WHERE published_at IS NOT NULL AND published_at < NOW(6) - INTERVAL ? MICROSECOND ORDER BY published_at LIMIT ?"
 	o.statsSQL = "SELECT (SELECT COUNT(*) FROM " + t + " WHERE published_at IS NULL), " +
@@ -598,6 +602,18 @@ func (o *Outbox) DeadLetter(ctx context.Context, owner string, seq int64, reason
 		return fmt.Errorf("mysqloutbox: dead-letter: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
+	// The row locked first: INSERT … SELECT at READ COMMITTED reads it
+	// without a lock, and another relay could take the lease (after it
+	// lapsed) between the copy and the DELETE, leaving the message in both
+	// tables.
+	var one int
+	err = tx.QueryRowContext(ctx, o.deadLockSQL, seq, owner).Scan(&one)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil // no longer this owner's
+	}
+	if err != nil {
+		return fmt.Errorf("mysqloutbox: dead-letter: %w", err)
+	}
 	if _, err := tx.ExecContext(ctx, o.deadInsertSQL, clean(reason), seq, owner); err != nil {
 		return fmt.Errorf("mysqloutbox: dead-letter: %w", err)
 	}

@@ -62,6 +62,7 @@ func Run(t *testing.T, h Harness) {
 	t.Run("OppositeOrdersNoDeadlock", func(t *testing.T) { testOppositeOrders(t, h) })
 	t.Run("ConcurrentRelays", func(t *testing.T) { testConcurrent(t, h, false) })
 	t.Run("ConcurrentRelaysWithCrashes", func(t *testing.T) { testConcurrent(t, h, true) })
+	t.Run("RelaysWhileSerialisedWritersCommit", func(t *testing.T) { testLiveWriters(t, h) })
 }
 
 func must(t *testing.T, err error) {
@@ -354,6 +355,9 @@ type checker struct {
 	fails     atomic.Int64
 	failRate  float64
 	errs      []string
+	// partInFlight, when set, is the message of each partition in flight:
+	// a second one of the partition at once is an error.
+	partInFlight map[string]string
 }
 
 func (c *checker) Publish(ctx context.Context, m *outbox.Stored) error {
@@ -362,12 +366,21 @@ func (c *checker) Publish(ctx context.Context, m *outbox.Stored) error {
 		c.errs = append(c.errs, "message "+m.ID+" published by two relays at once")
 	}
 	c.inFlight[m.ID] = true
+	if c.partInFlight != nil {
+		if other, ok := c.partInFlight[m.PartitionKey]; ok {
+			c.errs = append(c.errs, fmt.Sprintf("partition %s: %s published while %s was in flight", m.PartitionKey, m.ID, other))
+		}
+		c.partInFlight[m.PartitionKey] = m.ID
+	}
 	c.mu.Unlock()
 	time.Sleep(time.Duration(rand.IntN(3)) * time.Millisecond)
 	fail := rand.Float64() < c.failRate
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	delete(c.inFlight, m.ID)
+	if c.partInFlight != nil && c.partInFlight[m.PartitionKey] == m.ID {
+		delete(c.partInFlight, m.PartitionKey)
+	}
 	if fail {
 		c.fails.Add(1)
 		return errors.New("outboxtest: broker unavailable")
@@ -648,5 +661,106 @@ func testOppositeOrders(t *testing.T, h Harness) {
 	must(t, err)
 	if st.Pending != int64(4*pairs) {
 		t.Fatalf("%d messages pending, want %d", st.Pending, 4*pairs)
+	}
+}
+
+// testLiveWriters: relays run while writers commit. Each writer's
+// transaction enqueues three messages into one partition, and the writers of
+// a partition are serialised (each begins after the previous one committed,
+// as a SELECT … FOR UPDATE on a business row would order them), so a
+// partition's seq order is its commit order: every partition's messages must
+// be confirmed in seq order, no two messages of one partition may be in
+// flight at once, and none twice at once, while heads come and go under the
+// relays' walks and publications fail and are retried.
+func testLiveWriters(t *testing.T, h Harness) {
+	if h.Begin == nil {
+		t.Skip("the harness has no Begin")
+	}
+	ctx := ctx30(t)
+	src := h.New(t)
+	const partitions, writers, perWriter, perTx = 16, 6, 15, 3
+	total := writers * perWriter * perTx
+	c := &checker{inFlight: map[string]bool{}, lastSeq: map[string]int64{}, confirmed: map[string]int{}, failRate: 0.1,
+		partInFlight: map[string]string{}}
+	rctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	start := make(chan struct{})
+	var relays sync.WaitGroup
+	nRelay := min(max(h.Relays, 2), 3)
+	if h.Serial {
+		nRelay = 1
+	}
+	for i := range nRelay {
+		r := &outbox.Relay{Source: src, Publisher: c, Owner: fmt.Sprint("live-", i), BatchSize: 5, PollInterval: 2 * time.Millisecond,
+			MinBackoff: time.Millisecond, MaxBackoff: 10 * time.Millisecond, LeaseDuration: 10 * time.Second, StatsInterval: -1, Retention: -1}
+		relays.Add(1)
+		go func() { defer relays.Done(); <-start; _ = r.Run(rctx) }()
+	}
+	var locks [partitions]sync.Mutex
+	var wg sync.WaitGroup
+	errc := make(chan error, writers)
+	for w := range writers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			for i := range perWriter {
+				p := (w*7 + i*5) % partitions
+				locks[p].Lock()
+				err := func() error {
+					enqueue, commit, err := h.Begin(ctx, src)
+					if err != nil {
+						return err
+					}
+					for k := range perTx {
+						if err := enqueue(msg(fmt.Sprintf("w%d-%02d-%d", w, i, k), fmt.Sprintf("L%02d", p))); err != nil {
+							return err
+						}
+					}
+					return commit()
+				}()
+				locks[p].Unlock()
+				if err != nil {
+					errc <- err
+					return
+				}
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	close(errc)
+	for err := range errc {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(45 * time.Second)
+	for {
+		st, err := src.Stats(ctx)
+		must(t, err)
+		if st.Pending == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d messages still unpublished", st.Pending, total)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	relays.Wait()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, e := range c.errs {
+		t.Error(e)
+	}
+	if len(c.confirmed) != total {
+		t.Fatalf("%d distinct messages confirmed, want %d", len(c.confirmed), total)
+	}
+	for id, n := range c.confirmed {
+		if n > 1 {
+			t.Errorf("message %s confirmed %d times with no crash", id, n)
+		}
+	}
+	if c.fails.Load() == 0 {
+		t.Fatal("no publication failed: the retries were not exercised")
 	}
 }
