@@ -109,7 +109,10 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Outbox, error) {
 	// order, at most $3 (ord: their place in it); locked with SKIP LOCKED
 	// (a head another relay is leasing right now is its). Then every head
 	// kept and, behind each, the messages that follow it in its partition
-	// while they are free (a run, up to $4), in seq order, up to $3 in all
+	// while they are free (a run, up to $4, read FOR UPDATE: a message whose
+	// lease by another relay is being committed is waited for and read as
+	// that lease left it, so the run stops there instead of leasing it a
+	// second time), in seq order, up to $3 in all
 	// (a run never takes a found head's place: that head would lose its
 	// turn). The cost is the partitions walked (at most 2·$6), not the
 	// messages behind their heads. A last row (its frontier column true)
@@ -145,7 +148,7 @@ runs AS (
   SELECT h.seq AS head, r.seq, r.free FROM heads h CROSS JOIN LATERAL (
     SELECT p.seq, (p.lease_until IS NULL OR p.lease_until <= now()) AS free FROM ` + t + ` p
     WHERE p.partition_key = h.partition_key AND p.published_at IS NULL AND p.seq > h.seq
-    ORDER BY p.seq LIMIT $4) r),
+    ORDER BY p.seq LIMIT $4 FOR UPDATE OF p) r),
 pick AS (
   SELECT seq, false AS run FROM heads
   UNION ALL
