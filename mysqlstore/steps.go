@@ -296,6 +296,21 @@ func (d *stepDB) query(ctx context.Context, q string, args ...any) (*sql.Rows, e
 	return st.QueryContext(ctx, args...)
 }
 
+// prepare prepares qs on the pool, for txExec and txQueryRow to use without
+// waiting for a connection of the pool while their transaction holds locks;
+// on a connection of its own there is nothing to prepare.
+func (d *stepDB) prepare(ctx context.Context, qs ...string) error {
+	if d.c != nil {
+		return nil
+	}
+	for _, q := range qs {
+		if _, err := d.s.stmt(ctx, q); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 func (d *stepDB) beginTx(ctx context.Context) (*sql.Tx, error) {
 	if d.c != nil {
 		return d.c.BeginTx(ctx, nil)
@@ -425,6 +440,12 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	uargs = append(uargs, now, now)               // started_at
 	uargs = append(uargs, now, fp)                // fingerprint
 	uargs = append(uargs, now, exp, fp, fp, exp)  // expires_at
+	// Prepare the transaction's statements before it takes the row's lock:
+	// preparing on the pool may wait for a connection, and the connections
+	// may all be held by BeginSteps queued on that lock.
+	if err := d.prepare(ctx, upsert, read); err != nil {
+		return nil, false, s.wrapSteps(err)
+	}
 	var rec *idem.StepRecord
 	var began bool
 	err = retry(ctx, func() error {

@@ -115,11 +115,14 @@ func (s *Store) Table() string { return s.table }
 // *sql.DB, which belongs to the caller.
 func (s *Store) Close() error {
 	s.mu.Lock()
-	defer s.mu.Unlock()
+	stmts := s.stmts
+	s.stmts = map[string]*sql.Stmt{}
+	s.mu.Unlock()
+	// Outside s.mu: closing waits for each statement's connections to finish
+	// what they run.
 	var errs []error
-	for q, st := range s.stmts {
+	for _, st := range stmts {
 		errs = append(errs, st.Close())
-		delete(s.stmts, q)
 	}
 	return errors.Join(errs...)
 }
@@ -215,14 +218,28 @@ func (s *Store) stmt(ctx context.Context, query string) (*sql.Stmt, error) {
 	if err != nil {
 		return nil, s.wrap(err)
 	}
+	return s.keep(query, st), nil
+}
+
+// keep stores st as the prepared statement for query and returns it, or,
+// when another goroutine stored one first, returns that one and closes st in
+// the background. Closing waits for the connection st was prepared on to
+// finish its statement, which may be waiting for a row lock held by the
+// caller's transaction, or by one whose goroutine waits for s.mu: closing
+// under s.mu, or before returning, deadlocked concurrent BeginSteps until
+// innodb_lock_wait_timeout (TestKeepNeverWaitsForABusyConnection).
+func (s *Store) keep(query string, st *sql.Stmt) *sql.Stmt {
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	if old := s.stmts[query]; old != nil {
-		_ = st.Close()
-		return old, nil
+	old := s.stmts[query]
+	if old == nil {
+		s.stmts[query] = st
 	}
-	s.stmts[query] = st
-	return st, nil
+	s.mu.Unlock()
+	if old != nil {
+		go func() { _ = st.Close() }()
+		return old
+	}
+	return st
 }
 
 // cached returns the prepared statement for query, or nil when it has not been
