@@ -63,8 +63,9 @@ type Store struct {
 
 	mu       sync.Mutex // guards preparing
 	prepared [numStmts]atomic.Pointer[sql.Stmt]
-	busy     *busyKeys  // shared by the Stores on db
-	st       stepsState // the step records' database (steps.go)
+	warmed   atomic.Bool // every statement is prepared (warm)
+	busy     *busyKeys   // shared by the Stores on db
+	st       stepsState  // the step records' database (steps.go)
 
 	sweepMu sync.Mutex  // serializes DeleteExpired
 	sweep   sweepCursor // where the last DeleteExpired stopped
@@ -228,6 +229,24 @@ func (s *Store) stmt(ctx context.Context, id stmtID, tx *sql.Tx) (*sql.Stmt, err
 	return st, nil
 }
 
+// warm prepares every statement before a transaction takes its connection.
+// Preparing on the pool needs a connection of its own: a transaction whose
+// first use of a statement prepared it waited for a second connection, for
+// ever when the pool has one (sql.DB.SetMaxOpenConns(1), common with SQLite;
+// TestOneConnectionPool).
+func (s *Store) warm(ctx context.Context) error {
+	if s.warmed.Load() {
+		return nil
+	}
+	for id := range stmtID(numStmts) {
+		if _, err := s.stmt(ctx, id, nil); err != nil {
+			return err
+		}
+	}
+	s.warmed.Store(true)
+	return nil
+}
+
 // Close releases the store's prepared statements and its step records'
 // database: the steps file beside the records' is closed when the last Store
 // on the *sql.DB that recorded steps is closed. It does not close the *sql.DB,
@@ -237,6 +256,7 @@ func (s *Store) Close() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var errs []error
+	s.warmed.Store(false)
 	for i := range s.prepared {
 		if st := s.prepared[i].Swap(nil); st != nil {
 			errs = append(errs, st.Close())

@@ -72,6 +72,9 @@ func (s *Store) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
 // lock (this process's writers queue in the gate), which the busy timeout
 // bounds; a COMMIT in WAL mode waits for nothing.
 func (s *Store) begin(ctx context.Context, t *storeTx) error {
+	if err := s.warm(ctx); err != nil {
+		return err
+	}
 	if err := s.gate.acquire(ctx, s.lockTimeout); err != nil {
 		return err
 	}
