@@ -457,18 +457,7 @@ func testConcurrent(t *testing.T, h Harness, crashes bool) {
 		go func() { defer wg.Done(); <-start; _ = r.Run(rctx) }()
 	}
 	close(start)
-	deadline := time.Now().Add(45 * time.Second)
-	for {
-		st, err := src.Stats(ctx)
-		must(t, err)
-		if st.Pending == 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d of %d messages still unpublished", st.Pending, nMsg)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	waitDrained(ctx, t, src, nMsg)
 	cancel()
 	wg.Wait()
 	c.mu.Lock()
@@ -733,18 +722,7 @@ func testLiveWriters(t *testing.T, h Harness) {
 	for err := range errc {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(45 * time.Second)
-	for {
-		st, err := src.Stats(ctx)
-		must(t, err)
-		if st.Pending == 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d of %d messages still unpublished", st.Pending, total)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	waitDrained(ctx, t, src, total)
 	cancel()
 	relays.Wait()
 	c.mu.Lock()
@@ -762,5 +740,23 @@ func testLiveWriters(t *testing.T, h Harness) {
 	}
 	if c.fails.Load() == 0 {
 		t.Fatal("no publication failed: the retries were not exercised")
+	}
+}
+
+// waitDrained waits up to 45 s for src to have no unpublished message, and
+// fails t if some of the total enqueued are still pending then.
+func waitDrained(ctx context.Context, t *testing.T, src outbox.Source, total int) {
+	t.Helper()
+	deadline := time.Now().Add(45 * time.Second)
+	for {
+		st, err := src.Stats(ctx)
+		must(t, err)
+		if st.Pending == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d messages still unpublished", st.Pending, total)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }
