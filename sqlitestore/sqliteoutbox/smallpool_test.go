@@ -30,9 +30,13 @@ import (
 func TestSmallPools(t *testing.T) {
 	t.Parallel()
 	pools := map[string]func(*sql.DB){
-		"one":   func(db *sql.DB) { db.SetMaxOpenConns(1) },
-		"two":   func(db *sql.DB) { db.SetMaxOpenConns(2) },
-		"churn": func(db *sql.DB) { db.SetMaxOpenConns(2); db.SetMaxIdleConns(0); db.SetConnMaxLifetime(time.Millisecond) },
+		"one": func(db *sql.DB) { db.SetMaxOpenConns(1) },
+		"two": func(db *sql.DB) { db.SetMaxOpenConns(2) },
+		"churn": func(db *sql.DB) {
+			db.SetMaxOpenConns(2)
+			db.SetMaxIdleConns(0)
+			db.SetConnMaxLifetime(time.Millisecond)
+		},
 	}
 	for name, setup := range pools {
 		for _, flow := range []idem.Flow{idem.FlowSingleTx, idem.FlowClaimComplete} {
