@@ -234,8 +234,9 @@
 // fence must hold from that check until the step's commit, so no takeover of
 // the record may commit in between: inside the handler's transaction (the
 // context carries Tx, as idem.Step passes it) none can, since that
-// transaction holds the records file's write lock, and the read is a WAL read
-// that waits for nothing; outside it (a claim-then-complete execution without
+// transaction holds the records file's write lock, and the read goes through
+// that transaction (another connection of the pool would need one that a
+// pool of one, SetMaxOpenConns(1), never frees while it runs); outside it (a claim-then-complete execution without
 // the store's transaction, a consumer, a direct call) BeginStep takes the
 // records file's write lock itself — its gate, then the steps', always in
 // that order — until the step has committed. So call BeginStep with Holder

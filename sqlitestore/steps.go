@@ -161,6 +161,37 @@ func (s *Store) StepsDB(ctx context.Context) (*sql.DB, error) {
 func (s *Store) steps(ctx context.Context, create bool) (*sql.DB, gate, error) {
 	st := &s.st
 	st.mu.Lock()
+	if st.ready {
+		defer st.mu.Unlock()
+		return st.db, st.gate, nil
+	}
+	opened := st.db != nil
+	st.mu.Unlock()
+	// The files are read before st.mu is taken, through the transaction in
+	// ctx when there is one: with a pool of one connection
+	// (SetMaxOpenConns(1)) the handler's transaction holds it, and a read of
+	// the records' *sql.DB would wait for it for ever, in st.mu, blocking
+	// every other step of the process too (TestOneConnectionPoolSteps).
+	var file string
+	if !opened {
+		var err error
+		if file, err = mainFile(ctx, s.records(ctx)); err != nil {
+			return nil, nil, wrap("steps: find the records' database file", err)
+		}
+		if st.cfg != nil {
+			if st.cfg == s.db {
+				return nil, nil, errors.New("sqlitestore: Config.StepsDB is the records' own *sql.DB; step records need a database file of their own (leave StepsDB nil for the file beside it)")
+			}
+			if err := checkOtherFile(ctx, file, st.cfg); err != nil {
+				return nil, nil, err
+			}
+		}
+	}
+	st.mu.Lock()
+	if st.db == nil && opened { // closed meanwhile: read the files again
+		st.mu.Unlock()
+		return s.steps(ctx, create)
+	}
 	defer st.mu.Unlock()
 	if st.ready {
 		return st.db, st.gate, nil
@@ -170,12 +201,10 @@ func (s *Store) steps(ctx context.Context, create bool) (*sql.DB, gate, error) {
 		if db == nil {
 			h := stepsHandleFor(s.db)
 			var err error
-			if db, err = h.open(ctx, s.db, create); err != nil || db == nil {
+			if db, err = h.open(ctx, file, s.db.Driver(), create); err != nil || db == nil {
 				return nil, nil, err
 			}
 			st.handle = h
-		} else if err := checkOtherFile(ctx, s.db, db); err != nil {
-			return nil, nil, err
 		}
 		st.db, st.gate = db, sharedFor(db).gate
 	}
@@ -222,8 +251,10 @@ func (s *Store) addFingerprint(ctx context.Context, db *sql.DB) error {
 	return nil
 }
 
-// mainFile returns the file of db's main database ("" in memory).
-func mainFile(ctx context.Context, db *sql.DB) (string, error) {
+// mainFile returns the file of the main database db reads ("" in memory).
+func mainFile(ctx context.Context, db interface {
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+}) (string, error) {
 	rows, err := db.QueryContext(ctx, `PRAGMA database_list`)
 	if err != nil {
 		return "", err
@@ -247,17 +278,10 @@ func mainFile(ctx context.Context, db *sql.DB) (string, error) {
 	return "", errors.New("PRAGMA database_list names no main database")
 }
 
-// checkOtherFile refuses a Config.StepsDB on the records' own file: a step
-// inside the handler's transaction would wait for the write lock that
-// transaction holds.
-func checkOtherFile(ctx context.Context, db, steps *sql.DB) error {
-	if steps == db {
-		return errors.New("sqlitestore: Config.StepsDB is the records' own *sql.DB; step records need a database file of their own (leave StepsDB nil for the file beside it)")
-	}
-	a, err := mainFile(ctx, db)
-	if err != nil {
-		return wrap("steps: find the records' database file", err)
-	}
+// checkOtherFile refuses a Config.StepsDB on the records' own file (file, ""
+// in memory): a step inside the handler's transaction would wait for the
+// write lock that transaction holds.
+func checkOtherFile(ctx context.Context, a string, steps *sql.DB) error {
 	b, err := mainFile(ctx, steps)
 	if err != nil {
 		return wrap("steps: find Config.StepsDB's file", err)
@@ -270,18 +294,14 @@ func checkOtherFile(ctx context.Context, db, steps *sql.DB) error {
 
 // open opens the steps database beside db's main file, once, for one more
 // Store (see release).
-func (h *stepsHandle) open(ctx context.Context, db *sql.DB, create bool) (*sql.DB, error) {
+func (h *stepsHandle) open(ctx context.Context, file string, drv driver.Driver, create bool) (*sql.DB, error) {
 	h.once.Lock()
 	defer h.once.Unlock()
 	if h.db != nil {
 		h.refs++
 		return h.db, nil
 	}
-	file, err := mainFile(ctx, db)
-	if err != nil {
-		return nil, wrap("steps: find the records' database file", err)
-	}
-	c := &stepsConnector{drv: db.Driver()}
+	c := &stepsConnector{drv: drv}
 	if file == "" {
 		c.dsn = ":memory:"
 	} else {
@@ -487,14 +507,14 @@ func (s *Store) BeginStep(ctx context.Context, req idem.BeginStepRequest) (*idem
 	// the record taken over, a reader of the steps seeing no step, the old
 	// holder's step appearing after) would not be linearizable. A takeover is
 	// a write of the records file: inside the handler's transaction (Tx in
-	// ctx), which holds that file's write lock, none can happen; otherwise the
+	// ctx), which holds that file's write lock, none can happen, and the
+	// check reads through that transaction (the pool may have no other
+	// connection to give while it holds one); otherwise the
 	// check runs in a transaction of the records file that takes its write
 	// lock and keeps it until the step has committed (the records' gate, then
 	// the steps', always in that order).
-	var fence interface {
-		QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
-	} = s.db
-	if req.Holder && !s.inOwnTx(ctx) {
+	var fence recordsReader = s.records(ctx)
+	if req.Holder && fence == recordsReader(s.db) {
 		unlockMain, err := s.gate.lock(ctx, s.lockTimeout)
 		if err != nil {
 			return nil, false, wrap("begin step", err)
@@ -630,7 +650,7 @@ func (s *Store) peekStep(ctx context.Context, db *sql.DB, req idem.BeginStepRequ
 		}
 	}
 	if req.Holder {
-		held, err := s.holds(ctx, s.db, req)
+		held, err := s.holds(ctx, s.records(ctx), req)
 		if err != nil {
 			return nil, false, err
 		}
@@ -665,12 +685,27 @@ func (s *Store) otherStep(ctx context.Context, q interface {
 	return rec, nil
 }
 
-// inOwnTx reports whether ctx carries an open transaction of a Store on the
-// store's *sql.DB (BeginTx, BeginLocked): it holds the records file's write
-// lock, so no request record of that file can change until it ends.
-func (s *Store) inOwnTx(ctx context.Context) bool {
-	t, _ := ctx.Value(txKey{}).(*storeTx)
-	return t != nil && t.s.db == s.db && !t.ended.Load()
+// recordsReader reads the records' database.
+type recordsReader interface {
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}
+
+// records returns what reads the records' database for a call with ctx: the
+// open transaction of a Store on the store's *sql.DB that ctx carries
+// (BeginTx, BeginLocked), or else the *sql.DB. That transaction holds the
+// records file's write lock, so no request record of that file can change
+// until it ends. A read of the
+// *sql.DB beside that transaction would need a second connection, and wait
+// for ever for one on a pool of one (SetMaxOpenConns(1)): the transaction
+// holds it until the handler returns (TestOneConnectionPoolSteps). Inside
+// it the read sees what another connection would, but for the
+// transaction's own writes: it holds the write lock.
+func (s *Store) records(ctx context.Context) recordsReader {
+	if t, _ := ctx.Value(txKey{}).(*storeTx); t != nil && t.s.db == s.db && !t.ended.Load() {
+		return t.tx
+	}
+	return s.db
 }
 
 // stepExec runs one write statement on the step records' database under its

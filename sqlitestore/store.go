@@ -206,8 +206,16 @@ type row struct {
 
 // stmt returns statement id, prepared once per Store (and by database/sql once
 // per connection); within tx when tx is not nil.
+//
+// Within tx a statement the Store has not prepared (Close released it while
+// tx was open) is prepared on tx's own connection: preparing on the pool
+// needs a second connection, which a pool of one never gives while tx holds
+// its only one (TestTxAfterCloseOneConnection).
 func (s *Store) stmt(ctx context.Context, id stmtID, tx *sql.Tx) (*sql.Stmt, error) {
 	st := s.prepared[id].Load()
+	if st == nil && tx != nil {
+		return tx.PrepareContext(ctx, s.q[id])
+	}
 	if st == nil {
 		s.mu.Lock()
 		defer s.mu.Unlock()
