@@ -1,0 +1,149 @@
+package pgstore_test
+
+import (
+	"context"
+	"fmt"
+	"net/http/httptest"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/testenv"
+	"github.com/idemkit/idem/pgstore"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// idlePool is a pool on testenv.PostgresURL whose sessions carry params as
+// session settings (RuntimeParams).
+func idlePool(t testing.TB, maxConns int32, params map[string]string) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = maxConns
+	for k, v := range params {
+		cfg.ConnConfig.RuntimeParams[k] = v
+	}
+	pool, err := pgxpool.NewWithConfig(ctx30(t), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// TestIdleInTransactionTimeout: a handler that sleeps in its transaction past
+// the session's idle_in_transaction_session_timeout has its session ended by
+// PostgreSQL. Its order is rolled back with it, so the request must not be
+// recorded as done; a retry with the same key must execute once and be
+// recorded (one order in all).
+func TestIdleInTransactionTimeout(t *testing.T) {
+	t.Parallel()
+	db := newTestDB(t, 4)
+	for _, f := range flows {
+		t.Run(f.name, func(t *testing.T) {
+			app := newOrderApp(t, db)
+			pool := idlePool(t, 4, map[string]string{"idle_in_transaction_session_timeout": "300ms"})
+			s, err := pgstore.New(pool, &pgstore.Config{Table: db.table("records")})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Migrate(ctx30(t)); err != nil {
+				t.Fatal(err)
+			}
+			app.store = s
+			var calls atomic.Int64
+			h := app.handler("o", func(ctx context.Context) {
+				if calls.Add(1) == 1 {
+					time.Sleep(1500 * time.Millisecond)
+				}
+			})
+			srv := httptest.NewServer(app.serve(t, &idem.Config{Flow: f.flow}, h))
+			defer srv.Close()
+			first := post(srv.URL, "k1", []byte(`{}`))
+			t.Logf("first: %d %s %v", first.status, first.body, first.err)
+			if first.status == 201 {
+				t.Errorf("first answer 201 although its transaction was ended by the server")
+			}
+			if n := app.ordersFor(t, "k1", ""); n != 0 {
+				t.Errorf("%d orders after the killed transaction, want 0", n)
+			}
+			var last answer
+			for i := range 5 {
+				last = post(srv.URL, "k1", []byte(`{}`))
+				t.Logf("retry %d: %d %s %v", i, last.status, last.body, last.err)
+				if last.status == 201 {
+					break
+				}
+				time.Sleep(300 * time.Millisecond)
+			}
+			if last.status != 201 {
+				t.Errorf("retry answered %d %s, want 201", last.status, last.body)
+			}
+			again := post(srv.URL, "k1", []byte(`{}`))
+			if again.status != 201 || !again.replayed {
+				t.Errorf("replay: %d replayed=%v %s", again.status, again.replayed, again.body)
+			}
+			if n := app.ordersFor(t, "k1", ""); n != 1 {
+				t.Errorf("%d orders, want 1", n)
+			}
+		})
+	}
+}
+
+// TestIdleSessionTimeout: PostgreSQL ends pooled sessions that sat idle past
+// idle_session_timeout. A request that comes after must still succeed: the
+// store must not hand the client an error for a session that died before it
+// sent anything.
+func TestIdleSessionTimeout(t *testing.T) {
+	t.Parallel()
+	db := newTestDB(t, 4)
+	for _, f := range flows {
+		t.Run(f.name, func(t *testing.T) {
+			app := newOrderApp(t, db)
+			pool := idlePool(t, 4, map[string]string{"idle_session_timeout": "200ms"})
+			s, err := pgstore.New(pool, &pgstore.Config{Table: db.table("records")})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Migrate(ctx30(t)); err != nil {
+				t.Fatal(err)
+			}
+			app.store = s
+			obs := idem.ObserverFunc(func(_ context.Context, e idem.Event) {
+				if e.Err != nil {
+					t.Logf("event %v: %v", e.Kind, e.Err)
+				}
+			})
+			srv := httptest.NewServer(app.serve(t, &idem.Config{Flow: f.flow, Observer: obs}, app.handler("o", nil)))
+			defer srv.Close()
+			const n = 8 // twice the pool: every pooled session dies between rounds
+			for round := range 4 {
+				var wg sync.WaitGroup
+				for i := range n {
+					key := fmt.Sprintf("k%d-%d", round, i)
+					wg.Go(func() {
+						a := post(srv.URL, key, []byte(`{}`))
+						if a.status != 201 || a.replayed {
+							t.Errorf("%s: %d replayed=%v %s %v", key, a.status, a.replayed, a.body, a.err)
+						}
+					})
+				}
+				wg.Wait()
+				for i := range n {
+					key := fmt.Sprintf("k%d-%d", round, i)
+					if got := app.ordersFor(t, key, ""); got != 1 {
+						t.Errorf("%s: %d orders, want 1", key, got)
+					}
+					if r := post(srv.URL, key, []byte(`{}`)); r.status != 201 || !r.replayed {
+						t.Errorf("%s again: %d replayed=%v %s %v", key, r.status, r.replayed, r.body, r.err)
+					}
+				}
+				time.Sleep(500 * time.Millisecond) // past idle_session_timeout, short of pgxpool's ping after 1s idle
+			}
+		})
+	}
+}
