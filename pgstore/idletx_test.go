@@ -147,3 +147,57 @@ func TestIdleSessionTimeout(t *testing.T) {
 		})
 	}
 }
+
+// TestTerminatedIdleSessions: the pool's idle sessions are ended by
+// pg_terminate_backend (an operator's cleanup, a failover's) while the pool is
+// busy, so pgxpool does not ping them before it hands them out (it pings only
+// connections idle for more than a second). The requests that come next must
+// all execute once: none answers 503 for a session that died before it read
+// the request's first statement.
+func TestTerminatedIdleSessions(t *testing.T) {
+	t.Parallel()
+	db := newTestDB(t, 4)
+	for _, f := range flows {
+		t.Run(f.name, func(t *testing.T) {
+			app := newOrderApp(t, db)
+			name := "idem_test_" + randomHex(6)
+			pool := idlePool(t, 4, map[string]string{"application_name": name})
+			s, err := pgstore.New(pool, &pgstore.Config{Table: db.table("records")})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Migrate(ctx30(t)); err != nil {
+				t.Fatal(err)
+			}
+			app.store = s
+			srv := httptest.NewServer(app.serve(t, &idem.Config{Flow: f.flow}, app.handler("o", nil)))
+			defer srv.Close()
+			const n = 8 // twice the pool
+			for round := range 4 {
+				var wg sync.WaitGroup
+				for i := range n {
+					key := fmt.Sprintf("k%d-%d", round, i)
+					wg.Go(func() {
+						a := post(srv.URL, key, []byte(`{}`))
+						if a.status != 201 || a.replayed {
+							t.Errorf("%s: %d replayed=%v %s %v", key, a.status, a.replayed, a.body, a.err)
+						}
+					})
+				}
+				wg.Wait()
+				for i := range n {
+					key := fmt.Sprintf("k%d-%d", round, i)
+					if got := app.ordersFor(t, key, ""); got != 1 {
+						t.Errorf("%s: %d orders, want 1", key, got)
+					}
+				}
+				// End the pool's sessions, all idle now, and wait until they are gone.
+				db.exec(t, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1`, name)
+				deadline := time.Now().Add(10 * time.Second)
+				for db.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1`, name) > 0 && time.Now().Before(deadline) {
+					time.Sleep(10 * time.Millisecond)
+				}
+			}
+		})
+	}
+}
