@@ -201,3 +201,49 @@ func TestTerminatedIdleSessions(t *testing.T) {
 		})
 	}
 }
+
+// terminateIdle ends every session whose application_name is name (all idle)
+// and waits until they are gone.
+func (db *testDB) terminateIdle(t testing.TB, name string) {
+	t.Helper()
+	db.exec(t, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1`, name)
+	deadline := time.Now().Add(10 * time.Second)
+	for db.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1`, name) > 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestStepsAfterTerminatedIdleSessions: the step statements (BeginStep,
+// FinishStep, GetSteps) succeed on a pool whose idle sessions were all ended
+// (pg_terminate_backend) since its last statement.
+func TestStepsAfterTerminatedIdleSessions(t *testing.T) {
+	t.Parallel()
+	db := newTestDB(t, 2)
+	name := "idem_test_" + randomHex(6)
+	pool := idlePool(t, 4, map[string]string{"application_name": name})
+	s, err := pgstore.New(pool, &pgstore.Config{Table: db.table("records")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Migrate(ctx30(t)); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	for i := range 4 {
+		step := fmt.Sprintf("n%d", i)
+		db.terminateIdle(t, name)
+		if _, began, err := s.BeginStep(ctx30(t), idem.BeginStepRequest{Scope: "s", Key: "k", Name: step, Owner: "o",
+			DerivedKey: "idem_x", Now: now, ExpiresAt: now.Add(time.Hour)}); err != nil || !began {
+			t.Fatalf("BeginStep %s: began %v, %v", step, began, err)
+		}
+		db.terminateIdle(t, name)
+		if err := s.FinishStep(ctx30(t), "s", "k", step, "o", idem.StepDone, []byte("r"), now); err != nil {
+			t.Fatalf("FinishStep %s: %v", step, err)
+		}
+		db.terminateIdle(t, name)
+		recs, err := s.GetSteps(ctx30(t), "s", "k", now)
+		if err != nil || len(recs) != i+1 {
+			t.Fatalf("GetSteps: %d records, %v; want %d", len(recs), err, i+1)
+		}
+	}
+}
