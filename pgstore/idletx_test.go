@@ -247,3 +247,104 @@ func TestStepsAfterTerminatedIdleSessions(t *testing.T) {
 		}
 	}
 }
+
+// TestListenerOutlivesIdleSessionTimeout: the LISTEN connection of a store
+// whose pool sets idle_session_timeout idles by design, between
+// notifications; PostgreSQL must not end it every idle_session_timeout (each
+// drop wakes every waiter, and reconnects after a growing pause during which
+// notifications are missed). The session stays the same, no waiter is woken
+// for nothing, and a notification arrives.
+func TestListenerOutlivesIdleSessionTimeout(t *testing.T) {
+	t.Parallel()
+	db := newTestDB(t, 2)
+	name := "idem_test_" + randomHex(6)
+	pool := idlePool(t, 2, map[string]string{"application_name": name, "idle_session_timeout": "300ms"})
+	s, err := pgstore.New(pool, &pgstore.Config{Table: db.table("records")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Migrate(ctx30(t)); err != nil {
+		t.Fatal(err)
+	}
+	ch, done, err := s.WatchOutcome(ctx30(t), "s", "k")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer done()
+	listenPID := func() int {
+		var pid int
+		err := db.pool.QueryRow(ctx30(t), `SELECT coalesce(max(pid), 0) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN%'`, name).Scan(&pid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return pid
+	}
+	before := listenPID()
+	time.Sleep(1500 * time.Millisecond) // five idle_session_timeouts
+	if after := listenPID(); before == 0 || after != before {
+		t.Errorf("LISTEN session %d, then %d: the listener's session was ended and replaced", before, after)
+	}
+	select {
+	case <-ch:
+		t.Errorf("the watcher was woken with no notification (the LISTEN connection dropped)")
+	default:
+	}
+	if err := s.NotifyOutcome(ctx30(t), "s", "k"); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-ch:
+	case <-time.After(10 * time.Second):
+		t.Errorf("no notification within 10s")
+	}
+}
+
+// TestListenerReconnectsPromptlyEveryTime: the LISTEN connection is ended
+// (pg_terminate_backend) eight times, each after it was back up. Each time it
+// must come back after the first short pause, not after one that doubled with
+// every drop in the store's life (about 13 s in all for the eight before).
+func TestListenerReconnectsPromptlyEveryTime(t *testing.T) {
+	t.Parallel()
+	db := newTestDB(t, 2)
+	name := "idem_test_" + randomHex(6)
+	pool := idlePool(t, 2, map[string]string{"application_name": name})
+	s, err := pgstore.New(pool, &pgstore.Config{Table: db.table("records")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Migrate(ctx30(t)); err != nil {
+		t.Fatal(err)
+	}
+	_, done, err := s.WatchOutcome(ctx30(t), "s", "k")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer done()
+	listenPID := func() int {
+		var pid int
+		err := db.pool.QueryRow(ctx30(t), `SELECT coalesce(max(pid), 0) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN%'`, name).Scan(&pid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return pid
+	}
+	start := time.Now()
+	pid := listenPID()
+	for i := range 8 {
+		db.exec(t, `SELECT pg_terminate_backend($1)`, pid)
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			if p := listenPID(); p != 0 && p != pid {
+				pid = p
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("drop %d: the LISTEN connection is not back after 30s", i)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	if took := time.Since(start); took > 8*time.Second {
+		t.Errorf("eight reconnections took %v: the pause before reconnecting grows with every drop", took)
+	}
+}
