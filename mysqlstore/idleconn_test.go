@@ -1,6 +1,7 @@
 package mysqlstore_test
 
 import (
+	"database/sql"
 	"fmt"
 	"io"
 	"net/http"
@@ -132,6 +133,81 @@ func testWaitTimeoutEndsSleepingHandler(t *testing.T) {
 			}
 			if got := countOrders(t, db, orders, "k"); got != 1 {
 				t.Errorf("%d orders, want 1", got)
+			}
+		})
+	}
+}
+
+// poolConnIDs returns the server's connection IDs of n connections of db,
+// holding them all at once (so that they are n different ones) and handing
+// them back idle.
+func poolConnIDs(t *testing.T, db *sql.DB, n int) []int64 {
+	t.Helper()
+	var ids []int64
+	var conns []*sql.Conn
+	for range n {
+		c, err := db.Conn(ctxFor(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		conns = append(conns, c)
+		var id int64
+		if err := c.QueryRowContext(ctxFor(t), "SELECT CONNECTION_ID()").Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	for _, c := range conns {
+		_ = c.Close()
+	}
+	return ids
+}
+
+// TestKilledIdleConns: the pool's idle connections, with the store's
+// prepared statements on them, are ended by KILL CONNECTION (an operator's
+// cleanup, a failover) between rounds of concurrent requests. Every request
+// of the next round must execute once and replay.
+func TestKilledIdleConns(t *testing.T) { bothModes(t, testKilledIdleConns) }
+
+func testKilledIdleConns(t *testing.T) {
+	admin := openDB(t, 2, "")
+	for _, f := range idleFlows {
+		t.Run(f.name, func(t *testing.T) {
+			db := openDB(t, 4, "")
+			s := newStore(t, db)
+			orders := ordersTable(t, db)
+			mw, err := idem.New(s, &idem.Config{Flow: f.flow})
+			if err != nil {
+				t.Fatal(err)
+			}
+			srv := httptest.NewServer(mw(orderHandler(orders, nil)))
+			defer srv.Close()
+			const n = 8 // twice the pool
+			for round := range 3 {
+				var wg sync.WaitGroup
+				for i := range n {
+					key := fmt.Sprintf("k%d-%d", round, i)
+					wg.Go(func() {
+						if st, rep, body := postItem(srv.URL, key, key); st != 201 || rep {
+							t.Errorf("%s: %d replayed=%v %s", key, st, rep, body)
+						}
+					})
+				}
+				wg.Wait()
+				for i := range n {
+					key := fmt.Sprintf("k%d-%d", round, i)
+					if got := countOrders(t, db, orders, key); got != 1 {
+						t.Errorf("%s: %d orders, want 1", key, got)
+					}
+					if st, rep, body := postItem(srv.URL, key, key); st != 201 || !rep {
+						t.Errorf("%s again: %d replayed=%v %s", key, st, rep, body)
+					}
+				}
+				for _, id := range poolConnIDs(t, db, 4) {
+					if _, err := admin.ExecContext(ctxFor(t), fmt.Sprintf("KILL CONNECTION %d", id)); err != nil {
+						t.Fatal(err)
+					}
+				}
 			}
 		})
 	}
