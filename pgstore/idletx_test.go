@@ -348,3 +348,71 @@ func TestListenerReconnectsPromptlyEveryTime(t *testing.T) {
 		t.Errorf("eight reconnections took %v: the pause before reconnecting grows with every drop", took)
 	}
 }
+
+// TestIdleInTransactionTimeoutWithDuplicates: under REPEATABLE READ (the
+// claim's transaction holds the key's advisory lock) a handler sleeps in its
+// transaction past idle_in_transaction_session_timeout while duplicates with
+// its key keep coming. The server ends its session, which frees the lock; no
+// duplicate may run alongside and none may get a stored answer for the
+// rolled-back order; in the end exactly one order is committed and replayed.
+func TestIdleInTransactionTimeoutWithDuplicates(t *testing.T) {
+	t.Parallel()
+	db := newTestDB(t, 4)
+	for _, iso := range []string{"repeatable read", "read committed"} {
+		t.Run(iso, func(t *testing.T) {
+			app := newOrderApp(t, db)
+			pool := idlePool(t, 8, map[string]string{"idle_in_transaction_session_timeout": "300ms", "default_transaction_isolation": iso})
+			s, err := pgstore.New(pool, &pgstore.Config{Table: db.table("records")})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Migrate(ctx30(t)); err != nil {
+				t.Fatal(err)
+			}
+			app.store = s
+			var calls atomic.Int64
+			h := app.handler("o", func(ctx context.Context) {
+				if calls.Add(1) == 1 {
+					time.Sleep(2 * time.Second)
+				}
+			})
+			srv := httptest.NewServer(app.serve(t, &idem.Config{Flow: idem.FlowClaimComplete, Lease: 2 * time.Second}, h))
+			defer srv.Close()
+			var wg sync.WaitGroup
+			var created atomic.Int64
+			var bodies sync.Map
+			for i := range 12 {
+				wg.Go(func() {
+					time.Sleep(time.Duration(i) * 250 * time.Millisecond)
+					a := post(srv.URL, "k1", []byte(`{}`))
+					if a.status == 201 {
+						created.Add(1)
+						bodies.Store(string(a.body), true)
+					} else if a.status != 409 && a.status != 503 {
+						t.Errorf("duplicate %d: %d %s", i, a.status, a.body)
+					}
+				})
+			}
+			wg.Wait()
+			var last answer
+			for range 20 {
+				if last = post(srv.URL, "k1", []byte(`{}`)); last.status == 201 {
+					break
+				}
+				time.Sleep(300 * time.Millisecond)
+			}
+			if last.status != 201 {
+				t.Fatalf("final: %d %s", last.status, last.body)
+			}
+			bodies.Store(string(last.body), true)
+			n := 0
+			bodies.Range(func(_, _ any) bool { n++; return true })
+			if n != 1 {
+				t.Errorf("%d different 201 bodies, want 1", n)
+			}
+			if got := app.ordersFor(t, "k1", ""); got != 1 {
+				t.Errorf("%d orders, want 1 (%d calls)", got, calls.Load())
+			}
+		})
+	}
+}
