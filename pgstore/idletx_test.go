@@ -12,6 +12,7 @@ import (
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/internal/testenv"
 	"github.com/idemkit/idem/pgstore"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -414,5 +415,42 @@ func TestIdleInTransactionTimeoutWithDuplicates(t *testing.T) {
 				t.Errorf("%d orders, want 1 (%d calls)", got, calls.Load())
 			}
 		})
+	}
+}
+
+// TestRefusedConnectionNotRetried: a connection the server refuses to open
+// with a FATAL error (here: no such database; also "the database system is
+// shutting down") is not a pooled session that died while idle: the store
+// does not try again, once per connection of the pool, on a server that
+// refuses them all.
+func TestRefusedConnectionNotRetried(t *testing.T) {
+	t.Parallel()
+	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.Database = "idem_no_such_db_" + randomHex(4)
+	cfg.MaxConns = 20
+	var dials atomic.Int64
+	cfg.BeforeConnect = func(context.Context, *pgx.ConnConfig) error {
+		dials.Add(1)
+		return nil
+	}
+	pool, err := pgxpool.NewWithConfig(ctx30(t), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	s, err := pgstore.New(pool, &pgstore.Config{Table: "idem_records"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	_, _, err = s.Claim(ctx30(t), idem.ClaimRequest{Scope: "s", Key: "k", Fingerprint: "f", Token: "t", Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)})
+	if err == nil {
+		t.Fatal("Claim on a database that does not exist succeeded")
+	}
+	if n := dials.Load(); n > 2 {
+		t.Errorf("%d connection attempts for one Claim, want 1 (%v)", n, err)
 	}
 }

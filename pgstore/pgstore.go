@@ -471,10 +471,12 @@ func (s *Store) execRCRound(ctx context.Context, sql string, args ...any) (tag p
 // first (the session ended while idle, by idle_session_timeout or
 // pg_terminate_backend, and the server never read what followed). The round
 // trip may then be sent again on another connection. A broken connection
-// (EOF, reset) does not count: the server may have run what it was sent.
+// (EOF, reset) does not count: the server may have run what it was sent; nor
+// does a connection the server refused to open.
 func deadSession(err error) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Severity == "FATAL"
+	var connErr *pgconn.ConnectError // a new connection refused ("shutting down"): no retry
+	return errors.As(err, &pgErr) && pgErr.Severity == "FATAL" && !errors.As(err, &connErr)
 }
 
 // idleSessionEnded reports whether err says that the session had ended while

@@ -366,7 +366,9 @@ func (o *Outbox) lease(ctx context.Context, owner string, n int, d time.Duration
 // mark, a release or a dead-letter of its own lease.
 func (o *Outbox) retryDead(ctx context.Context, err error, tries int) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Severity == "FATAL" && ctx.Err() == nil && tries <= int(o.pool.Config().MaxConns)
+	var connErr *pgconn.ConnectError // a new connection refused ("shutting down"): no retry
+	return errors.As(err, &pgErr) && pgErr.Severity == "FATAL" && !errors.As(err, &connErr) &&
+		ctx.Err() == nil && tries <= int(o.pool.Config().MaxConns)
 }
 
 // exec runs one of the relay's statements on the pool, again on another
