@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http/httptest"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -62,9 +63,29 @@ func TestIdleInTransactionTimeout(t *testing.T) {
 					time.Sleep(1500 * time.Millisecond)
 				}
 			})
-			srv := httptest.NewServer(app.serve(t, &idem.Config{Flow: f.flow}, h))
+			var errs []error
+			var mu sync.Mutex
+			obs := idem.ObserverFunc(func(_ context.Context, e idem.Event) {
+				if e.Err != nil {
+					mu.Lock()
+					errs = append(errs, e.Err)
+					mu.Unlock()
+				}
+			})
+			srv := httptest.NewServer(app.serve(t, &idem.Config{Flow: f.flow, Observer: obs}, h))
 			defer srv.Close()
 			first := post(srv.URL, "k1", []byte(`{}`))
+			mu.Lock()
+			if len(errs) == 0 {
+				t.Errorf("no error observed for the first request")
+			}
+			for _, err := range errs {
+				// The store knows nothing was committed, and why.
+				if msg := err.Error(); strings.Contains(msg, "may or may not have committed") || !strings.Contains(msg, "nothing was committed") || !strings.Contains(msg, "idle_in_transaction_session_timeout") {
+					t.Errorf("observed %v; want it to say that nothing was committed because of idle_in_transaction_session_timeout", err)
+				}
+			}
+			mu.Unlock()
 			t.Logf("first: %d %s %v", first.status, first.body, first.err)
 			if first.status == 201 {
 				t.Errorf("first answer 201 although its transaction was ended by the server")

@@ -294,6 +294,16 @@ func (t *txEnd) commitWith(ctx context.Context, op, stmt string, args []any, fen
 	if err == nil {
 		return nil
 	}
+	if idleTxTimeout(err) {
+		// Raised only while the session idled in the transaction: before
+		// PostgreSQL read anything of the batch.
+		return fmt.Errorf("pgstore: %s: PostgreSQL ended the session before COMMIT, its transaction idle for longer than idle_in_transaction_session_timeout, so nothing was committed; keep the handler's transaction from idling that long (or raise the setting for this pool), and retry: %w", op, err)
+	}
+	if args != nil && deadSession(stmtErr) {
+		// Its session was over before it ran the statement sent ahead of
+		// COMMIT: the COMMIT never ran.
+		return fmt.Errorf("pgstore: %s: PostgreSQL had ended the transaction's session before COMMIT, so nothing was committed; retry: %w", op, err)
+	}
 	if pc.IsClosed() && !isServerAnswer(err) {
 		return fmt.Errorf("pgstore: commit: the connection failed before PostgreSQL confirmed the COMMIT, so the transaction may or may not have committed: %w", err)
 	}
@@ -404,6 +414,14 @@ func isServerAnswer(err error) bool {
 	}
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Severity != "FATAL" && pgErr.Severity != "PANIC"
+}
+
+// idleTxTimeout reports whether err is PostgreSQL's FATAL error for a session
+// that sat idle in its transaction past idle_in_transaction_session_timeout
+// (25P03).
+func idleTxTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "25P03"
 }
 
 // isFenceError reports whether err is the error a statement sent with COMMIT
