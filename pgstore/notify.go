@@ -12,6 +12,7 @@ import (
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/internal/wakehub"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -123,10 +124,16 @@ func (l *listener) release() {
 // to the hub. When the connection drops, every watcher is woken (it may have
 // missed one) and it connects again.
 func (l *listener) run(ctx context.Context) {
-	backoff := 50 * time.Millisecond
+	const firstBackoff = 50 * time.Millisecond
+	backoff := firstBackoff
 	for ctx.Err() == nil {
-		if err := l.listenOnce(ctx); err == nil || ctx.Err() != nil {
+		up, err := l.listenOnce(ctx)
+		if err == nil || ctx.Err() != nil {
 			return
+		}
+		if up {
+			// It was listening: a new drop, not one more failure to connect.
+			backoff = firstBackoff
 		}
 		l.mu.Lock()
 		select {
@@ -146,19 +153,30 @@ func (l *listener) run(ctx context.Context) {
 }
 
 // listenOnce connects, listens, and delivers notifications until the
-// connection fails or ctx ends.
-func (l *listener) listenOnce(ctx context.Context) error {
+// connection fails or ctx ends. up tells that LISTEN was in place.
+func (l *listener) listenOnce(ctx context.Context) (up bool, _ error) {
 	conn, err := pgx.ConnectConfig(ctx, l.pool.Config().ConnConfig.Copy())
 	if err != nil {
-		return err
+		return false, err
 	}
 	defer func() {
 		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
 		_ = conn.Close(cctx)
 	}()
+	// The connection idles between notifications by design: a session default
+	// of idle_session_timeout (a role's or the pool's RuntimeParams) would end
+	// it again and again, each time waking every waiter and missing what is
+	// notified until it is back. PostgreSQL before 14 has no such setting
+	// (undefined_object, ignored).
+	if _, err := conn.Exec(ctx, "SET idle_session_timeout = 0"); err != nil {
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &pgErr) || pgErr.Code != "42704" {
+			return false, err
+		}
+	}
 	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{l.channel}.Sanitize()); err != nil {
-		return err
+		return false, err
 	}
 	l.mu.Lock()
 	select {
@@ -171,9 +189,9 @@ func (l *listener) listenOnce(ctx context.Context) error {
 		n, err := conn.WaitForNotification(ctx)
 		if err != nil {
 			if errors.Is(err, context.Canceled) {
-				return nil
+				return true, nil
 			}
-			return err
+			return true, err
 		}
 		l.hub.Notify(n.Payload)
 	}

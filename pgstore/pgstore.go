@@ -386,6 +386,17 @@ const lostClaimSettle = 2 * time.Second
 // pipelined in one round trip: BEGIN; SET LOCAL …; claim; COMMIT. Unless
 // Config.SynchronousClaim is set, it commits with synchronous_commit off.
 func (s *Store) claimOnce(ctx context.Context, dest []any, args ...any) error {
+	for tries := 0; ; tries++ {
+		first, err := s.claimRound(ctx, dest, args...)
+		if !s.retryDead(ctx, first, tries) {
+			return err
+		}
+	}
+}
+
+// claimRound is one try of claimOnce; first is the error of the round trip's
+// first statement (its BEGIN).
+func (s *Store) claimRound(ctx context.Context, dest []any, args ...any) (first, err error) {
 	b := &pgx.Batch{}
 	b.Queue(beginRC)
 	if !s.syncClaim {
@@ -394,7 +405,8 @@ func (s *Store) claimOnce(ctx context.Context, dest []any, args ...any) error {
 	b.Queue(s.claimSQL, args...)
 	b.Queue("commit")
 	br := s.pool.SendBatch(ctx, b)
-	_, err := br.Exec()
+	_, err = br.Exec()
+	first = err
 	if err == nil && !s.syncClaim {
 		_, err = br.Exec()
 	}
@@ -411,7 +423,7 @@ func (s *Store) claimOnce(ctx context.Context, dest []any, args ...any) error {
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	return err
+	return first, err
 }
 
 // beginRC begins a transaction of idem's own statements at READ COMMITTED,
@@ -424,13 +436,23 @@ const beginRC = "begin isolation level read committed"
 // otherwise take part in the serialization conflicts of the handlers'
 // transactions.
 func (s *Store) execRC(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	for tries := 0; ; tries++ {
+		tag, first, err := s.execRCRound(ctx, sql, args...)
+		if !s.retryDead(ctx, first, tries) {
+			return tag, err
+		}
+	}
+}
+
+// execRCRound is one try of execRC; first is the error of its BEGIN.
+func (s *Store) execRCRound(ctx context.Context, sql string, args ...any) (tag pgconn.CommandTag, first, err error) {
 	b := &pgx.Batch{}
 	b.Queue(beginRC)
 	b.Queue(sql, args...)
 	b.Queue("commit")
 	br := s.pool.SendBatch(ctx, b)
-	_, err := br.Exec()
-	var tag pgconn.CommandTag
+	_, err = br.Exec()
+	first = err
 	if err == nil {
 		tag, err = br.Exec()
 	}
@@ -440,7 +462,51 @@ func (s *Store) execRC(ctx context.Context, sql string, args ...any) (pgconn.Com
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	return tag, err
+	return tag, first, err
+}
+
+// deadSession reports whether err, the answer to the first statement a round
+// trip sent on a pooled connection, says that the connection's session had
+// ended before anything of the round trip ran: PostgreSQL's FATAL error came
+// first (the session ended while idle, by idle_session_timeout or
+// pg_terminate_backend, and the server never read what followed). The round
+// trip may then be sent again on another connection. A broken connection
+// (EOF, reset) does not count: the server may have run what it was sent; nor
+// does a connection the server refused to open.
+func deadSession(err error) bool {
+	var pgErr *pgconn.PgError
+	var connErr *pgconn.ConnectError // a new connection refused ("shutting down"): no retry
+	return errors.As(err, &pgErr) && pgErr.Severity == "FATAL" && !errors.As(err, &connErr)
+}
+
+// idleSessionEnded reports whether err says that the session had ended while
+// idle, before it read the statement that got err: PostgreSQL ended it by
+// idle_session_timeout (57P05).
+func idleSessionEnded(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Severity == "FATAL" && pgErr.Code == "57P05"
+}
+
+// retryDead reports whether a round trip whose first statement failed with
+// first, after tries retries, is to be sent again: its session was dead
+// (deadSession) and ctx is live. Every idle connection of the pool may have
+// died at once (idle_session_timeout, a server restart), so it retries up to
+// the pool's size: pgx closes each dead connection it meets, and the last try
+// gets a new one.
+func (s *Store) retryDead(ctx context.Context, first error, tries int) bool {
+	return deadSession(first) && ctx.Err() == nil && tries <= int(s.pool.Config().MaxConns)
+}
+
+// queryRowRetry runs a single-row, read-only query on the pool and scans it
+// into dest, sending it again on another connection when its session was dead
+// (deadSession).
+func (s *Store) queryRowRetry(ctx context.Context, sql string, args []any, dest ...any) error {
+	for tries := 0; ; tries++ {
+		err := s.pool.QueryRow(ctx, sql, args...).Scan(dest...)
+		if !s.retryDead(ctx, err, tries) {
+			return err
+		}
+	}
 }
 
 // Complete implements idem.Store.
@@ -473,6 +539,12 @@ func (s *Store) complete(ctx context.Context, q querier, scope, key, token strin
 		return err
 	}
 	tag, err := q.Exec(ctx, s.completeSQL, args...)
+	for tries := 0; q == querier(s.pool) && idleSessionEnded(err) && s.retryDead(ctx, err, tries); tries++ {
+		// The session had ended before it read the statement: nothing of it
+		// ran. (Another FATAL error may have come after the statement
+		// committed, on the way to ReadyForQuery.)
+		tag, err = q.Exec(ctx, s.completeSQL, args...)
+	}
 	if err != nil {
 		return s.wrap("complete", err)
 	}
@@ -513,7 +585,7 @@ func (s *Store) Extend(ctx context.Context, scope, key, token string, _, leaseUn
 	// Nothing changed: the claim is lost, or a transaction holds the key's
 	// lock — the handler's own (BeginTx), whose liveness the lock proves.
 	var held bool
-	if err := s.pool.QueryRow(ctx, s.heldSQL, []byte(scope), []byte(key), token).Scan(&held); err != nil {
+	if err := s.queryRowRetry(ctx, s.heldSQL, []any{[]byte(scope), []byte(key), token}, &held); err != nil {
 		return s.wrap("extend", err)
 	}
 	if !held {
@@ -528,7 +600,7 @@ func (s *Store) Extend(ctx context.Context, scope, key, token string, _, leaseUn
 func (s *Store) heldByTx(ctx context.Context, scope, key string) bool {
 	var held bool
 	hi, lo := liveLock(s.lockKey(scope, key))
-	err := s.pool.QueryRow(ctx, s.lockedSQL, hi, lo).Scan(&held)
+	err := s.queryRowRetry(ctx, s.lockedSQL, []any{hi, lo}, &held)
 	return err == nil && held
 }
 
@@ -596,7 +668,11 @@ func (s *Store) DeleteExpired(ctx context.Context, now time.Time, limit int) (in
 func (s *Store) read(ctx context.Context, q querier, sql string, args ...any) (*idem.Record, error) {
 	rec := &idem.Record{Scope: string(args[0].([]byte)), Key: string(args[1].([]byte))}
 	row := scanRecord{Record: rec}
-	if err := q.QueryRow(ctx, sql, args...).Scan(row.scanTargets()...); err != nil {
+	err := q.QueryRow(ctx, sql, args...).Scan(row.scanTargets()...)
+	for tries := 0; q == querier(s.pool) && s.retryDead(ctx, err, tries); tries++ {
+		err = q.QueryRow(ctx, sql, args...).Scan(row.scanTargets()...)
+	}
+	if err != nil {
 		if errors.Is(err, pgx.ErrNoRows) {
 			return nil, idem.ErrNotFound
 		}

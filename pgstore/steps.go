@@ -173,9 +173,20 @@ func stepNonce() string {
 // with its BEGIN and COMMIT, and scans its row into dest; found is false when
 // it returned no row.
 func (s *Store) queryStep(ctx context.Context, sql string, args []any, dest ...any) (found bool, err error) {
+	for tries := 0; ; tries++ {
+		found, first, err := s.queryStepRound(ctx, sql, args, dest...)
+		if !s.retryDead(ctx, first, tries) {
+			return found, err
+		}
+	}
+}
+
+// queryStepRound is one try of queryStep; first is the error of its BEGIN
+// (see retryDead).
+func (s *Store) queryStepRound(ctx context.Context, sql string, args []any, dest ...any) (found bool, first, err error) {
 	c, err := s.stepConn(ctx)
 	if err != nil {
-		return false, err
+		return false, nil, err
 	}
 	defer c.Release()
 	b := &pgx.Batch{}
@@ -184,6 +195,7 @@ func (s *Store) queryStep(ctx context.Context, sql string, args []any, dest ...a
 	b.Queue("commit")
 	br := c.SendBatch(ctx, b)
 	_, err = br.Exec()
+	first = err
 	if err == nil {
 		err = br.QueryRow().Scan(dest...)
 		found = err == nil
@@ -197,7 +209,7 @@ func (s *Store) queryStep(ctx context.Context, sql string, args []any, dest ...a
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	return found, err
+	return found, first, err
 }
 
 // stepAcquireTimeout bounds a step statement's wait for a pool connection.
@@ -221,9 +233,19 @@ func (s *Store) stepConn(ctx context.Context) (*pgxpool.Conn, error) {
 
 // execStep is execRC on a connection from stepConn.
 func (s *Store) execStep(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	for tries := 0; ; tries++ {
+		tag, first, err := s.execStepRound(ctx, sql, args...)
+		if !s.retryDead(ctx, first, tries) {
+			return tag, err
+		}
+	}
+}
+
+// execStepRound is one try of execStep; first is the error of its BEGIN.
+func (s *Store) execStepRound(ctx context.Context, sql string, args ...any) (tag pgconn.CommandTag, first, err error) {
 	c, err := s.stepConn(ctx)
 	if err != nil {
-		return pgconn.CommandTag{}, err
+		return pgconn.CommandTag{}, nil, err
 	}
 	defer c.Release()
 	b := &pgx.Batch{}
@@ -232,7 +254,7 @@ func (s *Store) execStep(ctx context.Context, sql string, args ...any) (pgconn.C
 	b.Queue("commit")
 	br := c.SendBatch(ctx, b)
 	_, err = br.Exec()
-	var tag pgconn.CommandTag
+	first = err
 	if err == nil {
 		tag, err = br.Exec()
 	}
@@ -242,7 +264,7 @@ func (s *Store) execStep(ctx context.Context, sql string, args ...any) (pgconn.C
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	return tag, err
+	return tag, first, err
 }
 
 // BeginStep implements idem.StepStore in one statement and one round trip
@@ -329,12 +351,26 @@ func (s *Store) GetSteps(ctx context.Context, scope, key string, now time.Time) 
 	if err := checkIDs("get steps", scope, key); err != nil {
 		return nil, err
 	}
-	rows, err := s.pool.Query(ctx, s.steps.getSQL, []byte(scope), []byte(key), now)
-	if isUndefinedTable(err) {
-		return nil, nil // a database not migrated since step records came: none was written
+	for tries := 0; ; tries++ {
+		out, err := s.getSteps(ctx, scope, key, now)
+		if s.retryDead(ctx, err, tries) {
+			continue // a read: sent again on another connection
+		}
+		if isUndefinedTable(err) {
+			return nil, nil // a database not migrated since step records came: none was written
+		}
+		if err != nil {
+			return nil, s.wrapStep("get steps", err)
+		}
+		return out, nil
 	}
+}
+
+// getSteps is one try of GetSteps.
+func (s *Store) getSteps(ctx context.Context, scope, key string, now time.Time) ([]idem.StepRecord, error) {
+	rows, err := s.pool.Query(ctx, s.steps.getSQL, []byte(scope), []byte(key), now)
 	if err != nil {
-		return nil, s.wrapStep("get steps", err)
+		return nil, err
 	}
 	defer rows.Close()
 	var out []idem.StepRecord
@@ -343,13 +379,13 @@ func (s *Store) GetSteps(ctx context.Context, scope, key string, now time.Time) 
 		var state int16
 		var fp []byte
 		if err := rows.Scan(&rec.Name, &state, &rec.Owner, &rec.DerivedKey, &rec.Result, &rec.StartedAt, &rec.ExpiresAt, &fp); err != nil {
-			return nil, s.wrapStep("get steps", err)
+			return nil, err
 		}
 		rec.State, rec.Fingerprint = idem.StepState(state), string(fp)
 		out = append(out, rec)
 	}
 	if err := rows.Err(); err != nil {
-		return nil, s.wrapStep("get steps", err)
+		return nil, err
 	}
 	return out, nil
 }

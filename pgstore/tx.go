@@ -64,9 +64,22 @@ func Tx(ctx context.Context) pgx.Tx {
 // starts the transaction. At READ COMMITTED nothing changes: renewals write
 // the lease, and a lapsed one is taken over.
 func (s *Store) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
+	for tries := 0; ; tries++ {
+		tctx, tx, err, dead := s.beginTx(ctx)
+		if !dead || !s.retryDead(ctx, err, tries) {
+			return tctx, tx, err
+		}
+		// The session had ended before it read BEGIN: try another one.
+	}
+}
+
+// beginTx is one try of BeginTx. dead tells that err is the answer to the
+// connection's first statement, on which deadSession tells whether the
+// session was dead.
+func (s *Store) beginTx(ctx context.Context) (_ context.Context, _ idem.Tx, err error, dead bool) {
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
-		return ctx, nil, s.wrap("begin transaction", err)
+		return ctx, nil, s.wrap("begin transaction", err), false
 	}
 	lock := &sessionLock{}
 	var opts pgx.TxOptions
@@ -75,7 +88,7 @@ func (s *Store) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
 		snapshots, err := snapshotIsolation(ctx, conn.Conn())
 		if err != nil {
 			conn.Release()
-			return ctx, nil, s.wrap("begin transaction: read default_transaction_isolation", err)
+			return ctx, nil, s.wrap("begin transaction: read default_transaction_isolation", err), true
 		}
 		if snapshots {
 			// The COMMIT ends the implicit transaction the lock ran in, so that
@@ -88,11 +101,11 @@ func (s *Store) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
 	if err != nil {
 		// pgx closed the connection, and its session's lock with it.
 		conn.Release()
-		return ctx, nil, s.wrap("begin transaction", err)
+		return ctx, nil, s.wrap("begin transaction", err), true
 	}
 	htx := newHandlerTx(tx)
 	htx.g.lock = lock
-	return context.WithValue(ctx, txKey{}, pgx.Tx(htx)), &claimTx{txEnd: txEnd{s: s, conn: conn, htx: htx, ctx: ctx, lock: lock}}, nil
+	return context.WithValue(ctx, txKey{}, pgx.Tx(htx)), &claimTx{txEnd: txEnd{s: s, conn: conn, htx: htx, ctx: ctx, lock: lock}}, nil, false
 }
 
 // sessionLock is the key's advisory lock that a claim-then-complete
@@ -281,6 +294,16 @@ func (t *txEnd) commitWith(ctx context.Context, op, stmt string, args []any, fen
 	if err == nil {
 		return nil
 	}
+	if idleTxTimeout(err) {
+		// Raised only while the session idled in the transaction: before
+		// PostgreSQL read anything of the batch.
+		return fmt.Errorf("pgstore: %s: PostgreSQL ended the session before COMMIT, its transaction idle for longer than idle_in_transaction_session_timeout, so nothing was committed; keep the handler's transaction from idling that long (or raise the setting for this pool), and retry: %w", op, err)
+	}
+	if args != nil && deadSession(stmtErr) {
+		// Its session was over before it ran the statement sent ahead of
+		// COMMIT: the COMMIT never ran.
+		return fmt.Errorf("pgstore: %s: PostgreSQL had ended the transaction's session before COMMIT, so nothing was committed; retry: %w", op, err)
+	}
 	if pc.IsClosed() && !isServerAnswer(err) {
 		return fmt.Errorf("pgstore: commit: the connection failed before PostgreSQL confirmed the COMMIT, so the transaction may or may not have committed: %w", err)
 	}
@@ -393,6 +416,14 @@ func isServerAnswer(err error) bool {
 	return errors.As(err, &pgErr) && pgErr.Severity != "FATAL" && pgErr.Severity != "PANIC"
 }
 
+// idleTxTimeout reports whether err is PostgreSQL's FATAL error for a session
+// that sat idle in its transaction past idle_in_transaction_session_timeout
+// (25P03).
+func idleTxTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "25P03"
+}
+
 // isFenceError reports whether err is the error a statement sent with COMMIT
 // raises when its write found the key held by another request: division_by_zero
 // (22012) from completeAndCommitSQL or insertAndCommitSQL when their write
@@ -457,20 +488,34 @@ func (s *Store) BeginLocked(ctx context.Context, scope, key string, now time.Tim
 	} else {
 		t.args[0], t.args[1], t.args[2], t.args[3] = int64(t.lockA), []byte(scope), []byte(key), now
 	}
-	b := &t.batch
-	b.QueuedQueries = t.qp[:0]
-	b.BeginTx(pgx.TxOptions{})
-	t.qq[0] = pgx.QueuedQuery{SQL: s.lockSQL, Arguments: t.args[0:4]}
-	t.qq[1] = pgx.QueuedQuery{SQL: s.lookupSQL, Arguments: t.args[1:4]}
-	b.QueuedQueries = append(b.QueuedQueries, &t.qq[0], &t.qq[1])
-	conn, err := s.pool.Acquire(ctx)
-	if err != nil {
-		return ctx, nil, nil, s.wrap("begin locked transaction", err)
+	var (
+		conn *pgxpool.Conn
+		br   pgx.BatchResults
+		err  error
+	)
+	for tries := 0; ; tries++ {
+		// Built afresh for every try: pgx keeps in the queued queries what it
+		// prepared them as on the connection it sent them on.
+		t.batch = pgx.Batch{QueuedQueries: t.qp[:0]}
+		b := &t.batch
+		b.BeginTx(pgx.TxOptions{})
+		t.qq[0] = pgx.QueuedQuery{SQL: s.lockSQL, Arguments: t.args[0:4]}
+		t.qq[1] = pgx.QueuedQuery{SQL: s.lookupSQL, Arguments: t.args[1:4]}
+		b.QueuedQueries = append(b.QueuedQueries, &t.qq[0], &t.qq[1])
+		if conn, err = s.pool.Acquire(ctx); err != nil {
+			return ctx, nil, nil, s.wrap("begin locked transaction", err)
+		}
+		br = conn.Conn().SendBatch(ctx, b)
+		_, err = br.Exec() // BEGIN
+		if !s.retryDead(ctx, err, tries) {
+			break
+		}
+		// The session had ended before it read the batch: try another one.
+		_ = br.Close()
+		conn.Release()
 	}
-	br := conn.Conn().SendBatch(ctx, b)
 	tx := br.Tx()
 	locked, live := &t.locked, &t.live
-	_, err = br.Exec()
 	if err == nil {
 		t.targets[0] = locked
 		err = br.QueryRow().Scan(t.targets[:1]...)

@@ -12,6 +12,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/json"
+	"errors"
 
 	"fmt"
 	"regexp"
@@ -22,6 +23,7 @@ import (
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/pgstore"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -298,19 +300,43 @@ func (o *Outbox) Lease(ctx context.Context, owner string, n int, d time.Duration
 	o.mu.Lock()
 	cursor := o.cursor
 	o.mu.Unlock()
+	for tries := 0; ; tries++ {
+		out, frontier, err := o.lease(ctx, owner, n, d, cursor)
+		if o.retryDead(ctx, err, tries) {
+			// Its session had ended: nothing was leased, or (a FATAL error
+			// after the lease committed) what was waits for its lease to
+			// lapse, never published twice.
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		next := cursor
+		if frontier != nil {
+			// The next walk starts after it (nil: nothing pending).
+			next = *frontier
+		}
+		o.mu.Lock()
+		o.cursor = next
+		o.mu.Unlock()
+		sortSeq(out)
+		return out, nil
+	}
+}
+
+// lease is one try of Lease, from cursor: the messages and the frontier.
+func (o *Outbox) lease(ctx context.Context, owner string, n int, d time.Duration, cursor string) (out []outbox.Stored, frontier *string, _ error) {
 	rows, err := o.pool.Query(ctx, o.leaseSQL, owner, ms(d), n, max(0, min(n-1, maxRun)), cursor, maxWalk+4*n)
 	if err != nil {
-		return nil, fmt.Errorf("pgoutbox: lease: %w", err)
+		return nil, nil, fmt.Errorf("pgoutbox: lease: %w", err)
 	}
 	defer rows.Close()
-	var out []outbox.Stored
-	var frontier *string
 	for rows.Next() {
 		var s outbox.Stored
 		var headers, part *string
 		var isFrontier bool
 		if err := rows.Scan(&s.Seq, &s.ID, &s.Subject, &s.Payload, &headers, &part, &s.EnqueuedAt, &s.Attempts, &isFrontier); err != nil {
-			return nil, fmt.Errorf("pgoutbox: lease: %w", err)
+			return nil, nil, fmt.Errorf("pgoutbox: lease: %w", err)
 		}
 		if isFrontier {
 			frontier = part
@@ -319,24 +345,41 @@ func (o *Outbox) Lease(ctx context.Context, owner string, n int, d time.Duration
 		s.PartitionKey = *part
 		if headers != nil {
 			if err := json.Unmarshal([]byte(*headers), &s.Headers); err != nil {
-				return nil, fmt.Errorf("pgoutbox: lease: headers of message %d: %w", s.Seq, err)
+				return nil, nil, fmt.Errorf("pgoutbox: lease: headers of message %d: %w", s.Seq, err)
 			}
 		}
 		out = append(out, s)
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("pgoutbox: lease: %w", err)
+		return nil, nil, fmt.Errorf("pgoutbox: lease: %w", err)
 	}
-	next := cursor
-	if frontier != nil {
-		// The next walk starts after it (nil: nothing pending).
-		next = *frontier
+	return out, frontier, nil
+}
+
+// retryDead reports whether a statement that got err, after tries retries, is
+// to be sent again on another connection: err is PostgreSQL's FATAL error,
+// which says the pooled session had ended (while idle: idle_session_timeout,
+// pg_terminate_backend, a server shutting down) when the statement came, and
+// ctx is live. Every idle connection of the pool may have died at once, so it
+// retries up to the pool's size: pgx closes each dead connection it meets.
+// Only the relay's own statements are retried, which it may repeat: a lease, a
+// mark, a release or a dead-letter of its own lease.
+func (o *Outbox) retryDead(ctx context.Context, err error, tries int) bool {
+	var pgErr *pgconn.PgError
+	var connErr *pgconn.ConnectError // a new connection refused ("shutting down"): no retry
+	return errors.As(err, &pgErr) && pgErr.Severity == "FATAL" && !errors.As(err, &connErr) &&
+		ctx.Err() == nil && tries <= int(o.pool.Config().MaxConns)
+}
+
+// exec runs one of the relay's statements on the pool, again on another
+// connection when its session was dead (retryDead).
+func (o *Outbox) exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	for tries := 0; ; tries++ {
+		tag, err := o.pool.Exec(ctx, sql, args...)
+		if !o.retryDead(ctx, err, tries) {
+			return tag, err
+		}
 	}
-	o.mu.Lock()
-	o.cursor = next
-	o.mu.Unlock()
-	sortSeq(out)
-	return out, nil
 }
 
 func sortSeq(s []outbox.Stored) {
@@ -352,7 +395,7 @@ func (o *Outbox) MarkPublished(ctx context.Context, owner string, seqs ...int64)
 	if len(seqs) == 0 {
 		return 0, nil
 	}
-	tag, err := o.pool.Exec(ctx, o.markSQL, owner, seqs)
+	tag, err := o.exec(ctx, o.markSQL, owner, seqs)
 	if err != nil {
 		return 0, fmt.Errorf("pgoutbox: mark published: %w", err)
 	}
@@ -361,7 +404,7 @@ func (o *Outbox) MarkPublished(ctx context.Context, owner string, seqs ...int64)
 
 // Retry implements outbox.Source.
 func (o *Outbox) Retry(ctx context.Context, owner string, seq int64, retryIn time.Duration, reason string) error {
-	if _, err := o.pool.Exec(ctx, o.retrySQL, owner, seq, ms(retryIn), clean(reason)); err != nil {
+	if _, err := o.exec(ctx, o.retrySQL, owner, seq, ms(retryIn), clean(reason)); err != nil {
 		return fmt.Errorf("pgoutbox: retry: %w", err)
 	}
 	return nil
@@ -369,7 +412,7 @@ func (o *Outbox) Retry(ctx context.Context, owner string, seq int64, retryIn tim
 
 // DeadLetter implements outbox.Source.
 func (o *Outbox) DeadLetter(ctx context.Context, owner string, seq int64, reason string) error {
-	if _, err := o.pool.Exec(ctx, o.deadSQL, owner, seq, clean(reason)); err != nil {
+	if _, err := o.exec(ctx, o.deadSQL, owner, seq, clean(reason)); err != nil {
 		return fmt.Errorf("pgoutbox: dead-letter: %w", err)
 	}
 	return nil
