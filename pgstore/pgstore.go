@@ -476,7 +476,7 @@ func (s *Store) execRCRound(ctx context.Context, sql string, args ...any) (tag p
 func deadSession(err error) bool {
 	var pgErr *pgconn.PgError
 	var connErr *pgconn.ConnectError // a new connection refused ("shutting down"): no retry
-	return errors.As(err, &pgErr) && pgErr.Severity == "FATAL" && !errors.As(err, &connErr)
+	return errors.As(err, &pgErr) && severity(pgErr) == "FATAL" && !errors.As(err, &connErr)
 }
 
 // idleSessionEnded reports whether err says that the session had ended while
@@ -484,7 +484,7 @@ func deadSession(err error) bool {
 // idle_session_timeout (57P05).
 func idleSessionEnded(err error) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Severity == "FATAL" && pgErr.Code == "57P05"
+	return errors.As(err, &pgErr) && severity(pgErr) == "FATAL" && pgErr.Code == "57P05"
 }
 
 // retryDead reports whether a round trip whose first statement failed with

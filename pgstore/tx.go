@@ -413,7 +413,17 @@ func isServerAnswer(err error) bool {
 		return false
 	}
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Severity != "FATAL" && pgErr.Severity != "PANIC"
+	return errors.As(err, &pgErr) && severity(pgErr) != "FATAL" && severity(pgErr) != "PANIC"
+}
+
+// severity returns e's severity in English (PostgreSQL 9.6 and later send
+// it besides the one in lc_messages's language: "FATAL" is "SCHWERWIEGEND"
+// on a German server).
+func severity(e *pgconn.PgError) string {
+	if e.SeverityUnlocalized != "" {
+		return e.SeverityUnlocalized
+	}
+	return e.Severity
 }
 
 // idleTxTimeout reports whether err is PostgreSQL's FATAL error for a session

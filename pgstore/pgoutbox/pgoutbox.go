@@ -367,8 +367,17 @@ func (o *Outbox) lease(ctx context.Context, owner string, n int, d time.Duration
 func (o *Outbox) retryDead(ctx context.Context, err error, tries int) bool {
 	var pgErr *pgconn.PgError
 	var connErr *pgconn.ConnectError // a new connection refused ("shutting down"): no retry
-	return errors.As(err, &pgErr) && pgErr.Severity == "FATAL" && !errors.As(err, &connErr) &&
+	return errors.As(err, &pgErr) && fatal(pgErr) && !errors.As(err, &connErr) &&
 		ctx.Err() == nil && tries <= int(o.pool.Config().MaxConns)
+}
+
+// fatal reports whether e is of severity FATAL, in English (the field
+// PostgreSQL 9.6 and later send besides the one in lc_messages's language).
+func fatal(e *pgconn.PgError) bool {
+	if e.SeverityUnlocalized != "" {
+		return e.SeverityUnlocalized == "FATAL"
+	}
+	return e.Severity == "FATAL"
 }
 
 // exec runs one of the relay's statements on the pool, again on another
