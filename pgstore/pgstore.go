@@ -474,6 +474,9 @@ func (s *Store) execRCRound(ctx context.Context, sql string, args ...any) (tag p
 // (EOF, reset) does not count: the server may have run what it was sent; nor
 // does a connection the server refused to open.
 func deadSession(err error) bool {
+	if err == nil {
+		return false // before the errors.As targets, which escape: no allocation on success
+	}
 	var pgErr *pgconn.PgError
 	var connErr *pgconn.ConnectError // a new connection refused ("shutting down"): no retry
 	return errors.As(err, &pgErr) && severity(pgErr) == "FATAL" && !errors.As(err, &connErr)
@@ -483,6 +486,9 @@ func deadSession(err error) bool {
 // idle, before it read the statement that got err: PostgreSQL ended it by
 // idle_session_timeout (57P05).
 func idleSessionEnded(err error) bool {
+	if err == nil {
+		return false // no allocation on success (see deadSession)
+	}
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && severity(pgErr) == "FATAL" && pgErr.Code == "57P05"
 }

@@ -365,6 +365,9 @@ func (o *Outbox) lease(ctx context.Context, owner string, n int, d time.Duration
 // Only the relay's own statements are retried, which it may repeat: a lease, a
 // mark, a release or a dead-letter of its own lease.
 func (o *Outbox) retryDead(ctx context.Context, err error, tries int) bool {
+	if err == nil {
+		return false // before the errors.As targets, which escape: no allocation on success
+	}
 	var pgErr *pgconn.PgError
 	var connErr *pgconn.ConnectError // a new connection refused ("shutting down"): no retry
 	return errors.As(err, &pgErr) && fatal(pgErr) && !errors.As(err, &connErr) &&
