@@ -6,8 +6,10 @@ import (
 	"time"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/testenv"
 	"github.com/idemkit/idem/pgstore"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // TestTerminatedWhileClaimWaitsOnRowLock: a claim taking over a lapsed record
@@ -16,12 +18,30 @@ import (
 // its round trip: BEGIN has run). The claim must fail (it is not a dead idle
 // session, and nothing of it committed), must not hang, and the record must
 // stay the first claim's, claimable by the next request once the lock is gone.
-// Guard: it passed before it was written.
+// In every query execution mode. Guard: it passed before it was written.
 func TestTerminatedWhileClaimWaitsOnRowLock(t *testing.T) {
 	t.Parallel()
 	db := newTestDB(t, 4)
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
+		t.Run(mode.String(), func(t *testing.T) { terminateWaitingClaim(t, db, mode) })
+	}
+}
+
+func terminateWaitingClaim(t *testing.T, db *testDB, mode pgx.QueryExecMode) {
 	name := "idem_test_" + randomHex(6)
-	pool := idlePool(t, 4, map[string]string{"application_name": name})
+	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 4
+	cfg.ConnConfig.RuntimeParams["application_name"] = name
+	cfg.ConnConfig.DefaultQueryExecMode = mode
+	pool, err := pgxpool.NewWithConfig(ctx30(t), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
 	table := db.table("records")
 	s, err := pgstore.New(pool, &pgstore.Config{Table: table})
 	if err != nil {
