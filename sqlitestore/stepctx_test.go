@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/sqlitestore"
 )
 
 // TestStepFenceWithForeignTx: BeginStep with Holder reads the request record
@@ -73,5 +75,40 @@ func TestStepFenceWithForeignTx(t *testing.T) {
 				t.Fatalf("another owner's BeginStep: began %v, %v; want ErrLockLost", began, err)
 			}
 		})
+	}
+}
+
+// TestStepAfterHandlerEndedTx: a step whose handler committed or rolled back
+// the request's transaction itself (sqlitestore.Tx, which idem ends) fails
+// with an error that says so and what to do; before, it said only that the
+// records' database file could not be found ("transaction has already been
+// committed or rolled back").
+func TestStepAfterHandlerEndedTx(t *testing.T) {
+	t.Parallel()
+	db := openDB(t)
+	s := newStore(t, db)
+	now := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if _, claimed, err := s.Claim(ctx, idem.ClaimRequest{Scope: "s", Key: "k", Fingerprint: "f", Token: "tok",
+		Now: now, LeaseUntil: now.Add(time.Minute), ExpiresAt: now.Add(time.Hour)}); err != nil || !claimed {
+		t.Fatalf("claim: claimed %v, %v", claimed, err)
+	}
+	tctx, tx, err := s.BeginTx(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if err := sqlitestore.Tx(tctx).Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	req := idem.BeginStepRequest{Scope: "s", Key: "k", Name: "charge", Owner: "tok", Holder: true,
+		DerivedKey: "idem_x", Now: now, ExpiresAt: now.Add(time.Hour)}
+	_, began, err := s.BeginStep(tctx, req)
+	if err == nil || began {
+		t.Fatalf("BeginStep after the handler rolled back idem's transaction: began %v, %v; want an error", began, err)
+	}
+	if !strings.Contains(err.Error(), "never call Commit or Rollback") {
+		t.Fatalf("BeginStep after the handler rolled back idem's transaction: %v; want it to say not to end the transaction", err)
 	}
 }

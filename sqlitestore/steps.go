@@ -176,7 +176,7 @@ func (s *Store) steps(ctx context.Context, create bool) (*sql.DB, gate, error) {
 	if !opened {
 		var err error
 		if file, err = mainFile(ctx, s.records(ctx)); err != nil {
-			return nil, nil, wrap("steps: find the records' database file", err)
+			return nil, nil, recordsErr("steps: find the records' database file", err)
 		}
 		if st.cfg != nil {
 			if st.cfg == s.db {
@@ -609,9 +609,19 @@ func (s *Store) holds(ctx context.Context, q interface {
 		return false, nil
 	}
 	if err != nil {
-		return false, wrap("begin step: read the request record", err)
+		return false, recordsErr("begin step: read the request record", err)
 	}
 	return true, nil
+}
+
+// recordsErr wraps the error of a read of the records' database for op. A
+// read through the request's transaction (records) that the handler ended
+// itself fails with sql.ErrTxDone: that says so, and what to do.
+func recordsErr(op string, err error) error {
+	if errors.Is(err, sql.ErrTxDone) {
+		return fmt.Errorf("sqlitestore: %s: the request's transaction (sqlitestore.Tx) was committed or rolled back by the handler; idem ends it when the handler returns, so never call Commit or Rollback on it (use SAVEPOINT and ROLLBACK TO for a partial rollback): %w", op, err)
+	}
+	return wrap(op, err)
 }
 
 // peekStep decides BeginStep without a write, the gate or a lock when it can:
