@@ -2,16 +2,14 @@ package sqlitestore_test
 
 import (
 	"context"
-	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/burst"
 	"github.com/idemkit/idem/sqlitestore"
 	"github.com/idemkit/idem/sqlitestore/embedded"
 )
@@ -58,45 +56,17 @@ func TestOneConnectionPool(t *testing.T) {
 			// Close waits for the handlers, which stand still for ever when
 			// the bug is back.
 
-			const keys, copies = 4, 4
-			var wg sync.WaitGroup
-			start := make(chan struct{})
-			var mu sync.Mutex
-			codes := map[int]int{}
-			for k := range keys {
-				for range copies {
-					wg.Add(1)
-					go func() {
-						defer wg.Done()
-						<-start
-						req, _ := http.NewRequest(http.MethodPost, srv.URL+"/orders", strings.NewReader(`{}`))
-						req.Header.Set("Idempotency-Key", fmt.Sprintf("cart-%d", k))
-						resp, err := http.DefaultClient.Do(req)
-						mu.Lock()
-						defer mu.Unlock()
-						if err != nil {
-							codes[-1]++
-							return
-						}
-						resp.Body.Close()
-						codes[resp.StatusCode]++
-					}()
-				}
-			}
-			close(start)
-			done := make(chan struct{})
-			go func() { wg.Wait(); close(done) }()
-			select {
-			case <-done:
-			case <-time.After(30 * time.Second):
+			const keys = 4
+			a, ok := burst.Keyed(srv.URL+"/orders", keys, 4, 30*time.Second)
+			if !ok {
 				t.Fatal("requests through a one-connection pool did not finish in 30 s: a transaction waits for a second connection")
 			}
 			srv.Close()
 			if err := store.Close(); err != nil {
 				t.Fatal(err)
 			}
-			if codes[http.StatusCreated] == 0 || codes[-1] > 0 || codes[http.StatusInternalServerError] > 0 {
-				t.Fatalf("answers %v, want 201s (first-time and replayed) and 409s only", codes)
+			if !a.OnlyCreatedAndConflicts() {
+				t.Fatalf("answers %v, want 201s (first-time and replayed) and 409s only", a)
 			}
 			var n, distinct int
 			if err := db.QueryRow(`SELECT count(*), count(DISTINCT cart) FROM orders`).Scan(&n, &distinct); err != nil {
