@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/pgstore/internal/deadsession"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -465,47 +466,27 @@ func (s *Store) execRCRound(ctx context.Context, sql string, args ...any) (tag p
 	return tag, first, err
 }
 
-// deadSession reports whether err, the answer to the first statement a round
-// trip sent on a pooled connection, says that the connection's session had
-// ended before anything of the round trip ran: PostgreSQL's FATAL error came
-// first (the session ended while idle, by idle_session_timeout or
-// pg_terminate_backend, and the server never read what followed). The round
-// trip may then be sent again on another connection. A broken connection
-// (EOF, reset) does not count: the server may have run what it was sent; nor
-// does a connection the server refused to open.
-func deadSession(err error) bool {
-	if err == nil {
-		return false // before the errors.As targets, which escape: no allocation on success
-	}
-	var pgErr *pgconn.PgError
-	var connErr *pgconn.ConnectError // a new connection refused ("shutting down"): no retry
-	return errors.As(err, &pgErr) && severity(pgErr) == "FATAL" && !errors.As(err, &connErr)
-}
-
 // idleSessionEnded reports whether err says that the session had ended while
 // idle, before it read the statement that got err: PostgreSQL ended it by
 // idle_session_timeout (57P05).
 func idleSessionEnded(err error) bool {
 	if err == nil {
-		return false // no allocation on success (see deadSession)
+		return false // no allocation on success (see deadsession.Is)
 	}
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && severity(pgErr) == "FATAL" && pgErr.Code == "57P05"
+	return errors.As(err, &pgErr) && deadsession.Severity(pgErr) == "FATAL" && pgErr.Code == "57P05"
 }
 
-// retryDead reports whether a round trip whose first statement failed with
-// first, after tries retries, is to be sent again: its session was dead
-// (deadSession) and ctx is live. Every idle connection of the pool may have
-// died at once (idle_session_timeout, a server restart), so it retries up to
-// the pool's size: pgx closes each dead connection it meets, and the last try
-// gets a new one.
+// retryDead reports whether a round trip on the pool whose first statement
+// failed with first, after tries retries, is to be sent again
+// (deadsession.Retry).
 func (s *Store) retryDead(ctx context.Context, first error, tries int) bool {
-	return deadSession(first) && ctx.Err() == nil && tries <= int(s.pool.Config().MaxConns)
+	return deadsession.Retry(ctx, s.pool, first, tries)
 }
 
 // queryRowRetry runs a single-row, read-only query on the pool and scans it
 // into dest, sending it again on another connection when its session was dead
-// (deadSession).
+// (deadsession.Is).
 func (s *Store) queryRowRetry(ctx context.Context, sql string, args []any, dest ...any) error {
 	for tries := 0; ; tries++ {
 		err := s.pool.QueryRow(ctx, sql, args...).Scan(dest...)

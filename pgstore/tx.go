@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/pgstore/internal/deadsession"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -74,7 +75,7 @@ func (s *Store) BeginTx(ctx context.Context) (context.Context, idem.Tx, error) {
 }
 
 // beginTx is one try of BeginTx. dead tells that err is the answer to the
-// connection's first statement, on which deadSession tells whether the
+// connection's first statement, on which deadsession.Is tells whether the
 // session was dead.
 func (s *Store) beginTx(ctx context.Context) (_ context.Context, _ idem.Tx, err error, dead bool) {
 	conn, err := s.pool.Acquire(ctx)
@@ -299,7 +300,7 @@ func (t *txEnd) commitWith(ctx context.Context, op, stmt string, args []any, fen
 		// PostgreSQL read anything of the batch.
 		return fmt.Errorf("pgstore: %s: PostgreSQL ended the session before COMMIT, its transaction idle for longer than idle_in_transaction_session_timeout, so nothing was committed; keep the handler's transaction from idling that long (or raise the setting for this pool), and retry: %w", op, err)
 	}
-	if args != nil && deadSession(stmtErr) {
+	if args != nil && deadsession.Is(stmtErr) {
 		// Its session was over before it ran the statement sent ahead of
 		// COMMIT: the COMMIT never ran.
 		return fmt.Errorf("pgstore: %s: PostgreSQL had ended the transaction's session before COMMIT, so nothing was committed; retry: %w", op, err)
@@ -413,17 +414,7 @@ func isServerAnswer(err error) bool {
 		return false
 	}
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && severity(pgErr) != "FATAL" && severity(pgErr) != "PANIC"
-}
-
-// severity returns e's severity in English (PostgreSQL 9.6 and later send
-// it besides the one in lc_messages's language: "FATAL" is "SCHWERWIEGEND"
-// on a German server).
-func severity(e *pgconn.PgError) string {
-	if e.SeverityUnlocalized != "" {
-		return e.SeverityUnlocalized
-	}
-	return e.Severity
+	return errors.As(err, &pgErr) && deadsession.Severity(pgErr) != "FATAL" && deadsession.Severity(pgErr) != "PANIC"
 }
 
 // idleTxTimeout reports whether err is PostgreSQL's FATAL error for a session

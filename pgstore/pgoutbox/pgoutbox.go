@@ -12,7 +12,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/json"
-	"errors"
 
 	"fmt"
 	"regexp"
@@ -22,6 +21,7 @@ import (
 
 	"github.com/idemkit/idem/outbox"
 	"github.com/idemkit/idem/pgstore"
+	"github.com/idemkit/idem/pgstore/internal/deadsession"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -357,30 +357,12 @@ func (o *Outbox) lease(ctx context.Context, owner string, n int, d time.Duration
 }
 
 // retryDead reports whether a statement that got err, after tries retries, is
-// to be sent again on another connection: err is PostgreSQL's FATAL error,
-// which says the pooled session had ended (while idle: idle_session_timeout,
-// pg_terminate_backend, a server shutting down) when the statement came, and
-// ctx is live. Every idle connection of the pool may have died at once, so it
-// retries up to the pool's size: pgx closes each dead connection it meets.
-// Only the relay's own statements are retried, which it may repeat: a lease, a
-// mark, a release or a dead-letter of its own lease.
+// to be sent again on another connection (deadsession.Retry): its pooled
+// session had ended when the statement came. Only the relay's own statements
+// are retried, which it may repeat: a lease, a mark, a release or a
+// dead-letter of its own lease.
 func (o *Outbox) retryDead(ctx context.Context, err error, tries int) bool {
-	if err == nil {
-		return false // before the errors.As targets, which escape: no allocation on success
-	}
-	var pgErr *pgconn.PgError
-	var connErr *pgconn.ConnectError // a new connection refused ("shutting down"): no retry
-	return errors.As(err, &pgErr) && fatal(pgErr) && !errors.As(err, &connErr) &&
-		ctx.Err() == nil && tries <= int(o.pool.Config().MaxConns)
-}
-
-// fatal reports whether e is of severity FATAL, in English (the field
-// PostgreSQL 9.6 and later send besides the one in lc_messages's language).
-func fatal(e *pgconn.PgError) bool {
-	if e.SeverityUnlocalized != "" {
-		return e.SeverityUnlocalized == "FATAL"
-	}
-	return e.Severity == "FATAL"
+	return deadsession.Retry(ctx, o.pool, err, tries)
 }
 
 // exec runs one of the relay's statements on the pool, again on another
