@@ -150,9 +150,14 @@ func testSmallPoolSteps(t *testing.T, setup func(*sql.DB), flow idem.Flow) {
 			t.Error(err)
 		}
 	}
-	// Alone, each key's retries succeed (or replay).
+	// Alone, each key's retries succeed (or replay). A key whose release
+	// starved for a connection in the burst stays in flight until its lease
+	// lapses (idem.DefaultLease after its last renewal): the retries wait
+	// for that, and 409 is the only other answer they accept (CI saw a key
+	// still in flight after the 10 s this waited before).
 	for k := range keys {
-		for attempt := 0; ; attempt++ {
+		deadline := time.Now().Add(idem.DefaultLease + 10*time.Second)
+		for {
 			code, b, err := post(k)
 			if err != nil {
 				t.Fatal(err)
@@ -160,7 +165,7 @@ func testSmallPoolSteps(t *testing.T, setup func(*sql.DB), flow idem.Flow) {
 			if code == http.StatusCreated {
 				break
 			}
-			if attempt == 40 || code != http.StatusConflict {
+			if time.Now().After(deadline) || code != http.StatusConflict {
 				t.Fatalf("retry of key %d alone: %d %s", k, code, b)
 			}
 			time.Sleep(250 * time.Millisecond)
