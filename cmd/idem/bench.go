@@ -49,7 +49,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	pin := fs.Bool("pin", true, "with --isolate, pin the server process to CPU 0 and the load generator to CPU 1 with taskset (needs 2 CPUs and taskset)")
 	memRecords := fs.Int("memory-records", 150_000, "with --isolate, first-time requests sent to a fresh memstore and a fresh Fiber server to measure memory per stored record; 0 skips it")
 	overhead := fs.Bool("overhead", false, "measure only what idem on memstore and Fiber's idempotency middleware add to their own bare servers, in server CPU per request (issue 30's method): a fresh server process per slice at GOMAXPROCS=1 on CPU 0, a separate fasthttp loader process (idem bench load) on CPU 1, --rounds interleaved rounds; writes overhead.md and overhead.json to --out. Takes --concurrency, --duration, --rounds, --replay-keys, --warmup, --pin, --out")
-	cpuprofile := fs.String("cpuprofile", "", "with --overhead, write a CPU profile of every server process into this `directory` (TARGET-VARIANT-cN-rR.pprof)")
+	cpuprofile := fs.String("cpuprofile", "", "write a CPU profile of every server process into this `directory`: with --overhead one per slice (TARGET-VARIANT-cN-rR.pprof); otherwise one per store (TARGET.pprof, needs --isolate), each request labelled with its variant: go tool pprof -tagfocus variant=first")
 	warmup := fs.Duration("warmup", 300*time.Millisecond, "with --overhead, unmeasured load before every measured slice")
 	serve := fs.Bool("serve", false, "internal: be the server process of an isolated run (the spec is in "+bench.ServeEnv+")")
 	fs.Usage = storeUsage(fs, benchUsage, benchEnvVars)
@@ -91,6 +91,16 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	cfg.MemoryRecords = *memRecords
 	if *memRecords == 0 {
 		cfg.MemoryRecords = -1
+	}
+	if *cpuprofile != "" {
+		if !*isolate {
+			return storeUsageError(stderr, fs, "--cpuprofile profiles the server processes; it needs --isolate (the default)")
+		}
+		if err := os.MkdirAll(*cpuprofile, 0o755); err != nil {
+			fmt.Fprintf(stderr, "idem bench: --cpuprofile: %v\n", err)
+			return exitFailure
+		}
+		cfg.CPUProfileDir = *cpuprofile
 	}
 	if *isolate {
 		exe, err := os.Executable()

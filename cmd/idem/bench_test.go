@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -106,6 +107,7 @@ func TestBenchUsage(t *testing.T) {
 		{[]string{"bench", "--concurrency", "0"}, exitUsage},
 		{[]string{"bench", "--duration", "fast"}, exitUsage},
 		{[]string{"bench", "extra"}, exitUsage},
+		{[]string{"bench", "--isolate=false", "--cpuprofile", "prof"}, exitUsage},
 	} {
 		var stdout, stderr bytes.Buffer
 		if code := run(context.Background(), c.args, &stdout, &stderr); code != c.code {
@@ -236,6 +238,35 @@ func TestBenchOverhead(t *testing.T) {
 	}
 	if !strings.Contains(stdout, "| clients | idem first | Fiber first |") {
 		t.Errorf("stdout lacks the comparison:\n%s", stdout)
+	}
+}
+
+// TestBenchCPUProfileStores: --cpuprofile on a store run writes one profile per
+// store's server process, in which the requests carry the variant they belong
+// to, so that one variant's CPU can be read alone.
+func TestBenchCPUProfileStores(t *testing.T) {
+	t.Parallel()
+	goTool, err := exec.LookPath("go")
+	if err != nil {
+		t.Fatalf("go tool pprof reads the profile, and there is no go command on PATH: %v", err)
+	}
+	dir, prof := t.TempDir(), filepath.Join(t.TempDir(), "prof")
+	code, stdout, stderr := runIdem(t, dir, nil, "bench", "--stores", "sqlite", "--fiber=false", "--memory-records", "0",
+		"--duration", "600ms", "--rounds", "1", "--concurrency", "2", "--replay-keys", "8", "--cpuprofile", prof, "--out", dir)
+	if code != exitOK {
+		t.Fatalf("exit %d; stderr:\n%s\nstdout:\n%s", code, stderr, stdout)
+	}
+	path := filepath.Join(prof, "sqlite.pprof")
+	out, err := exec.Command(goTool, "tool", "pprof", "-tags", path).CombinedOutput()
+	if err != nil {
+		t.Fatalf("go tool pprof -tags %s: %v\n%s", path, err, out)
+	}
+	// A cell is 600 ms of 2 clients, and the profile samples the server's CPU
+	// every 10 ms: every variant shows among the label's values.
+	for _, v := range []string{"baseline", "first", "replay", "single-tx first"} {
+		if !regexp.MustCompile(`(?m)^\s+\S+ \(\s*[\d.]+%\): ` + regexp.QuoteMeta(v) + `$`).Match(out) {
+			t.Errorf("no CPU samples labelled variant=%q in %s:\n%s", v, path, out)
+		}
 	}
 }
 

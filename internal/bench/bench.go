@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"strconv"
@@ -86,6 +87,12 @@ type Config struct {
 	MemoryRecords int
 	// Log receives one progress line per step. Defaults to io.Discard.
 	Log io.Writer
+	// CPUProfileDir, with Isolate, gets a CPU profile of every target's server
+	// process, DIR/TARGET.pprof, in which every request of a store's server runs
+	// under the pprof label variant=NAME (baseline, first, replay, …), so that
+	// go tool pprof -tagfocus variant=first shows one variant's CPU alone.
+	// Requests of all the concurrencies of the run share one profile.
+	CPUProfileDir string
 
 	serverCPU, loaderCPU int      // -1: not pinned
 	serverEnv            []string // added to the server processes' environment
@@ -279,6 +286,10 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		var t *target
 		var err error
 		switch {
+		case cfg.Isolate && cfg.CPUProfileDir != "":
+			pcfg := cfg
+			pcfg.serverEnv = append(slices.Clone(cfg.serverEnv), CPUProfileEnv+"="+filepath.Join(cfg.CPUProfileDir, name+".pprof"))
+			t, _, err = startChild(ctx, name, &pcfg, suffix)
 		case cfg.Isolate:
 			t, _, err = startChild(ctx, name, &cfg, suffix)
 		case name == "fiber":

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"runtime/pprof"
 	"time"
 
 	"github.com/go-sql-driver/mysql"
@@ -141,7 +142,11 @@ func serveIdem(t *target, store idem.Store, singleTx bool) error {
 	if err != nil {
 		return err
 	}
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	var handler http.Handler = mux
+	if os.Getenv(CPUProfileEnv) != "" {
+		handler = profileLabels(mux, t.variants)
+	}
+	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second}
 	go func() { _ = srv.Serve(ln) }()
 	t.url = "http://" + ln.Addr().String()
 	t.replayHeader = true
@@ -377,4 +382,42 @@ func setupTarget(ctx context.Context, name string, cfg *Config, suffix string) (
 func isUnavailable(err error) bool {
 	var u errUnavailable
 	return errors.As(err, &u)
+}
+
+// profileLabels runs every request of h under the pprof label variant=NAME,
+// the variant its path and its key's tag (keyGen) say it belongs to ("other"
+// for the bookkeeping requests), so that one CPU profile of a server serving
+// every variant splits by variant: go tool pprof -tagfocus variant=first. Only
+// for profiled runs (CPUProfileEnv): the labels are made once, not per request,
+// but the lookup is work the measured server does not otherwise do.
+func profileLabels(h http.Handler, variants []variant) http.Handler {
+	type route struct{ path, tag string }
+	names := make(map[route]context.Context, len(variants))
+	for _, v := range variants {
+		tag := ""
+		switch v.keys {
+		case keysFresh:
+			tag = fmt.Sprintf("%04x", tagFresh)
+		case keysPool:
+			tag = fmt.Sprintf("%04x", tagPool)
+		case keysHot:
+			tag = fmt.Sprintf("%04x", tagHot)
+		}
+		names[route{v.path, tag}] = pprof.WithLabels(context.Background(), pprof.Labels("variant", v.name))
+	}
+	other := pprof.WithLabels(context.Background(), pprof.Labels("variant", "other"))
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tag := ""
+		if k := r.Header.Get("Idempotency-Key"); len(k) >= 13 {
+			tag = k[9:13] // keyGen.key: 8 hex digits, '-', the tag
+		}
+		labels, ok := names[route{r.URL.Path, tag}]
+		if !ok {
+			labels = other
+		}
+		// Not reset afterwards: net/http flushes the answer after ServeHTTP
+		// returns, on this goroutine, and that write belongs to this variant too.
+		pprof.SetGoroutineLabels(labels)
+		h.ServeHTTP(w, r)
+	})
 }
