@@ -65,6 +65,13 @@ type Config struct {
 	// GrowthConns is how many connections bulk-load the growth table in
 	// parallel. Defaults to 2.
 	GrowthConns int
+	// GrowthChunk is how many records the growth loader sends per COPY (one
+	// transaction), sorted by key. Defaults to 1 000 000. Each chunk walks the
+	// primary key's leaves once: past some 20 M records, larger chunks (5–10 M)
+	// visit each leaf, and write its full-page image after a checkpoint, less
+	// often per record; the loader holds a chunk's keys in memory (24 bytes
+	// each, per connection).
+	GrowthChunk int
 	// GrowthBudget, when positive, bounds the growth run's time: a size whose
 	// load, projected at the last step's rate, would not end within the budget
 	// is not loaded, and the report says why.
@@ -137,6 +144,9 @@ func (c *Config) defaults() {
 	}
 	if c.GrowthConns <= 0 {
 		c.GrowthConns = 2
+	}
+	if c.GrowthChunk <= 0 {
+		c.GrowthChunk = 1_000_000
 	}
 	if c.Log == nil {
 		c.Log = io.Discard

@@ -76,7 +76,7 @@
 // each size, alternating every claim with one on a reference table that keeps the
 // smallest size, so that both are timed in the same window. The loader sends
 // records generated in Go (UUID keys spread over the key space, as in
-// production) with COPY, 1 000 000 records per transaction sorted by key (each
+// production) with COPY, GrowthChunk records (default 1 000 000) per transaction sorted by key (each
 // chunk walks the primary key's leaves once instead of missing shared_buffers
 // on every record; the leaves split where the keys fall, as with random
 // inserts), on GrowthConns connections (default 2) whose sessions

@@ -378,7 +378,7 @@ func runGrowth(ctx context.Context, cfg *Config, suffix string) (*GrowthReport, 
 		largest = max(largest, s)
 	}
 	backlog := min(cfg.JanitorBacklog, largest)
-	l := &growthLoader{pool: pool, conns: cfg.GrowthConns, chunk: 1_000_000, expired: max(backlog, 0), start: runStart}
+	l := &growthLoader{pool: pool, conns: cfg.GrowthConns, chunk: cfg.GrowthChunk, expired: max(backlog, 0), start: runStart}
 	var autovacuum string
 	if err := pool.QueryRow(ctx, "SHOW autovacuum").Scan(&autovacuum); err != nil {
 		return g, err

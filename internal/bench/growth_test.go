@@ -21,7 +21,8 @@ func TestGrowthSmall(t *testing.T) {
 	statsWait = 0 // not parallel: the only test that sets it
 	t.Cleanup(func() { statsWait = 11 * time.Second })
 	suffix := fmt.Sprintf("t%d", time.Now().UnixNano())
-	cfg := Config{Stores: []string{}, Growth: true, GrowthSizes: []int{2000, 6000}, GrowthClaims: 20, JanitorBacklog: 3000, PostgresURL: url}
+	cfg := Config{Stores: []string{}, Growth: true, GrowthSizes: []int{2000, 6000}, GrowthClaims: 20, JanitorBacklog: 3000, PostgresURL: url,
+		GrowthChunk: 1500} // several chunks per step, the last one short
 	cfg.defaults()
 	ctx := context.Background()
 	g, err := runGrowth(ctx, &cfg, suffix)
