@@ -97,8 +97,9 @@ type Config struct {
 	// CPUProfileDir, with Isolate, gets a CPU profile of every target's server
 	// process, DIR/TARGET.pprof, in which every request of a store's server runs
 	// under the pprof label variant=NAME (baseline, first, replay, …), so that
-	// go tool pprof -tagfocus variant=first shows one variant's CPU alone.
-	// Requests of all the concurrencies of the run share one profile.
+	// go tool pprof -tagfocus 'variant=^first$' shows one variant's CPU alone
+	// (Fiber's server, a fasthttp one, is profiled without labels). Requests of
+	// all the concurrencies of the run share one profile.
 	CPUProfileDir string
 
 	serverCPU, loaderCPU int      // -1: not pinned

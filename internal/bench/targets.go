@@ -387,7 +387,7 @@ func isUnavailable(err error) bool {
 // profileLabels runs every request of h under the pprof label variant=NAME,
 // the variant its path and its key's tag (keyGen) say it belongs to ("other"
 // for the bookkeeping requests), so that one CPU profile of a server serving
-// every variant splits by variant: go tool pprof -tagfocus variant=first. Only
+// every variant splits by variant: go tool pprof -tagfocus 'variant=^first$'. Only
 // for profiled runs (CPUProfileEnv): the labels are made once, not per request,
 // but the lookup is work the measured server does not otherwise do.
 func profileLabels(h http.Handler, variants []variant) http.Handler {
