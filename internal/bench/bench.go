@@ -297,12 +297,12 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		var t *target
 		var err error
 		switch {
-		case cfg.Isolate && cfg.CPUProfileDir != "":
-			pcfg := cfg
-			pcfg.serverEnv = append(slices.Clone(cfg.serverEnv), CPUProfileEnv+"="+filepath.Join(cfg.CPUProfileDir, name+".pprof"))
-			t, _, err = startChild(ctx, name, &pcfg, suffix)
 		case cfg.Isolate:
-			t, _, err = startChild(ctx, name, &cfg, suffix)
+			scfg := cfg
+			if cfg.CPUProfileDir != "" {
+				scfg.serverEnv = append(slices.Clone(cfg.serverEnv), CPUProfileEnv+"="+filepath.Join(cfg.CPUProfileDir, name+".pprof"))
+			}
+			t, _, err = startChild(ctx, name, &scfg, suffix)
 		case name == "fiber":
 			t, err = setupFiber()
 		default:
@@ -573,6 +573,15 @@ type keyGen struct {
 func (g *keyGen) key(tag uint16, n int64) string {
 	h := splitmix64(uint64(n) ^ uint64(tag)<<48)
 	return fmt.Sprintf("%08x-%04x-%s-%s-%012x", uint32(h>>32), tag, g.runID[:4], g.runID[4:8], n)
+}
+
+// keyTag returns the tag of a key that key made, and false for any other key.
+func keyTag(k string) (uint16, bool) {
+	if len(k) < 14 || k[8] != '-' || k[13] != '-' {
+		return 0, false
+	}
+	t, err := strconv.ParseUint(k[9:13], 16, 16)
+	return uint16(t), err == nil
 }
 
 // splitmix64 is a bijective mix of x (Steele, Lea and Flood's SplitMix64 finalizer).

@@ -65,6 +65,16 @@ func TestKeys(t *testing.T) {
 	if pk(0) != "a" || pk(4) != "b" || pd(10) != 3 {
 		t.Error("pool keys must cycle through the pool")
 	}
+	for _, tag := range []uint16{tagPool, tagFresh, tagHot} {
+		if got, ok := keyTag(g.key(tag, 7)); !ok || got != tag {
+			t.Errorf("keyTag(key(%#x, 7)) = %#x, %v; want the tag back", tag, got, ok)
+		}
+	}
+	for _, k := range []string{"", "a", "0123abcd-zzzz-0123-abcd-000000000001", "client-chosen-key"} {
+		if _, ok := keyTag(k); ok {
+			t.Errorf("keyTag(%q) found a tag in a key keyGen did not make", k)
+		}
+	}
 }
 
 // TestCheckCatchesDoubleExecution runs the replay and hot-key cases against a

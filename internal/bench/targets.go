@@ -391,26 +391,26 @@ func isUnavailable(err error) bool {
 // for profiled runs (CPUProfileEnv): the labels are made once, not per request,
 // but the lookup is work the measured server does not otherwise do.
 func profileLabels(h http.Handler, variants []variant) http.Handler {
-	type route struct{ path, tag string }
+	type route struct {
+		path string
+		tag  uint16 // keyGen's tag; 0 for a request without a key
+	}
 	names := make(map[route]context.Context, len(variants))
 	for _, v := range variants {
-		tag := ""
+		var tag uint16
 		switch v.keys {
 		case keysFresh:
-			tag = fmt.Sprintf("%04x", tagFresh)
+			tag = tagFresh
 		case keysPool:
-			tag = fmt.Sprintf("%04x", tagPool)
+			tag = tagPool
 		case keysHot:
-			tag = fmt.Sprintf("%04x", tagHot)
+			tag = tagHot
 		}
 		names[route{v.path, tag}] = pprof.WithLabels(context.Background(), pprof.Labels("variant", v.name))
 	}
 	other := pprof.WithLabels(context.Background(), pprof.Labels("variant", "other"))
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		tag := ""
-		if k := r.Header.Get("Idempotency-Key"); len(k) >= 13 {
-			tag = k[9:13] // keyGen.key: 8 hex digits, '-', the tag
-		}
+		tag, _ := keyTag(r.Header.Get("Idempotency-Key"))
 		labels, ok := names[route{r.URL.Path, tag}]
 		if !ok {
 			labels = other
